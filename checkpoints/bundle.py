@@ -1,0 +1,85 @@
+"""A loaded model: config, parameter tree and tokenizer; and the HF-name -> tree mapping."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import numpy as np
+
+from nanojax.config import ModelConfig
+from nanojax.errors import CheckpointError
+from nanojax.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class ModelBundle:
+    config: ModelConfig
+    params: dict            # {"params": {...}} as LlamaForCausalLM expects
+    tokenizer: Tokenizer | None
+
+
+# Our tree path -> HF tensor name. Torch Linear weights are [out, in]; we store [in, out].
+def hf_tensor_names(cfg: ModelConfig) -> dict[tuple, tuple[str, bool]]:
+    """Maps each parameter path to (HF name, transpose?)."""
+    names: dict[tuple, tuple[str, bool]] = {
+        ("embed", "embedding"): ("model.embed_tokens.weight", False),
+        ("norm", "scale"): ("model.norm.weight", False),
+    }
+    if not cfg.tie_word_embeddings:
+        names[("lm_head", "kernel")] = ("lm_head.weight", True)
+    for i in range(cfg.num_layers):
+        p, h = f"layers_{i}", f"model.layers.{i}."
+        names[(p, "input_norm", "scale")] = (h + "input_layernorm.weight", False)
+        names[(p, "post_attention_norm", "scale")] = (h + "post_attention_layernorm.weight", False)
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            names[(p, proj, "kernel")] = (h + f"self_attn.{proj}.weight", True)
+        if cfg.attention_bias:
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                names[(p, proj, "bias")] = (h + f"self_attn.{proj}.bias", False)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names[(p, proj, "kernel")] = (h + f"mlp.{proj}.weight", True)
+    return names
+
+
+def assemble_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], progress=None) -> dict:
+    """Builds the parameter tree from HF-named tensors, checking every shape."""
+    from nanojax.models import param_shapes
+
+    expected = param_shapes(cfg)["params"]
+    dtype = np.dtype(jax.numpy.dtype(cfg.dtype))
+    tree: dict = {}
+    for path, (name, transpose) in hf_tensor_names(cfg).items():
+        arr = np.asarray(get(name))
+        if transpose:
+            arr = arr.T
+        want = expected
+        for key in path:
+            want = want[key]
+        if tuple(arr.shape) != tuple(want.shape):
+            raise CheckpointError(f"tensor {name} has shape {tuple(arr.shape)} but the config "
+                                  f"needs {tuple(want.shape)} for {'/'.join(path)}")
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = np.ascontiguousarray(arr.astype(dtype))
+        if progress is not None:
+            progress.update(1)
+    return {"params": tree}
+
+
+def check_tree(cfg: ModelConfig, params: dict) -> None:
+    """Raises CheckpointError unless params has exactly the config's shapes."""
+    from nanojax.models import param_shapes
+    want = jax.tree_util.tree_flatten_with_path(param_shapes(cfg))[0]
+    got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    for path, spec in want:
+        key = jax.tree_util.keystr(path)
+        if path not in got:
+            raise CheckpointError(f"checkpoint lacks parameter {key}")
+        if tuple(got[path].shape) != tuple(spec.shape):
+            raise CheckpointError(f"parameter {key} has shape {tuple(got[path].shape)}, "
+                                  f"config needs {tuple(spec.shape)}")
+    if len(got) != len(want):
+        raise CheckpointError(f"checkpoint has {len(got) - len(want)} parameters the config "
+                              "does not describe")

@@ -1,0 +1,212 @@
+"""GGUF import: config from metadata, dequantized weights, the BPE tokenizer.
+
+llama.cpp stores LLaMA's q and k projection rows permuted for its interleaved RoPE; we undo
+that so the weights match the HF layout (rotate-half RoPE). Qwen2 files are not permuted.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+from tqdm.auto import tqdm
+
+from checkpoints.bundle import ModelBundle, assemble_params, hf_tensor_names
+from nanojax.config import ModelConfig
+from nanojax.errors import CheckpointError, ConfigError, UnsupportedError
+from nanojax.tokenizer import Tokenizer
+
+SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+PERMUTED_ARCHS = ("llama",)
+SUPPORTED_ARCHS = ("llama", "qwen2")
+
+_GGUF_TO_HF = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_TO_HF = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+# Pre-tokenizer split patterns by llama.cpp's `tokenizer.ggml.pre` name.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+               "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT,
+               "deepseek-r1-qwen": _QWEN2_SPLIT}
+
+
+def _open(path: Path):
+    import gguf
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise CheckpointError(f"{path} is not a GGUF file (bad magic)")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # truncated files fail inside numpy memmap / struct parsing
+        raise CheckpointError(f"truncated or corrupt GGUF file {path}: {e}") from None
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def config_from_gguf(reader, dtype: str = "bfloat16") -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise UnsupportedError(f"GGUF architecture {arch!r} is not supported "
+                               f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+
+    def need(key):
+        v = _field(reader, f"{arch}.{key}")
+        if v is None:
+            raise ConfigError(f"GGUF metadata lacks {arch}.{key}")
+        return v
+
+    heads = int(need("attention.head_count"))
+    hidden = int(need("embedding_length"))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens else None)
+    if vocab is None:
+        raise ConfigError("GGUF metadata gives no vocabulary size")
+    tensor_names = {t.name for t in reader.tensors}
+    scaling = None
+    if "rope_freqs.weight" in tensor_names:
+        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        scaling = {"freq_factors": [float(x) for x in np.asarray(t.data, np.float64)]}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        vocab_size=int(vocab), hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")), num_heads=heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        dtype=dtype, architecture=arch,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else ())
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GGUF_TO_HF:
+        return _GGUF_TO_HF[gguf_name]
+    if gguf_name.startswith("blk."):
+        _, idx, rest = gguf_name.split(".", 2)
+        if rest in _BLOCK_TO_HF:
+            return f"model.layers.{idx}.{_BLOCK_TO_HF[rest]}"
+    return None
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's q/k row permutation (interleaved -> rotate-half pairs)."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def dequantize_tensor(t) -> np.ndarray:
+    import gguf
+    qname = t.tensor_type.name
+    if qname not in SUPPORTED_QUANTS:
+        raise UnsupportedError(f"tensor {t.name} uses quantization {qname}, which nanojax does "
+                               f"not import (supported: {', '.join(SUPPORTED_QUANTS)})")
+    try:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+    except Exception as e:
+        raise CheckpointError(f"cannot dequantize tensor {t.name} ({qname}): {e}") from None
+    return np.asarray(arr, dtype=np.float32)
+
+
+def load_gguf(path: Path, dtype: str = "bfloat16", with_tokenizer: bool = True,
+              progress: bool = True) -> ModelBundle:
+    reader = _open(path)
+    cfg = config_from_gguf(reader, dtype)
+    by_hf = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is not None:
+            by_hf[name] = t
+    permute = cfg.architecture in PERMUTED_ARCHS
+
+    def get(name: str) -> np.ndarray:
+        if name not in by_hf:
+            raise CheckpointError(f"GGUF file {path} lacks the tensor for {name}")
+        t = by_hf[name]
+        arr = dequantize_tensor(t)
+        if permute and ".q_proj.weight" in name:
+            arr = _unpermute(arr, cfg.num_heads)
+        elif permute and ".k_proj.weight" in name:
+            arr = _unpermute(arr, cfg.num_kv_heads)
+        return arr
+
+    n = len(hf_tensor_names(cfg))
+    with tqdm(total=n, desc="dequantizing GGUF", unit="tensor", disable=not progress) as bar:
+        params = assemble_params(cfg, get, bar)
+    tok = tokenizer_from_gguf(reader) if with_tokenizer else None
+    return ModelBundle(cfg, params, tok)
+
+
+def tokenizer_from_gguf(reader) -> Tokenizer:
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise UnsupportedError(f"GGUF tokenizer model {kind!r} is not supported "
+                               "(only byte-level BPE, 'gpt2')")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    merges = _field(reader, "tokenizer.ggml.merges")
+    if not tokens or merges is None:
+        raise CheckpointError("GGUF tokenizer metadata lacks tokens or merges")
+    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                     fuse_unk=False)
+    backend = HFTokenizer(bpe)
+    pre = _field(reader, "tokenizer.ggml.pre")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _PRE_SPLITS)
+    if pre in _PRE_SPLITS:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"), byte_level])
+    else:
+        backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+    # CONTROL (3) tokens are special; USER_DEFINED (4) are matched whole but not special.
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == 3])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types) if ty == 4])
+
+    def token(key):
+        i = _field(reader, f"tokenizer.ggml.{key}")
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    eos_ids = [int(x) for x in (eos, eot) if x is not None]
+    config = {
+        "bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
+        "pad_token": token("padding_token_id"), "unk_token": token("unknown_token_id"),
+        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        "chat_template": _field(reader, "tokenizer.chat_template"),
+        "eos_token_ids": sorted(set(eos_ids)),
+    }
+    return Tokenizer(backend, config)

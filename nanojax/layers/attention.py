@@ -1,0 +1,115 @@
+"""The attention interface between a decoder layer and whatever stores the KV cache.
+
+A layer hands its backend the unrotated q, k, v of the packed tokens; the backend applies
+RoPE, stores k and v, and returns the attention output and the new cache of that layer.
+This is where the GPU Pallas kernels (fused RoPE + append, paged decode attention,
+chunked-prefill attention) plug in; the pure-JAX backends below are the references.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nanojax.layers.rotary import apply_rope
+
+NEG_INF = -1e30
+
+
+class AttentionBackend(Protocol):
+    def __call__(self, q, k, v, kv_layer, meta, inv_freq: np.ndarray):
+        """q: [T, H, D], k/v: [T, KVH, D] -> (out [T, H, D], new kv_layer)."""
+
+
+def _softmax_attend(q, keys, values, mask):
+    """q [T, H, D]; keys/values [T, L, KVH, D] (per-token key set); mask [T, L]."""
+    t, h, d = q.shape
+    kvh = keys.shape[2]
+    qg = q.reshape(t, kvh, h // kvh, d).astype(jnp.float32) * (d ** -0.5)
+    scores = jnp.einsum("tkgd,tlkd->tkgl", qg, keys.astype(jnp.float32))
+    scores = jnp.where(mask[:, None, None, :], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("tkgl,tlkd->tkgd", probs, values.astype(jnp.float32))
+    return out.reshape(t, h, d).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# Contiguous cache, one sequence: the plain reference path (no paging).
+# ---------------------------------------------------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ContiguousMetadata:
+    positions: jax.Array  # [T] absolute positions of the tokens (also their cache slots)
+
+
+def init_contiguous_cache(cfg, max_len: int, dtype):
+    shape = (max_len, cfg.num_kv_heads, cfg.head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+
+
+def contiguous_attention(q, k, v, kv_layer, meta: ContiguousMetadata, inv_freq):
+    q = apply_rope(q, meta.positions, inv_freq)
+    k = apply_rope(k, meta.positions, inv_freq)
+    k_cache, v_cache = kv_layer
+    k_cache = k_cache.at[meta.positions].set(k.astype(k_cache.dtype))
+    v_cache = v_cache.at[meta.positions].set(v.astype(v_cache.dtype))
+    max_len = k_cache.shape[0]
+    mask = jnp.arange(max_len)[None, :] <= meta.positions[:, None]
+    t = q.shape[0]
+    keys = jnp.broadcast_to(k_cache[None], (t,) + k_cache.shape)
+    values = jnp.broadcast_to(v_cache[None], (t,) + v_cache.shape)
+    return _softmax_attend(q, keys, values, mask), (k_cache, v_cache)
+
+
+# ---------------------------------------------------------------------------------------
+# Paged cache: pages are [num_pages, KVH, page_size, D] (head-major within a page).
+# ---------------------------------------------------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedMetadata:
+    """Describes one packed batch: decode tokens first, then prefill chunks, then padding."""
+
+    positions: jax.Array     # [T] int32 position of each token in its sequence
+    slot_mapping: jax.Array  # [T] int32 page * page_size + offset; -1 for padding
+    seq_ids: jax.Array       # [T] int32 row of page_table the token belongs to
+    page_table: jax.Array    # [S, P] int32 pages of each sequence of the batch
+    context_lens: jax.Array  # [S] int32 tokens in the cache once this step is written
+    num_decodes: jax.Array   # [] int32 tokens [0, num_decodes) are single-token decodes
+
+
+def write_kv_pages(k_pages, v_pages, k, v, slot_mapping):
+    """Scatter k, v [T, KVH, D] into their pages; slots < 0 are dropped."""
+    num_pages, _, page_size, _ = k_pages.shape
+    page = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_pages)  # OOB -> drop
+    off = slot_mapping % page_size
+    k_pages = k_pages.at[page, :, off].set(k.astype(k_pages.dtype), mode="drop")
+    v_pages = v_pages.at[page, :, off].set(v.astype(v_pages.dtype), mode="drop")
+    return k_pages, v_pages
+
+
+def gather_sequence_kv(pages, page_table_rows):
+    """pages [N, KVH, ps, D], rows [T, P] -> [T, P * ps, KVH, D] in position order."""
+    g = pages[page_table_rows]  # [T, P, KVH, ps, D]
+    t, p, kvh, ps, d = g.shape
+    return g.transpose(0, 1, 3, 2, 4).reshape(t, p * ps, kvh, d)
+
+
+def paged_attention_reference(q, k_pages, v_pages, meta: PagedMetadata):
+    """Each token attends to its own sequence's cached keys up to its position (causal)."""
+    rows = meta.page_table[meta.seq_ids]
+    keys = gather_sequence_kv(k_pages, rows)
+    values = gather_sequence_kv(v_pages, rows)
+    key_pos = jnp.arange(keys.shape[1])
+    mask = key_pos[None, :] <= meta.positions[:, None]
+    return _softmax_attend(q, keys, values, mask)
+
+
+def paged_attention(q, k, v, kv_layer, meta: PagedMetadata, inv_freq):
+    """Pure-JAX paged backend: RoPE, append to pages, attend. Used on the CPU."""
+    q = apply_rope(q, meta.positions, inv_freq)
+    k = apply_rope(k, meta.positions, inv_freq)
+    k_pages, v_pages = write_kv_pages(*kv_layer, k, v, meta.slot_mapping)
+    return paged_attention_reference(q, k_pages, v_pages, meta), (k_pages, v_pages)

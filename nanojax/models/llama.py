@@ -1,0 +1,148 @@
+"""LLaMA-family decoder in Flax (LLaMA 2/3, SmolLM2, Qwen2).
+
+Tokens are packed flat ([T], no batch axis), as a serving engine feeds them. A layer is
+split into the ops NanoFlow schedules separately (qkv projection, attention, output
+projection, MLP), each a method, so an executor can run them on nano-batches. Weights are
+stored [in, out], so q/k/v/gate/up shard by columns and o/down by rows under tensor
+parallelism.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+import numpy as np
+
+from nanojax.config import ModelConfig
+from nanojax.layers.rotary import inverse_frequencies
+
+
+def _dtype(cfg: ModelConfig):
+    return jnp.dtype(cfg.dtype)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return scale * y.astype(self.dtype)
+
+
+class Linear(nn.Module):
+    features: int
+    dtype: jnp.dtype
+    use_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", nn.initializers.normal(0.02),
+                            (x.shape[-1], self.features), self.dtype)
+        y = jnp.dot(x.astype(self.dtype), kernel, preferred_element_type=jnp.float32)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y.astype(self.dtype)
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+
+    def setup(self):
+        c, dt = self.cfg, _dtype(self.cfg)
+        self.input_norm = RMSNorm(c.rms_norm_eps, dt)
+        self.q_proj = Linear(c.q_size, dt, c.attention_bias)
+        self.k_proj = Linear(c.kv_size, dt, c.attention_bias)
+        self.v_proj = Linear(c.kv_size, dt, c.attention_bias)
+        self.o_proj = Linear(c.hidden_size, dt)
+        self.post_attention_norm = RMSNorm(c.rms_norm_eps, dt)
+        self.gate_proj = Linear(c.intermediate_size, dt)
+        self.up_proj = Linear(c.intermediate_size, dt)
+        self.down_proj = Linear(c.hidden_size, dt)
+
+    def qkv(self, x):
+        """[T, hidden] -> q [T, H, D], k, v [T, KVH, D] (unrotated)."""
+        c = self.cfg
+        h = self.input_norm(x)
+        t = x.shape[0]
+        return (self.q_proj(h).reshape(t, c.num_heads, c.head_dim),
+                self.k_proj(h).reshape(t, c.num_kv_heads, c.head_dim),
+                self.v_proj(h).reshape(t, c.num_kv_heads, c.head_dim))
+
+    def attn_out(self, attn, residual):
+        return residual + self.o_proj(attn.reshape(attn.shape[0], -1))
+
+    def mlp(self, x):
+        h = self.post_attention_norm(x)
+        return x + self.down_proj(nn.silu(self.gate_proj(h)) * self.up_proj(h))
+
+    def __call__(self, x, kv_layer, meta, attention, inv_freq):
+        q, k, v = self.qkv(x)
+        o, kv_layer = attention(q, k, v, kv_layer, meta, inv_freq)
+        return self.mlp(self.attn_out(o, x)), kv_layer
+
+
+class LlamaForCausalLM(nn.Module):
+    cfg: ModelConfig
+
+    def setup(self):
+        c, dt = self.cfg, _dtype(self.cfg)
+        self.embed = nn.Embed(c.vocab_size, c.hidden_size, param_dtype=dt, dtype=dt,
+                              embedding_init=nn.initializers.normal(0.02))
+        self.layers = [DecoderLayer(c) for _ in range(c.num_layers)]
+        self.norm = RMSNorm(c.rms_norm_eps, dt)
+        if not c.tie_word_embeddings:
+            self.lm_head = Linear(c.vocab_size, dt)
+
+    @property
+    def inv_freq(self) -> np.ndarray:
+        return inverse_frequencies(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
+
+    def embed_tokens(self, tokens):
+        return self.embed(tokens)
+
+    def logits(self, x):
+        """Final norm and LM head; logits are f32."""
+        x = self.norm(x)
+        if self.cfg.tie_word_embeddings:
+            w = self.embed.embedding
+            return jnp.dot(x, w.T, preferred_element_type=jnp.float32)
+        return self.lm_head(x).astype(jnp.float32)
+
+    def __call__(self, tokens, kv_caches, meta, attention, logit_indices=None):
+        """tokens [T] -> (logits [T or len(logit_indices), V] f32, new kv_caches)."""
+        x = self.embed_tokens(tokens)
+        inv_freq = self.inv_freq
+        new_caches = []
+        for layer, kv in zip(self.layers, kv_caches):
+            x, kv = layer(x, kv, meta, attention, inv_freq)
+            new_caches.append(kv)
+        if logit_indices is not None:
+            x = x[logit_indices]
+        return self.logits(x), new_caches
+
+
+def _dummy_call(cfg: ModelConfig):
+    """Arguments for tracing init: one token, a one-slot contiguous cache."""
+    from nanojax.layers.attention import ContiguousMetadata, contiguous_attention
+    dt = _dtype(cfg)
+    kv = [(jnp.zeros((1, cfg.num_kv_heads, cfg.head_dim), dt),) * 2
+          for _ in range(cfg.num_layers)]
+    meta = ContiguousMetadata(positions=jnp.zeros((1,), jnp.int32))
+    return jnp.zeros((1,), jnp.int32), kv, meta, contiguous_attention
+
+
+def param_shapes(cfg: ModelConfig):
+    """The parameter tree as ShapeDtypeStructs, without allocating anything."""
+    model = LlamaForCausalLM(cfg)
+    return jax.eval_shape(lambda r: model.init(r, *_dummy_call(cfg)), jax.random.PRNGKey(0))
+
+
+def init_params(cfg: ModelConfig, seed: int = 0):
+    """Random weights (normal, std 0.02; norms at 1) for shape-only runs, made on device."""
+    model = LlamaForCausalLM(cfg)
+    init = jax.jit(lambda r: model.init(r, *_dummy_call(cfg)))
+    return init(jax.random.PRNGKey(seed))

@@ -1,0 +1,125 @@
+"""Tokenizer: a `tokenizers` BPE model plus the chat template and special tokens."""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+
+from nanojax.errors import CheckpointError, NanojaxError
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+class ChatTemplateError(NanojaxError):
+    pass
+
+
+class Tokenizer:
+    def __init__(self, backend: HFTokenizer, config: dict):
+        self.backend = backend
+        self.config = dict(config)
+        self.chat_template: str | None = config.get("chat_template")
+        self.bos_token: str | None = config.get("bos_token")
+        self.eos_token: str | None = config.get("eos_token")
+        self.add_bos_token: bool = bool(config.get("add_bos_token", False))
+        self.bos_token_id = self._id(self.bos_token)
+        eos = list(config.get("eos_token_ids") or [])
+        if not eos and self._id(self.eos_token) is not None:
+            eos = [self._id(self.eos_token)]
+        self.eos_token_ids: tuple[int, ...] = tuple(eos)
+        self._template = None
+
+    def _id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    # ---- files -------------------------------------------------------------------------
+    def save(self, directory: Path) -> None:
+        directory = Path(directory)
+        self.backend.save(str(directory / TOKENIZER_FILE))
+        (directory / TOKENIZER_CONFIG_FILE).write_text(json.dumps(self.config, indent=2))
+
+    @classmethod
+    def load(cls, directory: Path) -> "Tokenizer":
+        directory = Path(directory)
+        path = directory / TOKENIZER_FILE
+        if not path.is_file():
+            raise CheckpointError(f"missing tokenizer file: {path}")
+        try:
+            backend = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+            raise CheckpointError(f"corrupt tokenizer file {path}: {e}") from None
+        cfg_path = directory / TOKENIZER_CONFIG_FILE
+        config = {}
+        if cfg_path.is_file():
+            try:
+                config = json.loads(cfg_path.read_text())
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"corrupt tokenizer config {cfg_path}: {e}") from None
+        # HF stores special tokens either as strings or as {"content": ...} dicts.
+        for key in ("bos_token", "eos_token"):
+            if isinstance(config.get(key), dict):
+                config[key] = config[key].get("content")
+        return cls(backend, config)
+
+    # ---- text <-> ids ------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(int(token_id))
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False):
+        if not self.chat_template:
+            raise ChatTemplateError("this model's tokenizer has no chat template")
+        if self._template is None:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True,
+                                                               lstrip_blocks=True)
+
+            def raise_exception(message):
+                raise ChatTemplateError(message)
+
+            env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(self.chat_template)
+        try:
+            text = self._template.render(messages=messages,
+                                         add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "",
+                                         eos_token=self.eos_token or "")
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template failed: {e}") from None
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_tail: list[int] | None = None):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        full = self.tokenizer.decode(self.ids)
+        if full.endswith("\ufffd"):  # a multi-byte character is not finished yet
+            return ""
+        delta = full[len(self.text):] if full.startswith(self.text) else full
+        self.text = full
+        return delta
