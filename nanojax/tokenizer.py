@@ -108,18 +108,24 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8."""
+    """Turns a growing list of token ids into text deltas, decoding only a short window and
+    holding back an unfinished multi-byte character."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_tail: list[int] | None = None):
+    def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
         self.text = ""
 
-    def push(self, new_ids: list[int]) -> str:
-        self.ids.extend(new_ids)
-        full = self.tokenizer.decode(self.ids)
-        if full.endswith("\ufffd"):  # a multi-byte character is not finished yet
+    def push(self, new_ids) -> str:
+        self.ids.extend(int(i) for i in new_ids)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset])
+        full = decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
-        delta = full[len(self.text):] if full.startswith(self.text) else full
-        self.text = full
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
         return delta

@@ -1,0 +1,3 @@
+from nanojax.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,38 @@
+"""Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+from tqdm.auto import tqdm
+
+from nanojax.engine.llm_engine import EngineConfig, LLMEngine
+from nanojax.engine.outputs import RequestOutput
+from nanojax.engine.sampling import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m", dtype: str | None = None,
+                 cache_dir=None, forward=None, **engine_kw):
+        from checkpoints.loader import load_model
+        bundle = load_model(model, dtype=dtype, cache_dir=cache_dir)
+        self.engine = LLMEngine(bundle, EngineConfig(**engine_kw), forward=forward)
+        self.tokenizer = bundle.tokenizer
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, or a list of token-id lists. Returns one
+        output per prompt, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        with tqdm(total=len(ids), desc="generating", unit="req",
+                  disable=not use_tqdm or len(ids) < 2) as bar:
+            done = self.engine.run_to_completion(bar)
+        outs = []
+        for rid, prompt in zip(ids, prompts):
+            out = done[rid]
+            out.prompt = prompt if isinstance(prompt, str) else None
+            outs.append(out)
+        return outs

@@ -1,0 +1,252 @@
+"""The engine loop: schedule, launch, read the previous step's tokens, retire requests.
+
+With async scheduling (the default), iteration i+1 is formed and launched before the host
+reads iteration i's sampled tokens: decode inputs that are still on the device are taken
+from the previous step's output there. A request that finished in iteration i is retired
+when i is read, one iteration late; its token from i+1 is discarded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+import numpy as np
+
+from checkpoints.bundle import ModelBundle
+from nanojax.engine.kv_cache import PageAllocator, size_cache
+from nanojax.engine.outputs import CompletionOutput, RequestOutput
+from nanojax.engine.runner import ModelRunner
+from nanojax.engine.sampling import SamplingParams
+from nanojax.engine.scheduler import ScheduledBatch, Scheduler
+from nanojax.engine.sequence import Sequence, Status
+from nanojax.errors import NanojaxError
+from nanojax.tokenizer import IncrementalDetokenizer
+
+
+class RequestError(NanojaxError, ValueError):
+    """A request the engine cannot take (too long, empty, duplicate id)."""
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    page_size: int = 16
+    num_pages: int | None = None      # None: size from free device memory
+    b_dense: int = 256                # tokens per iteration
+    max_num_seqs: int | None = None   # None: derived from KV capacity
+    max_model_len: int = 2048
+    async_scheduling: bool = True
+    constant_batch: bool = False      # pad every iteration to B_dense (NanoFlow, GPU)
+    memory_utilization: float = 0.9
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class EngineStats:
+    prompt_tokens: int = 0        # prompt tokens run through the model (incl. recompute)
+    generation_tokens: int = 0    # tokens sampled and kept
+    steps: int = 0
+    finished: dict = dataclasses.field(default_factory=dict)  # finish_reason -> count
+
+
+class LLMEngine:
+    def __init__(self, bundle: ModelBundle, config: EngineConfig | None = None,
+                 forward=None):
+        self.bundle = bundle
+        self.model_config = bundle.config
+        self.tokenizer = bundle.tokenizer
+        self.config = cfg = config or EngineConfig()
+        self.max_model_len = min(cfg.max_model_len, self.model_config.max_position_embeddings)
+        free = None
+        if cfg.num_pages is None:
+            from nanojax.engine.kv_cache import free_device_bytes
+            free = free_device_bytes(cfg.memory_utilization)
+            if free is None:  # CPU: enough for a modest batch of full-length requests
+                cfg.num_pages = max(64, 8 * self.max_model_len // cfg.page_size)
+        self.sizing = size_cache(self.model_config, cfg.page_size, self.max_model_len,
+                                 cfg.b_dense, num_pages=cfg.num_pages, memory_bytes=free)
+        max_seqs = cfg.max_num_seqs or self.sizing.max_num_seqs
+        self.allocator = PageAllocator(self.sizing.num_pages)
+        self.scheduler = Scheduler(self.allocator, cfg.page_size, cfg.b_dense, max_seqs,
+                                   self.max_model_len)
+        self.runner = ModelRunner(self.model_config, bundle.params, self.sizing.num_pages,
+                                  cfg.page_size, self.scheduler.max_num_seqs, cfg.b_dense,
+                                  forward=forward, constant_batch=cfg.constant_batch)
+        self.eos_ids = tuple(self.tokenizer.eos_token_ids if self.tokenizer
+                             else self.model_config.eos_token_ids)
+        self.requests: dict[str, Sequence] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._in_flight: tuple[ScheduledBatch, object] | None = None
+        self._aborted: list[Sequence] = []
+        self._seed_rng = np.random.default_rng(cfg.seed)
+        self._ids = itertools.count()
+        self.stats = EngineStats()
+
+    @classmethod
+    def from_model(cls, model: str, dtype: str | None = None, cache_dir=None, **kw):
+        from checkpoints.loader import load_model
+        return cls(load_model(model, dtype=dtype, cache_dir=cache_dir), EngineConfig(**kw))
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer: pass prompt token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        self.check_prompt(ids, params)
+        if params.seed is None:  # a fixed seed per request keeps its samples batch-independent
+            params = dataclasses.replace(params, seed=int(self._seed_rng.integers(2**31)))
+        seq = Sequence(request_id, ids, params, self.eos_ids)
+        self.requests[request_id] = seq
+        if self.tokenizer is not None:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer)
+        self.scheduler.add(seq)
+        return request_id
+
+    def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(f"this model's maximum context length is {self.max_model_len} "
+                               f"tokens, but the prompt has {len(ids)} tokens and max_tokens "
+                               f"is {params.max_tokens}")
+
+    def abort_request(self, request_id: str) -> bool:
+        seq = self.requests.get(request_id)
+        if seq is None or seq.is_finished:
+            return False
+        seq.finish("abort")
+        self.scheduler.remove(seq)
+        self._aborted.append(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return any(not s.is_finished for s in self.requests.values()) or bool(self._aborted)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        a = self.allocator
+        return 1.0 - a.num_free / a.num_pages
+
+    # ---- one iteration -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        prev_rows = {}
+        if self._in_flight is not None:
+            prev_rows = {id(e.seq): r for r, e in enumerate(self._in_flight[0].entries)}
+        batch = self.scheduler.schedule(prev_rows)
+        launched = (batch, self.runner.launch(batch)) if batch else None
+        if launched:
+            self.stats.steps += 1
+            self.stats.prompt_tokens += sum(e.num_tokens
+                                            for e in batch.entries[batch.num_decodes:])
+        results = [self._finish_output(s) for s in self._aborted]
+        self._aborted = []
+        if self.config.async_scheduling:
+            if self._in_flight is not None:
+                results += self._process(*self._in_flight)
+            self._in_flight = launched
+        elif launched:
+            results += self._process(*launched)
+        return results
+
+    def _process(self, batch: ScheduledBatch, out) -> list[RequestOutput]:
+        tokens, chosen, top_ids, top_lp = out.to_host()
+        results = []
+        for row, e in enumerate(batch.entries):
+            seq = e.seq
+            if not e.samples or seq.is_finished:
+                continue
+            seq.pending -= 1
+            tok = int(tokens[row])
+            seq.output_ids.append(tok)
+            self.stats.generation_tokens += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = time.monotonic()
+            if seq.params.logprobs is not None:
+                k = seq.params.logprobs
+                seq.logprobs.append({"token_id": tok, "logprob": float(chosen[row]),
+                                     "top": [(int(i), float(v)) for i, v in
+                                             zip(top_ids[row][:k], top_lp[row][:k])]})
+            self._check_finish(seq, tok)
+            results.append(self._output(seq))
+            if seq.is_finished:
+                self.scheduler.remove(seq)
+                self._retire(seq)
+        return results
+
+    def _check_finish(self, seq: Sequence, tok: int) -> None:
+        p = seq.params
+        detok = self._detok.get(seq.request_id)
+        if detok is not None:
+            detok.push([tok])
+            seq.text = detok.text
+        n = len(seq.output_ids)
+        if n >= p.min_tokens:
+            if tok in p.stop_token_ids:
+                return seq.finish("stop", tok)
+            if tok in seq.eos_ids and not p.ignore_eos:
+                return seq.finish("stop", None)
+            if p.stop and detok is not None:
+                window = max(len(s) for s in p.stop) + 16
+                start = max(0, len(seq.text) - window)
+                hits = [(seq.text.find(s, start), s) for s in p.stop]
+                hits = [(i, s) for i, s in hits if i >= 0]
+                if hits:
+                    i, s = min(hits)
+                    seq.text = seq.text[:i]
+                    return seq.finish("stop", s)
+        if n >= p.max_tokens or seq.num_known >= self.max_model_len:
+            seq.finish("length")
+
+    def _retire(self, seq: Sequence) -> None:
+        self.stats.finished[seq.finish_reason] = self.stats.finished.get(seq.finish_reason, 0) + 1
+        self._detok.pop(seq.request_id, None)
+        self.requests.pop(seq.request_id, None)
+
+    def _finish_output(self, seq: Sequence) -> RequestOutput:
+        self._retire(seq)
+        return self._output(seq)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        text = seq.text
+        if not seq.is_finished and seq.params.stop:  # hold back a possible stop prefix
+            text = text[:max(seq.sent_text_len, len(text) - max(map(len, seq.params.stop)) + 1)]
+        delta_text = text[seq.sent_text_len:]
+        delta_ids = seq.output_ids[seq.sent_tokens:]
+        seq.sent_text_len, seq.sent_tokens = len(text), len(seq.output_ids)
+        comp = CompletionOutput(0, text, list(seq.output_ids), seq.finish_reason,
+                                seq.stop_reason,
+                                list(seq.logprobs) if seq.params.logprobs is not None else None)
+        ttft = seq.first_token_time - seq.arrival if seq.first_token_time else None
+        return RequestOutput(seq.request_id, None, seq.prompt_ids, [comp], seq.is_finished,
+                             ttft, seq.num_preemptions, delta_text, delta_ids)
+
+    # ---- offline helper ------------------------------------------------------------------
+    def run_to_completion(self, progress=None) -> dict[str, RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        while self.has_unfinished() or self._in_flight is not None:
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    if progress is not None:
+                        progress.update(1)
+        return done

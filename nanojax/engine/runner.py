@@ -1,0 +1,132 @@
+"""Model runner: turns a ScheduledBatch into device arrays and launches one jitted step.
+
+The step is: pick input tokens (from the host, or from the previous step's samples still on
+the device), run the model's forward over the packed tokens, sample one token per sampling
+row. Shapes are bucketed (tokens, rows, pages per row) so steady state never recompiles.
+The forward is a parameter: the plain one below, or a nano-batch pipeline executor.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nanojax.config import ModelConfig
+from nanojax.engine.forward import default_forward
+from nanojax.engine.sampling import MAX_LOGPROBS, sample
+from nanojax.engine.scheduler import ScheduledBatch
+from nanojax.layers.attention import PagedMetadata
+
+
+def bucket(n: int, minimum: int, maximum: int | None = None) -> int:
+    b = max(minimum, 1 << max(0, n - 1).bit_length())
+    return min(b, maximum) if maximum is not None and n <= maximum else b
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """Device arrays of one launched step; rows follow the batch's entries."""
+    tokens: jax.Array
+    chosen_logprob: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+    def to_host(self):
+        return jax.device_get((self.tokens, self.chosen_logprob, self.top_ids,
+                               self.top_logprobs))
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, params, num_pages: int, page_size: int,
+                 max_rows: int, b_dense: int, forward=None,
+                 constant_batch: bool = False, min_token_bucket: int = 16):
+        self.cfg = cfg
+        self.page_size = page_size
+        self.max_rows = bucket(max_rows, 4)
+        self.b_dense = b_dense
+        self.constant_batch = constant_batch
+        self.min_token_bucket = min_token_bucket
+        forward = forward or default_forward(cfg)
+        self.forward = forward
+        self.params = forward.prepare(params)
+        self.kv = forward.init_kv(num_pages, page_size)
+        self.num_compiles = 0
+        self._lock = threading.Lock()
+        self._step = jax.jit(self._make_step(forward), donate_argnums=(1,))
+        self._prev = jnp.zeros((self.max_rows,), jnp.int32)
+
+    def _make_step(self, forward):
+        max_rows = self.max_rows
+
+        def step(params, kv, prev_tokens, host_tokens, token_src, meta, logit_idx,
+                 temperature, top_p, top_k, seeds, steps):
+            self.num_compiles += 1  # runs once per trace, i.e. per compilation
+            tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)],
+                               host_tokens)
+            logits, kv = forward(params, tokens, kv, meta, logit_idx)
+            out = sample(logits, temperature, top_p, top_k, seeds, steps)
+            pad = max_rows - logits.shape[0]
+            out = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in out]
+            return kv, out
+
+        return step
+
+    def shapes_for(self, batch: ScheduledBatch) -> tuple[int, int, int]:
+        n_tok = batch.num_tokens
+        t = self.b_dense if self.constant_batch else bucket(n_tok, self.min_token_bucket,
+                                                            self.b_dense)
+        r = bucket(len(batch.entries), 4, self.max_rows)
+        p = bucket(max(len(e.seq.pages) for e in batch.entries), 4)
+        return t, r, p
+
+    def launch(self, batch: ScheduledBatch) -> StepOutput:
+        """Builds the step's inputs on the host and dispatches it; does not block."""
+        t, r, p = self.shapes_for(batch)
+        host_tokens = np.zeros(t, np.int32)
+        token_src = np.full(t, -1, np.int32)
+        positions = np.zeros(t, np.int32)
+        slots = np.full(t, -1, np.int32)
+        seq_ids = np.zeros(t, np.int32)
+        page_table = np.zeros((r, p), np.int32)
+        context_lens = np.zeros(r, np.int32)
+        logit_idx = np.zeros(r, np.int32)
+        temperature = np.zeros(r, np.float32)
+        top_p = np.ones(r, np.float32)
+        top_k = np.full(r, -1, np.int32)
+        seeds = np.zeros(r, np.uint32)
+        steps = np.zeros(r, np.int32)
+        ps = self.page_size
+        i = 0
+        for row, e in enumerate(batch.entries):
+            seq, n = e.seq, e.num_tokens
+            pos = np.arange(e.start, e.start + n)
+            if e.prev_row >= 0:
+                token_src[i] = e.prev_row
+            else:
+                host_tokens[i:i + n] = [seq.token_at(j) for j in pos]
+            positions[i:i + n] = pos
+            pages = np.asarray(seq.pages, np.int32)
+            slots[i:i + n] = pages[pos // ps] * ps + pos % ps
+            seq_ids[i:i + n] = row
+            page_table[row, :len(pages)] = pages
+            context_lens[row] = e.start + n
+            logit_idx[row] = i + n - 1
+            sp = seq.params
+            temperature[row] = sp.temperature
+            top_p[row] = sp.top_p
+            top_k[row] = sp.top_k
+            seeds[row] = (sp.seed or 0) & 0xFFFFFFFF
+            steps[row] = seq.num_generated - (1 if e.samples else 0)
+            i += n
+        meta = PagedMetadata(positions=positions, slot_mapping=slots, seq_ids=seq_ids,
+                             page_table=page_table, context_lens=context_lens,
+                             num_decodes=np.int32(batch.num_decodes))
+        with self._lock:
+            self.kv, out = self._step(self.params, self.kv, self._prev, host_tokens,
+                                      token_src, meta, logit_idx, temperature, top_p, top_k,
+                                      seeds, steps)
+            self._prev = out[0]
+        return StepOutput(*out)

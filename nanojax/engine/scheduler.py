@@ -1,0 +1,174 @@
+"""Forms each iteration's dense batch: running decodes first, then chunked prefill.
+
+NanoFlow keeps the batch at B_dense tokens: every running decode gets its one token, and
+prefill chunks from a FIFO queue fill the rest. Admission only takes a request when the
+pages for its whole prompt (plus one for growth) are free after what running requests
+still need; when a decode needs a page and none is free, the newest running request is
+preempted (recompute: its pages are freed and it re-enters the queue at the front).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from nanojax.engine.kv_cache import OutOfPages, PageAllocator, pages_needed
+from nanojax.engine.sequence import Sequence, Status
+
+
+@dataclasses.dataclass
+class BatchEntry:
+    seq: Sequence
+    start: int            # position of the entry's first token
+    num_tokens: int
+    samples: bool         # the chunk ends at the newest token: sample the next one
+    prev_row: int = -1    # decode whose input is still on the device: its row last step
+
+
+@dataclasses.dataclass
+class ScheduledBatch:
+    entries: list[BatchEntry]
+    num_decodes: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, page_size: int, b_dense: int,
+                 max_num_seqs: int, max_model_len: int):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.b_dense = b_dense
+        self.max_num_seqs = min(max_num_seqs, b_dense)
+        self.max_model_len = max_model_len
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []   # admission order: newest last
+        self.num_preemptions = 0
+
+    # ---- queue management ------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted request and free its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _free(self, seq: Sequence) -> None:
+        if seq.pages:
+            self.allocator.free(seq.pages)
+            seq.pages = []
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        need = pages_needed(num_tokens, self.page_size) - len(seq.pages)
+        if need <= 0:
+            return True
+        try:
+            seq.pages.extend(self.allocator.allocate(need))
+            return True
+        except OutOfPages:
+            return False
+
+    def _grow_or_preempt(self, seq: Sequence, num_tokens: int, scheduled: set) -> bool:
+        """Pages for seq, preempting the newest unscheduled running request if needed."""
+        while not self._grow(seq, num_tokens):
+            victims = [s for s in self.running if id(s) not in scheduled]
+            if not victims:
+                return False
+            victim = victims[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    # ---- one iteration ------------------------------------------------------------------
+    def schedule(self, prev_rows: dict[int, int] | None = None) -> ScheduledBatch:
+        prev_rows = prev_rows or {}
+        entries: list[BatchEntry] = []
+        scheduled: set[int] = set()
+        budget = self.b_dense
+
+        # 1. decodes: every running request whose prompt is fully in the cache
+        for seq in list(self.running):
+            if seq not in self.running or seq.num_computed < seq.num_known:
+                continue
+            if seq.num_generated >= seq.params.max_tokens or seq.num_total >= self.max_model_len:
+                continue  # its last token is in flight; it retires when that is read
+            if seq.num_computed != seq.num_total - 1:
+                continue
+            if not self._grow_or_preempt(seq, seq.num_total, scheduled):
+                continue
+            row = prev_rows.get(id(seq), -1) if seq.pending else -1
+            entries.append(BatchEntry(seq, seq.num_computed, 1, True, row))
+            scheduled.add(id(seq))
+            budget -= 1
+        num_decodes = len(entries)
+
+        # 2. running requests part-way through their prompt
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq not in self.running or id(seq) in scheduled:
+                continue
+            if seq.num_computed >= seq.num_known:
+                continue
+            chunk = min(seq.num_known - seq.num_computed, budget)
+            if not self._grow_or_preempt(seq, seq.num_computed + chunk, scheduled):
+                continue
+            entries.append(self._prefill_entry(seq, chunk))
+            scheduled.add(id(seq))
+            budget -= chunk
+
+        # 3. admit from the queue, first come first served
+        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.pending:  # preempted with a token still on the device: next iteration
+                break
+            if not self._admissible(seq):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            chunk = min(seq.num_known, budget)
+            ok = self._grow(seq, chunk)
+            assert ok, "admission checked the pages"
+            entries.append(self._prefill_entry(seq, chunk))
+            scheduled.add(id(seq))
+            budget -= chunk
+
+        for e in entries:
+            e.seq.num_computed += e.num_tokens
+            if e.samples:
+                e.seq.pending += 1
+        return ScheduledBatch(entries, num_decodes)
+
+    def _prefill_entry(self, seq: Sequence, chunk: int) -> BatchEntry:
+        samples = seq.num_computed + chunk == seq.num_known and seq.pending == 0
+        return BatchEntry(seq, seq.num_computed, chunk, samples)
+
+    def _admissible(self, seq: Sequence) -> bool:
+        """Pages for its whole known context plus one, after what running requests still
+        need to finish their prompts and one page of growth per running decode."""
+        owed = sum(pages_needed(s.num_known + 1, self.page_size) - len(s.pages)
+                   for s in self.running)
+        need = pages_needed(seq.num_known + 1, self.page_size)
+        return need + owed + len(self.running) <= self.allocator.num_free

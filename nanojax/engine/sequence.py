@@ -1,0 +1,67 @@
+"""Request state as the scheduler and engine see it."""
+from __future__ import annotations
+
+import enum
+import time
+
+from nanojax.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request. Tokens are prompt + confirmed outputs; `pending` counts tokens sampled on
+    the device whose values the host has not read yet (async scheduling keeps one in flight).
+    `num_computed` counts tokens whose KV is written or being written by launched steps."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 eos_ids: tuple[int, ...] = (), arrival: float | None = None):
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.eos_ids = tuple(eos_ids)
+        self.status = Status.WAITING
+        self.pages: list[int] = []
+        self.num_computed = 0
+        self.pending = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self.first_token_time: float | None = None
+        self.num_preemptions = 0
+        self.logprobs: list[dict] = []
+        self.text = ""            # detokenized output (maintained by the engine)
+        self.sent_text_len = 0    # how much text was already streamed
+        self.sent_tokens = 0
+        self.retire_after_step = False  # finished: drop its result of the step in flight
+
+    @property
+    def num_known(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_total(self) -> int:
+        """Tokens that exist, including the one still on the device."""
+        return self.num_known + self.pending
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids) + self.pending
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def finish(self, reason: str, stop_reason=None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
