@@ -48,6 +48,9 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
+    def __hash__(self):  # rope_scaling is a dict: hash the serialised form
+        return hash(json.dumps(self.to_dict(), sort_keys=True))
+
     # ---- derived -------------------------------------------------------------------
     @property
     def q_size(self) -> int:
@@ -130,9 +133,13 @@ class ModelConfig:
             hidden = int(hf["hidden_size"])
             eos = hf.get("eos_token_id")
             eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            scaling = hf.get("rope_scaling")
-            if scaling is not None:
-                kind = scaling.get("rope_type", scaling.get("type"))
+            # transformers >= 5 writes rope_parameters (theta inside); older, rope_scaling
+            rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+            theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+            kind = rope.get("rope_type", rope.get("type", "default"))
+            scaling = None
+            if kind not in ("default", None):
+                scaling = rope
                 if kind != "llama3":
                     raise ConfigError(f"unsupported rope_scaling type {kind!r} (only llama3)")
                 scaling = {k: scaling[k] for k in ("factor", "low_freq_factor",
@@ -145,7 +152,7 @@ class ModelConfig:
                 num_kv_heads=int(hf.get("num_key_value_heads", heads)),
                 head_dim=int(hf.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(hf.get("rope_theta", 10000.0)), rope_scaling=scaling,
+                rope_theta=theta, rope_scaling=scaling,
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),

@@ -68,28 +68,34 @@ def sample(logits, temperature, top_p, top_k, seeds, steps):
     """logits [R, V] f32; per-row temperature, top_p, top_k (<=0: off), seeds [R] uint32x2,
     steps [R] -> (tokens [R], chosen logprob [R], top ids [R, K], top logprobs [R, K])."""
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    greedy_tok = jnp.argmax(logits, axis=-1)
+    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     safe_t = jnp.where(temperature > 0, temperature, 1.0)
     scaled = logits / safe_t[:, None]
-    # top-k and top-p masks from one descending sort
-    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
-    vocab = logits.shape[-1]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
-    probs_sorted = jax.nn.softmax(sorted_logits, axis=-1)
-    cum = jnp.cumsum(probs_sorted, axis=-1)
-    # keep the smallest prefix whose mass reaches top_p (always at least one token)
-    cutoff_idx = jnp.sum(cum - probs_sorted < top_p[:, None], axis=-1) - 1
-    pth = jnp.take_along_axis(sorted_logits, cutoff_idx[:, None], axis=-1)
-    threshold = jnp.maximum(kth, pth)
-    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+    def filtered(scaled):
+        """top-k and top-p masks from one descending sort (skipped when no row asks)."""
+        sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
+        vocab = logits.shape[-1]
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+        kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
+        probs_sorted = jax.nn.softmax(sorted_logits, axis=-1)
+        cum = jnp.cumsum(probs_sorted, axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        cutoff_idx = jnp.sum(cum - probs_sorted < top_p[:, None], axis=-1) - 1
+        pth = jnp.take_along_axis(sorted_logits, cutoff_idx[:, None], axis=-1)
+        return jnp.where(scaled >= jnp.maximum(kth, pth), scaled, -jnp.inf)
 
     def draw(seed, step, row):
         key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
         return jax.random.categorical(key, row)
 
-    drawn = jax.vmap(draw)(seeds, steps, masked)
-    tokens = jnp.where(temperature > 0, drawn, greedy_tok).astype(jnp.int32)
+    def sampled(scaled):
+        needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
+        masked = jax.lax.cond(needs_filter, filtered, lambda x: x, scaled)
+        drawn = jax.vmap(draw)(seeds, steps, masked).astype(jnp.int32)
+        return jnp.where(temperature > 0, drawn, greedy_tok)
+
+    tokens = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy_tok, scaled)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
     return tokens, chosen, top_ids.astype(jnp.int32), top_lp

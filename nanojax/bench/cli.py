@@ -1,0 +1,99 @@
+"""`nanojax bench [throughput] ...` (offline) and `nanojax bench serve ...` (online)."""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+
+def environment() -> dict:
+    import jax
+    dev = jax.devices()[0]
+    return {"jax": jax.__version__, "backend": jax.default_backend(),
+            "device": getattr(dev, "device_kind", str(dev)), "num_devices": jax.device_count(),
+            "python": platform.python_version(), "host": platform.node()}
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(payload, indent=2))
+        print(f"nanojax: wrote {path}", file=sys.stderr)
+
+
+def cmd_throughput(args) -> int:
+    from checkpoints.loader import load_model
+    from nanojax.bench.offline import run_offline
+    from nanojax.bench.workload import make_requests
+    from nanojax.engine.llm_engine import EngineConfig, LLMEngine
+
+    bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
+    reqs = make_requests(args.num_prompts, bundle.config.vocab_size, args.input_len,
+                         args.output_len, args.trace, args.max_model_len, args.seed)
+    modes = {"both": ["sync", "async"], "async": ["async"], "sync": ["sync"]}[args.scheduling]
+    results = {}
+    for mode in modes:
+        eng = LLMEngine(bundle, EngineConfig(
+            b_dense=args.b_dense, num_pages=args.num_pages, page_size=args.page_size,
+            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            async_scheduling=mode == "async", constant_batch=args.constant_batch))
+        results[mode] = run_offline(eng, reqs, progress=not args.quiet)
+        r = results[mode]
+        print(f"{mode:>5}: {r['requests']} requests, {r['prompt_tokens']} prompt + "
+              f"{r['output_tokens']} output tokens in {r['wall_s']:.2f}s -> "
+              f"{r['total_tokens_per_s']:.1f} tok/s total, {r['output_tokens_per_s']:.1f} "
+              f"output tok/s, {r['iterations']} iterations", file=sys.stderr)
+    payload = {"command": " ".join(["nanojax"] + sys.argv[1:]), "env": environment(),
+               "model": args.model, "workload": {"num_prompts": args.num_prompts,
+                                                  "input_len": args.input_len,
+                                                  "output_len": args.output_len,
+                                                  "trace": args.trace, "seed": args.seed},
+               "engine": {"b_dense": args.b_dense, "page_size": args.page_size,
+                          "num_pages": args.num_pages, "max_model_len": args.max_model_len},
+               "results": results}
+    if len(modes) == 2:
+        payload["async_over_sync"] = (results["async"]["total_tokens_per_s"]
+                                      / results["sync"]["total_tokens_per_s"])
+        print(f"async / sync throughput: {payload['async_over_sync']:.3f}", file=sys.stderr)
+    print(json.dumps({k: payload[k] for k in ("results",) + (("async_over_sync",)
+                      if len(modes) == 2 else ())}))
+    write_json(args.json, payload)
+    return 0
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=None)
+    p.add_argument("--output-len", type=int, default=None)
+    p.add_argument("--trace", default=None,
+                   help="splitwise, lmsys, sharegpt, or a TIMESTAMP,ContextTokens,"
+                        "GeneratedTokens CSV")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def register(sub) -> None:
+    from nanojax.cli import _add_model_args
+    bench = sub.add_parser("bench", help="benchmarks: throughput (offline, default) or serve")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    t = bsub.add_parser("throughput", help="offline throughput through the engine")
+    _add_model_args(t)
+    add_workload_args(t)
+    t.add_argument("--b-dense", type=int, default=256, help="tokens per iteration")
+    t.add_argument("--page-size", type=int, default=16)
+    t.add_argument("--num-pages", type=int, default=None)
+    t.add_argument("--max-num-seqs", type=int, default=None)
+    t.add_argument("--max-model-len", type=int, default=2048)
+    t.add_argument("--constant-batch", action="store_true",
+                   help="pad every iteration to B_dense tokens (NanoFlow's dense batch)")
+    t.add_argument("--scheduling", choices=["async", "sync", "both"], default="async")
+    t.add_argument("--quiet", action="store_true")
+    t.add_argument("--json", default=None, help="write the full result here")
+    t.set_defaults(func=cmd_throughput)
+    try:
+        from nanojax.bench.serve import register_serve
+        register_serve(bsub)
+    except ModuleNotFoundError as e:
+        if e.name != "nanojax.bench.serve":
+            raise

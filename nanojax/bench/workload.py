@@ -1,0 +1,64 @@
+"""Benchmark workloads: request lengths from fixed sizes or real traces, random token ids.
+
+As NanoFlow does, requests are random token ids of the trace's lengths and generation
+ignores EOS, so every request produces exactly its output length.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from nanojax.errors import NanojaxError
+
+TRACES = ("splitwise", "lmsys", "sharegpt")
+
+
+@dataclasses.dataclass
+class BenchRequest:
+    prompt_ids: list[int]
+    output_len: int
+
+
+def trace_lengths(trace: str) -> list[tuple[int, int]]:
+    """(prompt, output) lengths: a shipped trace name or an Azure-format CSV path."""
+    if trace in TRACES:
+        data = json.loads(resources.files("nanojax.data").joinpath("traces.json").read_text())
+        return [tuple(r) for r in data["traces"][trace]]
+    path = Path(trace)
+    if not path.is_file():
+        raise NanojaxError(f"unknown trace {trace!r}: not one of {TRACES} and not a file")
+    rows = []
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            try:
+                rows.append((int(float(row["ContextTokens"])), int(float(row["GeneratedTokens"]))))
+            except (KeyError, ValueError):
+                raise NanojaxError(f"{path} is not a TIMESTAMP,ContextTokens,GeneratedTokens "
+                                   "trace") from None
+    return rows
+
+
+def make_requests(num: int, vocab_size: int, input_len: int | None = None,
+                  output_len: int | None = None, trace: str | None = None,
+                  max_model_len: int | None = None, seed: int = 0) -> list[BenchRequest]:
+    rng = np.random.default_rng(seed)
+    if trace is not None:
+        lengths = trace_lengths(trace)
+        if max_model_len:  # keep requests that fit, as a server would have to
+            lengths = [(p, o) for p, o in lengths if p + o <= max_model_len and p > 0 and o > 0]
+        if not lengths:
+            raise NanojaxError(f"no request of trace {trace} fits max_model_len {max_model_len}")
+        picks = rng.choice(len(lengths), size=num, replace=len(lengths) < num)
+        pairs = [lengths[i] for i in picks]
+    else:
+        if input_len is None or output_len is None:
+            raise NanojaxError("give --trace or both --input-len and --output-len")
+        pairs = [(input_len, output_len)] * num
+    # avoid the first ids (special tokens in most vocabularies)
+    low = min(1000, vocab_size // 2)
+    return [BenchRequest(rng.integers(low, vocab_size, size=p).tolist(), o) for p, o in pairs]

@@ -1,0 +1,89 @@
+"""Writes small llama-architecture GGUF files the way llama.cpp's converter does."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+
+from checkpoints.bundle import hf_tensor_names
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation (rotate-half -> interleaved pairs)."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight",
+            "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+_BLOCK = {"input_layernorm.weight": "attn_norm.weight",
+          "post_attention_layernorm.weight": "ffn_norm.weight",
+          "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+          "self_attn.v_proj.weight": "attn_v.weight",
+          "self_attn.o_proj.weight": "attn_output.weight",
+          "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+          "mlp.down_proj.weight": "ffn_down.weight"}
+
+
+def gguf_name(hf: str) -> str:
+    if hf in _TO_GGUF:
+        return _TO_GGUF[hf]
+    _, _, idx, rest = hf.split(".", 3)
+    return f"blk.{idx}.{_BLOCK[rest]}"
+
+
+def byte_level_vocab(size: int) -> tuple[list[str], list[int]]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    tokens = list(bytes_to_unicode().values()) + ["ab"]
+    tokens += [f"<extra_{i}>" for i in range(size - len(tokens) - 1)] + ["<|end|>"]
+    types = [1] * (size - 1) + [3]
+    return tokens, types
+
+
+def write_llama_gguf(path, cfg, params: dict, quant: str = "F32",
+                     override: dict | None = None) -> None:
+    """params: our {"params": ...} tree (numpy, f32). `override` maps a GGUF tensor name to
+    (raw uint8 data, quant type name) for hand-made blocks."""
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+    tokens, types = byte_level_vocab(cfg.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(["a b"])
+    w.add_eos_token_id(cfg.vocab_size - 1)
+    override = override or {}
+    qtype = gguf.GGMLQuantizationType[quant]
+    for path_, (hf, transpose) in hf_tensor_names(cfg).items():
+        arr = params["params"]
+        for k in path_:
+            arr = arr[k]
+        arr = np.asarray(arr, np.float32)
+        if transpose:
+            arr = arr.T
+        if hf.endswith("q_proj.weight"):
+            arr = _permute(arr, cfg.num_heads)
+        elif hf.endswith("k_proj.weight"):
+            arr = _permute(arr, cfg.num_kv_heads)
+        name = gguf_name(hf)
+        if name in override:
+            raw, q = override[name]
+            w.add_tensor(name, raw, raw_shape=raw.shape,
+                         raw_dtype=gguf.GGMLQuantizationType[q])
+        elif arr.ndim == 1 or quant == "F32":
+            w.add_tensor(name, np.ascontiguousarray(arr))
+        else:
+            data = gguf.quants.quantize(arr, qtype)
+            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
