@@ -1,0 +1,401 @@
+"""The aiohttp application: OpenAI completions and chat completions, SSE streaming,
+/v1/models, /health and Prometheus /metrics.
+
+Every request runs as one or more engine requests (n choices x prompts); when the client
+goes away, the handler is cancelled and each of its engine requests is aborted, which
+frees its KV pages at the engine's next iteration.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+from aiohttp import web
+
+from nanojax.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from nanojax.engine.llm_engine import RequestError
+from nanojax.errors import NanojaxError
+from nanojax.server.metrics import ServerMetrics
+from nanojax.server.protocol import ApiError, ParsedRequest, parse_chat, parse_completion
+
+log = logging.getLogger("nanojax.server")
+
+ENGINE_KEY = web.AppKey("engine", AsyncLLMEngine)
+STATE_KEY = web.AppKey("state", dict)
+
+
+def _json(data, status=200) -> web.Response:
+    return web.json_response(data, status=status, dumps=lambda d: json.dumps(d))
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    metrics = request.app[STATE_KEY]["metrics"]
+    try:
+        return await handler(request)
+    except ApiError as e:
+        metrics.refused(e.status)
+        return _json(e.body(), e.status)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        kind = {404: "not_found_error", 405: "invalid_request_error",
+                413: "invalid_request_error"}.get(e.status, "invalid_request_error")
+        metrics.refused(e.status)
+        msg = {404: f"route {request.method} {request.path} not found",
+               405: f"method {request.method} not allowed on {request.path}",
+               413: f"request body too large (limit {request.app[STATE_KEY]['max_body']} "
+                    "bytes)"}.get(e.status, e.reason)
+        return _json(ApiError(e.status, msg, kind).body(), e.status)
+    except RequestError as e:
+        metrics.refused(400)
+        return _json(ApiError(400, str(e)).body(), 400)
+    except EngineDeadError as e:
+        metrics.refused(503)
+        return _json(ApiError(503, str(e), "service_unavailable").body(), 503)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("internal error on %s %s", request.method, request.path)
+        metrics.refused(500)
+        return _json(ApiError(500, "internal server error", "internal_error").body(), 500)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    key = request.app[STATE_KEY]["api_key"]
+    if key and request.path.startswith("/v1/"):
+        if request.headers.get("Authorization", "") != f"Bearer {key}":
+            raise ApiError(401, "invalid or missing API key", "authentication_error",
+                           code="invalid_api_key")
+    return await handler(request)
+
+
+async def _read_json(request: web.Request) -> dict:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    return body
+
+
+def _check_model(request: web.Request, body: dict) -> str:
+    name = request.app[STATE_KEY]["model_name"]
+    model = body.get("model", name)
+    if not isinstance(model, str):
+        raise ApiError(400, "'model' must be a string", param="model")
+    if model != name:
+        raise ApiError(404, f"the model '{model}' does not exist; this server serves "
+                            f"'{name}'", "not_found_error", param="model",
+                       code="model_not_found")
+    return model
+
+
+class _Choices:
+    """Runs n x len(prompts) engine requests and merges their outputs in arrival order."""
+
+    def __init__(self, app, prompt_ids: list[list[int]], parsed: ParsedRequest, base_id):
+        self.engine: AsyncLLMEngine = app[ENGINE_KEY]
+        self.metrics: ServerMetrics = app[STATE_KEY]["metrics"]
+        self.prompt_ids, self.parsed, self.base_id = prompt_ids, parsed, base_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+
+    def start(self):
+        p = self.parsed
+        for pi, ids in enumerate(self.prompt_ids):
+            for k in range(p.n):
+                params = p.params
+                if p.n > 1:  # distinct samples: derive a seed per choice
+                    import dataclasses
+                    seed = None if params.seed is None else (params.seed + k) % 2**63
+                    params = dataclasses.replace(params, seed=seed)
+                idx = pi * p.n + k
+                self.metrics.prompt_tokens.inc(len(ids))
+                self.tasks.append(asyncio.create_task(self._pump(idx, ids, params)))
+        return self
+
+    async def _pump(self, idx, ids, params):
+        t0 = last = time.monotonic()
+        first = True
+        try:
+            async for out in self.engine.generate(ids, params, f"{self.base_id}-{idx}"):
+                now = time.monotonic()
+                n_new = len(out.delta_token_ids)
+                if n_new:
+                    self.metrics.generation_tokens.inc(n_new)
+                    if first:
+                        self.metrics.ttft.observe(now - t0)
+                        first = False
+                    else:
+                        for _ in range(n_new):
+                            self.metrics.itl.observe((now - last) / n_new)
+                    last = now
+                if out.finished:
+                    self.metrics.e2e.observe(now - t0)
+                    self.metrics.finished(out.finish_reason)
+                await self.queue.put((idx, out))
+        except Exception as e:
+            await self.queue.put((idx, e))
+            return
+        await self.queue.put((idx, None))
+
+    async def stream(self):
+        remaining = len(self.tasks)
+        try:
+            while remaining:
+                idx, item = await self.queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                yield idx, item
+        finally:
+            for t in self.tasks:
+                if not t.done():
+                    t.cancel()
+            if self.tasks:
+                await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+def _prepare(request: web.Request, prompts: list, parsed: ParsedRequest) -> list[list[int]]:
+    eng: AsyncLLMEngine = request.app[ENGINE_KEY]
+    state = request.app[STATE_KEY]
+    if not eng.is_alive:
+        raise ApiError(503, "the engine is not running", "service_unavailable")
+    limit = state["max_waiting"]
+    waiting = eng.num_pending - eng.engine.num_running
+    if limit is not None and waiting >= limit:
+        raise ApiError(503, f"server busy: {waiting} requests are waiting (limit {limit})",
+                       "service_unavailable")
+    max_len = eng.engine.max_model_len
+    out = []
+    for p in prompts:
+        try:
+            ids = eng.encode(p)
+        except NanojaxError as e:
+            raise ApiError(400, str(e), param="prompt") from None
+        if not ids:
+            raise ApiError(400, "the prompt is empty after tokenization", param="prompt")
+        if not parsed.max_tokens_given:
+            if parsed.echo_chat:  # chat default: whatever room the context leaves
+                parsed.params.max_tokens = max(1, max_len - len(ids))
+        if len(ids) + parsed.params.max_tokens > max_len:
+            raise ApiError(400, f"This model's maximum context length is {max_len} tokens. "
+                                f"However, you requested {len(ids) + parsed.params.max_tokens}"
+                                f" tokens ({len(ids)} in the prompt, "
+                                f"{parsed.params.max_tokens} in the completion).",
+                           param="max_tokens", code="context_length_exceeded")
+        out.append(ids)
+    return out
+
+
+def _token_str(tok, tid: int) -> str:
+    return tok.decode([tid], skip_special_tokens=False) if tok is not None else str(tid)
+
+
+def _completion_logprobs(tok, lps, offset0: int, text: str) -> dict | None:
+    if lps is None:
+        return None
+    tokens = [_token_str(tok, e["token_id"]) for e in lps]
+    offsets, pos = [], offset0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in lps],
+            "top_logprobs": [{_token_str(tok, i): v for i, v in e["top"]} for e in lps],
+            "text_offset": offsets}
+
+
+def _chat_logprobs(tok, lps) -> dict | None:
+    if lps is None:
+        return None
+
+    def entry(tid, lp):
+        s = _token_str(tok, tid)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**entry(e["token_id"], e["logprob"]),
+                         "top_logprobs": [entry(i, v) for i, v in e["top"]]} for e in lps]}
+
+
+def _usage(prompt_ids, completion_tokens: int) -> dict:
+    p = sum(len(x) for x in prompt_ids)
+    return {"prompt_tokens": p, "completion_tokens": completion_tokens,
+            "total_tokens": p + completion_tokens}
+
+
+async def _sse(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    return resp
+
+
+async def _send(resp: web.StreamResponse, data) -> None:
+    payload = data if isinstance(data, str) else json.dumps(data)
+    await resp.write(f"data: {payload}\n\n".encode())
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await _read_json(request)
+    model = _check_model(request, body)
+    eng: AsyncLLMEngine = request.app[ENGINE_KEY]
+    parsed = parse_completion(body, eng.engine.model_config.vocab_size)
+    prompt_ids = _prepare(request, parsed.prompts, parsed)
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    choices = _Choices(request.app, prompt_ids, parsed, rid).start()
+    tok = eng.tokenizer
+
+    def chunk(choice_list, usage=None):
+        d = {"id": rid, "object": "text_completion", "created": created, "model": model,
+             "choices": choice_list}
+        if usage is not None:
+            d["usage"] = usage
+        return d
+
+    if parsed.stream:
+        resp = await _sse(request)
+        sent_tokens = {}
+        completion_tokens = 0
+        async for idx, out in choices.stream():
+            c = out.outputs[0]
+            start = sent_tokens.get(idx, 0)
+            lps = c.logprobs[start:len(c.token_ids)] if c.logprobs is not None else None
+            sent_tokens[idx] = len(c.token_ids)
+            if out.finished:
+                completion_tokens += len(c.token_ids)
+            if out.delta_text or out.finished or out.delta_token_ids:
+                await _send(resp, chunk([{
+                    "index": idx, "text": out.delta_text,
+                    "logprobs": _completion_logprobs(tok, lps, 0, out.delta_text),
+                    "finish_reason": c.finish_reason if out.finished else None,
+                    "stop_reason": c.stop_reason if out.finished else None}]))
+        if parsed.include_usage:
+            await _send(resp, chunk([], _usage(prompt_ids, completion_tokens)))
+        await _send(resp, "[DONE]")
+        await resp.write_eof()
+        return resp
+
+    finals = {}
+    async for idx, out in choices.stream():
+        if out.finished:
+            finals[idx] = out
+    result = []
+    for idx in sorted(finals):
+        c = finals[idx].outputs[0]
+        result.append({"index": idx, "text": c.text,
+                       "logprobs": _completion_logprobs(tok, c.logprobs, 0, c.text),
+                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    usage = _usage(prompt_ids, sum(len(finals[i].token_ids) for i in finals))
+    return _json(chunk(result, usage))
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = await _read_json(request)
+    model = _check_model(request, body)
+    eng: AsyncLLMEngine = request.app[ENGINE_KEY]
+    messages, parsed = parse_chat(body)
+    if eng.tokenizer is None or not eng.tokenizer.chat_template:
+        raise ApiError(400, "this model has no chat template; use /v1/completions")
+    try:
+        text = eng.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except NanojaxError as e:
+        raise ApiError(400, str(e), param="messages") from None
+    parsed.echo_chat = True  # max_tokens defaults to the room left in the context
+    prompt_ids = _prepare(request, [text], parsed)
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    choices = _Choices(request.app, prompt_ids, parsed, rid).start()
+    tok = eng.tokenizer
+
+    def chunk(obj, choice_list, usage=None):
+        d = {"id": rid, "object": obj, "created": created, "model": model,
+             "choices": choice_list}
+        if usage is not None:
+            d["usage"] = usage
+        return d
+
+    if parsed.stream:
+        resp = await _sse(request)
+        for idx in range(parsed.n):
+            await _send(resp, chunk("chat.completion.chunk", [{
+                "index": idx, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}]))
+        sent_tokens, completion_tokens = {}, 0
+        async for idx, out in choices.stream():
+            c = out.outputs[0]
+            start = sent_tokens.get(idx, 0)
+            lps = c.logprobs[start:len(c.token_ids)] if c.logprobs is not None else None
+            sent_tokens[idx] = len(c.token_ids)
+            if out.delta_text or out.delta_token_ids:
+                await _send(resp, chunk("chat.completion.chunk", [{
+                    "index": idx, "delta": {"content": out.delta_text},
+                    "logprobs": _chat_logprobs(tok, lps), "finish_reason": None}]))
+            if out.finished:
+                completion_tokens += len(c.token_ids)
+                await _send(resp, chunk("chat.completion.chunk", [{
+                    "index": idx, "delta": {}, "logprobs": None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]))
+        if parsed.include_usage:
+            await _send(resp, chunk("chat.completion.chunk", [],
+                                    _usage(prompt_ids, completion_tokens)))
+        await _send(resp, "[DONE]")
+        await resp.write_eof()
+        return resp
+
+    finals = {}
+    async for idx, out in choices.stream():
+        if out.finished:
+            finals[idx] = out
+    result = [{"index": i, "message": {"role": "assistant",
+                                       "content": finals[i].outputs[0].text},
+               "logprobs": _chat_logprobs(tok, finals[i].outputs[0].logprobs),
+               "finish_reason": finals[i].outputs[0].finish_reason,
+               "stop_reason": finals[i].outputs[0].stop_reason} for i in sorted(finals)]
+    usage = _usage(prompt_ids, sum(len(finals[i].token_ids) for i in finals))
+    return _json(chunk("chat.completion", result, usage))
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    return _json({"object": "list", "data": [{
+        "id": state["model_name"], "object": "model", "created": state["created"],
+        "owned_by": "nanojax", "max_model_len": request.app[ENGINE_KEY].engine.max_model_len}]})
+
+
+async def health(request: web.Request) -> web.Response:
+    if request.app[ENGINE_KEY].is_alive:
+        return _json({"status": "ok"})
+    return _json(ApiError(503, "the engine is not running", "service_unavailable").body(), 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    from prometheus_client import CONTENT_TYPE_LATEST
+    body = request.app[STATE_KEY]["metrics"].render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
+              max_body: int = 1 << 20, max_waiting: int | None = 256) -> web.Application:
+    app = web.Application(middlewares=[error_middleware, auth_middleware],
+                          client_max_size=max_body)
+    app[ENGINE_KEY] = engine
+    app[STATE_KEY] = {"model_name": model_name, "api_key": api_key, "max_body": max_body,
+                      "max_waiting": max_waiting, "created": int(time.time()),
+                      "metrics": ServerMetrics(engine, model_name)}
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app

@@ -1,0 +1,365 @@
+"""The HTTP server on 127.0.0.1 with the real SmolLM2 model, spoken to by real clients."""
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import aiohttp
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+MODEL = "smollm2-135m"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """The aiohttp app on its own event loop in a thread, like `nanojax serve`."""
+
+    def __init__(self, bundle, **app_kw):
+        from aiohttp import web
+        from nanojax.engine.async_engine import AsyncLLMEngine
+        from nanojax.engine.llm_engine import EngineConfig, LLMEngine
+        from nanojax.server.app import build_app
+        self.engine = LLMEngine(bundle, EngineConfig(b_dense=64, num_pages=96,
+                                                     max_model_len=512, max_num_seqs=24))
+        self.aeng = AsyncLLMEngine(self.engine)
+        self.app = build_app(self.aeng, MODEL, **app_kw)
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        async def start():
+            self.runner = web.AppRunner(self.app, handler_cancellation=True)
+            await self.runner.setup()
+            await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+            ready.set()
+
+        def run():
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(start())
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert ready.wait(30)
+
+    def idle(self, timeout=60) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (not self.engine.requests and self.engine._in_flight is None
+                    and self.aeng.num_pending == 0):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def stop(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.aeng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    s = ServerThread(smollm2)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+# ---- the official openai client ----------------------------------------------------------
+def test_completion(client, smollm2):
+    r = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=6,
+                                  temperature=0)
+    assert r.choices[0].text.startswith(" 5")
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 6
+    assert r.usage.prompt_tokens == len(smollm2.tokenizer.encode("1, 2, 3, 4,"))
+
+
+def test_chat_completion_matches_offline_engine(client, smollm2):
+    from nanojax.reference import ReferenceGenerator
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24,
+                                       temperature=0)
+    ids = smollm2.tokenizer.apply_chat_template(msgs, tokenize=True)
+    ref = ReferenceGenerator(smollm2.config, smollm2.params, max_len=256).generate(
+        ids, 24, stop_ids=smollm2.tokenizer.eos_token_ids)
+    assert r.choices[0].message.content == smollm2.tokenizer.decode(ref)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == len(ref)
+
+
+def test_streaming_chat(client):
+    msgs = [{"role": "user", "content": "Name three colors."}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20,
+                                          temperature=0)
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    text, reasons, usage = "", [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            if c.finish_reason:
+                reasons.append(c.finish_reason)
+    assert text == full.choices[0].message.content
+    assert reasons == [full.choices[0].finish_reason]
+    assert usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_n_choices_stop_and_seed(client):
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12,
+                                  temperature=1.0, n=3, seed=7)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    again = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12,
+                                      temperature=1.0, n=3, seed=7)
+    assert [c.text for c in r.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in r.choices}) > 1  # distinct samples per choice
+    greedy = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5, 6,", max_tokens=20,
+                                       temperature=0)
+    stopped = client.completions.create(model=MODEL, prompt="1, 2, 3, 4, 5, 6,",
+                                        max_tokens=20, temperature=0, stop=["9"])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == greedy.choices[0].text.split("9")[0]
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=5, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.logprob <= 0
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-5)
+
+
+def test_models_health_and_auth(server, smollm2):
+    import requests  # noqa: F401  (transformers brings it)
+    import urllib.request
+    with urllib.request.urlopen(server.url + "/v1/models") as r:
+        assert json.load(r)["data"][0]["id"] == MODEL
+    with urllib.request.urlopen(server.url + "/health") as r:
+        assert r.status == 200
+    locked = ServerThread(smollm2, api_key="sekret")
+    try:
+        openai = pytest.importorskip("openai")
+        bad = openai.OpenAI(base_url=locked.url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=locked.url + "/v1", api_key="sekret", max_retries=0)
+        assert good.models.list().data[0].id == MODEL
+    finally:
+        locked.stop()
+
+
+# ---- bad requests: a 4xx JSON error each, and the server keeps serving -------------------
+async def _post(url, data, headers=None):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url, data=data, headers=headers or {}) as r:
+            return r.status, await r.text()
+
+
+def _check_error(status, text, expected=None):
+    assert 400 <= status < 500, (status, text)
+    if expected:
+        assert status == expected, (status, text)
+    err = json.loads(text)["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert {"type", "param", "code"} <= set(err)
+
+
+def test_error_table(server):
+    u = server.url
+    cases = [
+        (u + "/v1/completions", b"{not json", 400),
+        (u + "/v1/completions", json.dumps([1, 2]), 400),
+        (u + "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": -1}), 400),
+        (u + "/v1/completions", json.dumps({"prompt": "hi", "temperature": "hot"}), 400),
+        (u + "/v1/completions", json.dumps({"prompt": "hi", "top_p": 1.5}), 400),
+        (u + "/v1/completions", json.dumps({"prompt": "hi", "n": 0}), 400),
+        (u + "/v1/completions", json.dumps({"prompt": "hi", "logprobs": 99}), 400),
+        (u + "/v1/completions", json.dumps({"prompt": [10 ** 9]}), 400),
+        (u + "/v1/completions", json.dumps({"prompt": "hi", "model": "gpt-9"}), 404),
+        (u + "/v1/chat/completions", json.dumps({"messages": []}), 400),
+        (u + "/v1/chat/completions", json.dumps({"messages": [{"role": "x", "content": 1}]}),
+         400),
+        (u + "/v1/nothing", json.dumps({}), 404),
+        (u + "/v1/completions", b"x" * (2 << 20), 413),
+    ]
+    for url, body, expected in cases:
+        status, text = asyncio.run(_post(url, body))
+        _check_error(status, text, expected)
+    status, text = asyncio.run(_post(u + "/v1/completions",
+                                     json.dumps({"prompt": "hello " * 300, "max_tokens": 400})))
+    _check_error(status, text, 400)
+    msg = json.loads(text)["error"]["message"]
+    assert "512" in msg and "400 in the completion" in msg
+
+
+JSONISH = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+                       | st.text(max_size=20),
+                       lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8),
+                                                                           c, max_size=4),
+                       max_leaves=10)
+FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "n", "seed",
+          "stop", "logprobs", "top_logprobs", "stream", "stream_options", "model",
+          "ignore_eos"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(route=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+       body=st.one_of(
+           st.dictionaries(st.sampled_from(FIELDS), JSONISH, max_size=6),
+           st.binary(max_size=64).map(lambda b: b"\xff" + b),
+           JSONISH),
+       auth=st.sampled_from([None, "Bearer x", "garbage"]))
+def test_fuzz_bad_requests(server, route, body, auth):
+    """Random bodies get a well-formed 4xx (or, rarely, a valid request's 200); the server
+    never answers 5xx and keeps serving."""
+    if isinstance(body, dict):
+        body.setdefault("max_tokens", 2)  # keep valid ones short
+        if isinstance(body.get("max_tokens"), int) and not isinstance(body["max_tokens"], bool):
+            body["max_tokens"] = min(body["max_tokens"], 2)
+        body.pop("n", None) if isinstance(body.get("n"), int) and body.get("n", 0) > 2 else None
+        body.pop("stream", None)
+        data = json.dumps(body)
+    elif isinstance(body, bytes):
+        data = body
+    else:
+        data = json.dumps(body)
+    headers = {"Authorization": auth} if auth else {}
+    status, text = asyncio.run(_post(server.url + route, data, headers))
+    assert status < 500, (status, text)
+    if status != 200:
+        _check_error(status, text)
+    assert server.aeng.is_alive
+
+
+# ---- load: 200+ requests, some cancelled mid-stream --------------------------------------
+def test_load_with_cancellations(server, smollm2):
+    from prometheus_client.parser import text_string_to_metric_families
+    tok = smollm2.tokenizer
+    n_req, cancel_every = 210, 7
+    prompts = [f"Request {i}: say something about the number {i}." for i in range(n_req)]
+
+    async def one(session, i):
+        body = {"model": MODEL, "prompt": prompts[i], "max_tokens": 4 + i % 5,
+                "temperature": 0.7, "seed": i, "stream": True}
+        async with session.post(server.url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            if i % cancel_every == 0:
+                await r.content.readline()  # first chunk, then hang up
+                r.close()
+                return i, None
+            finish, ntok = None, 0
+            async for line in r.content:
+                line = line.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                c = json.loads(line[6:])["choices"][0]
+                finish = c["finish_reason"] or finish
+            return i, finish
+
+    async def main():
+        conn = aiohttp.TCPConnector(limit=64)
+        async with aiohttp.ClientSession(connector=conn,
+                                         timeout=aiohttp.ClientTimeout(total=600)) as s:
+            return await asyncio.gather(*(one(s, i) for i in range(n_req)))
+
+    before = _metrics(server)
+    results = asyncio.run(main())
+    done = [f for i, f in results if i % cancel_every]
+    assert len(done) == n_req - len(range(0, n_req, cancel_every))
+    assert all(f in ("length", "stop") for f in done)
+    assert server.idle(), "requests left in the engine"
+    eng = server.engine
+    assert eng.allocator.num_free == eng.allocator.num_pages
+    after = _metrics(server)
+    # a cancelled request may still have finished before its hang-up was seen
+    finished = after["nanojax:request_success_total"] - before["nanojax:request_success_total"]
+    assert len(done) <= finished <= n_req
+    sent = sum(len(tok.encode(p)) for p in prompts)
+    assert after["nanojax:prompt_tokens_total"] - before["nanojax:prompt_tokens_total"] == sent
+    assert after["nanojax:num_requests_running"] == 0
+    assert after["nanojax:kv_cache_usage_perc"] == 0
+    assert after["nanojax:time_to_first_token_seconds_count"] - \
+        before["nanojax:time_to_first_token_seconds_count"] >= len(done)
+    # the text format parses with prometheus_client's own parser
+    text = _metrics_text(server)
+    names = {f.name for f in text_string_to_metric_families(text)}
+    assert {"nanojax:e2e_request_latency_seconds", "nanojax:inter_token_latency_seconds",
+            "nanojax:generation_tokens"} <= names
+
+
+def _metrics_text(server) -> str:
+    import urllib.request
+    with urllib.request.urlopen(server.url + "/metrics") as r:
+        return r.read().decode()
+
+
+def _metrics(server) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for fam in text_string_to_metric_families(_metrics_text(server)):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0) + s.value
+    return out
+
+
+def test_sigterm_exits_cleanly(tmp_path):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "nanojax", "serve", "--port", str(port),
+                             "--max-model-len", "256", "--num-pages", "32", "--b-dense", "32"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 180
+        import urllib.request
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("server did not start")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_disconnect_aborts_non_streaming_request(server):
+    async def hang_up():
+        async with aiohttp.ClientSession() as s:
+            try:
+                await asyncio.wait_for(s.post(server.url + "/v1/completions", json={
+                    "prompt": "Tell me everything.", "max_tokens": 400, "ignore_eos": True}),
+                    timeout=1.5)
+            except asyncio.TimeoutError:
+                pass
+
+    assert server.idle()
+    asyncio.run(hang_up())
+    assert server.idle(timeout=5), "the abandoned request kept running"
+    assert server.engine.allocator.num_free == server.engine.allocator.num_pages
