@@ -349,6 +349,23 @@ def test_sigterm_exits_cleanly(tmp_path):
             proc.kill()
 
 
+def test_bench_serve_against_the_server(server, tmp_path):
+    from nanojax.cli import main
+    out = tmp_path / "serve.json"
+    rc = main(["bench", "serve", "--base-url", server.url, "--num-prompts", "12",
+               "--input-len", "20", "--output-len", "6", "--request-rate", "30",
+               "--vocab-size", "40000", "--quiet", "--json", str(out)])
+    assert rc == 0
+    s = json.loads(out.read_text())
+    assert s["successful_requests"] == 12 and s["failed_requests"] == 0
+    assert s["total_input_tokens"] == 12 * 20 and s["total_output_tokens"] == 12 * 6
+    assert len(s["per_request"]) == 12
+    assert all(len(r["itl"]) == 5 for r in s["per_request"])
+    assert 0 < s["ttft_ms"]["median"] <= s["e2e_ms"]["median"]
+    assert 0 <= s["slo_200ms_per_token_share"] <= 1
+    assert server.idle()
+
+
 def test_disconnect_aborts_non_streaming_request(server):
     async def hang_up():
         async with aiohttp.ClientSession() as s:
