@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from nanojax.config import ModelConfig
 from nanojax.engine.kv_cache import init_kv_pages
-from nanojax.layers.attention import paged_attention
+from nanojax.layers.attention import paged_attention, paged_attention_pallas
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
 
 
@@ -65,4 +65,7 @@ class ScanForward(UnrolledForward):
 
 
 def default_forward(cfg: ModelConfig):
-    return UnrolledForward(cfg) if jax.default_backend() == "gpu" else ScanForward(cfg)
+    """GPU: straight-line layers with the Pallas attention kernel; CPU: scan, pure JAX."""
+    if jax.default_backend() == "gpu":
+        return UnrolledForward(cfg, attention=paged_attention_pallas)
+    return ScanForward(cfg)

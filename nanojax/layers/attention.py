@@ -113,3 +113,17 @@ def paged_attention(q, k, v, kv_layer, meta: PagedMetadata, inv_freq):
     k = apply_rope(k, meta.positions, inv_freq)
     k_pages, v_pages = write_kv_pages(*kv_layer, k, v, meta.slot_mapping)
     return paged_attention_reference(q, k_pages, v_pages, meta), (k_pages, v_pages)
+
+
+def paged_attention_pallas(q, k, v, kv_layer, meta: PagedMetadata, inv_freq,
+                           num_programs: int | None = None):
+    """GPU backend: RoPE and the page write in JAX, attention in the Pallas paged kernel.
+    Every token is a row of the kernel with its own sequence's pages and a context that
+    ends at its own position, which is causal attention for prefill chunks as well."""
+    from pallas_kernels.decode_attention import decode_attention
+    q = apply_rope(q, meta.positions, inv_freq)
+    k = apply_rope(k, meta.positions, inv_freq)
+    k_pages, v_pages = write_kv_pages(*kv_layer, k, v, meta.slot_mapping)
+    out = decode_attention(q, k_pages, v_pages, meta.page_table[meta.seq_ids],
+                           meta.positions + 1, num_programs=num_programs)
+    return out, (k_pages, v_pages)

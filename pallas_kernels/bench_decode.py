@@ -1,0 +1,170 @@
+"""GPU benchmark of the paged decode-attention kernel (writes one JSON file).
+
+    python -m pallas_kernels.bench_decode --out bench/results/decode_attention_h200.json
+
+Measures, in one run: device copy bandwidth; the kernel's achieved bandwidth for batches
+64..1024, contexts 512..4096 and persistent-grid program counts from 16 to a full grid;
+and jax's own Pallas `decode_attention.gqa` on the same shapes ([B, S, KVH, D] layout).
+Bytes counted: K and V of every sequence's context, read once.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
+
+H, KVH, D = 32, 8, 128
+
+
+def timed(fn, *args, iters=10, reps=5) -> float:
+    """Median seconds per call, `iters` calls chained inside one jitted loop."""
+    def loop(*a):
+        def body(i, acc):
+            out = fn(a[0] + (acc * 0).astype(a[0].dtype), *a[1:])
+            return acc + out[0, 0, 0].astype(jnp.float32)
+        return lax.fori_loop(0, iters, body, jnp.float32(0))
+    f = jax.jit(loop)
+    f(*args).block_until_ready()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(*args).block_until_ready()
+        ts.append((time.perf_counter() - t) / iters)
+    return float(np.median(ts))
+
+
+def copy_bandwidth(gib=4) -> float:
+    x = jnp.ones((gib << 28,), jnp.float32)
+    def loop(x):
+        return lax.fori_loop(0, 10, lambda i, y: y * 1.0001 + 1.0, x)
+    f = jax.jit(loop)
+    f(x).block_until_ready()
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        ts.append((time.perf_counter() - t) / 10)
+    return 2 * x.nbytes / float(np.median(ts))
+
+
+def make_case(b, ctx, ps, rng):
+    pages_per_seq = ctx // ps
+    n = b * pages_per_seq
+    k = jax.random.normal(jax.random.PRNGKey(1), (n, KVH, ps, D), jnp.bfloat16)
+    v = jax.random.normal(jax.random.PRNGKey(2), (n, KVH, ps, D), jnp.bfloat16)
+    pt = jnp.asarray(rng.permutation(n).reshape(b, pages_per_seq).astype(np.int32))
+    q = jax.random.normal(jax.random.PRNGKey(3), (b, H, D), jnp.bfloat16)
+    lens = jnp.full((b,), ctx, jnp.int32)
+    return q, k, v, pt, lens
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/decode_attention_h200.json")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tune-only", action="store_true")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    dev = jax.devices()[0]
+    sms = getattr(dev, "core_count", None) or 132
+    res = {"command": "python -m pallas_kernels.bench_decode --out " + args.out,
+           "device": dev.device_kind, "jax": jax.__version__, "num_sms": sms,
+           "heads": H, "kv_heads": KVH, "head_dim": D, "dtype": "bfloat16"}
+    bw = copy_bandwidth()
+    res["copy_bandwidth_GBps"] = bw / 1e9
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+    # correctness on the GPU against the f32 reference
+    checks = []
+    for b, ctx, ps in ((7, 300, 16), (64, 1024, 16), (33, 777, 64)):
+        q, k, v, pt, _ = make_case(b, ((ctx + ps - 1) // ps) * ps, ps, rng)
+        lens = jnp.asarray(rng.integers(1, ctx + 1, size=b).astype(np.int32))
+        o = decode_attention(q, k, v, pt, lens, num_programs=66,
+                             pages_per_block=max(1, 128 // ps))
+        r = decode_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
+                                       v.astype(jnp.float32), pt, lens)
+        rel = float(jnp.linalg.norm(o.astype(jnp.float32) - r) / jnp.linalg.norm(r))
+        checks.append({"batch": b, "max_context": ctx, "page_size": ps, "rel_error": rel,
+                       "finite": bool(jnp.isfinite(o).all())})
+        print("check", checks[-1], flush=True)
+    res["correctness"] = checks
+    save()
+
+    # tuning at the target shape: block of keys per step, warps, pipelining, page size
+    tune = []
+    nbytes = 2 * 512 * 1024 * KVH * D * 2
+    for ps in (16, 64, 128):
+        q, k, v, pt, lens = make_case(512, 1024, ps, rng)
+        for block_k, warps, stages in ((64, 4, 2), (128, 4, 2), (128, 4, 3), (256, 4, 2),
+                                       (128, 8, 2), (256, 8, 3)):
+            ppb = max(1, block_k // ps)
+            for nprog in (sms // 2, sms, sms * 2, sms * 4, None):
+                t = timed(lambda *a: decode_attention(
+                    *a, num_programs=nprog, pages_per_block=ppb, num_warps=warps,
+                    num_stages=stages), q, k, v, pt, lens)
+                tune.append({"page_size": ps, "pages_per_block": ppb, "block_k": ppb * ps,
+                             "num_warps": warps, "num_stages": stages,
+                             "programs": nprog or 512 * KVH, "seconds": t,
+                             "GBps": nbytes / t / 1e9, "fraction_of_copy": nbytes / t / bw})
+                print("tune", tune[-1], flush=True)
+        res["tuning_b512_ctx1024"] = tune
+        save()
+    best = max((r for r in tune if r["page_size"] == 16), key=lambda r: r["GBps"])
+    ppb, warps, stages = best["pages_per_block"], best["num_warps"], best["num_stages"]
+    res["sweep_config"] = {"page_size": 16, "pages_per_block": ppb, "num_warps": warps,
+                           "num_stages": stages}
+    if args.tune_only:
+        print("done", flush=True)
+        return
+
+    batches = (64, 512) if args.quick else (64, 256, 512, 1024)
+    contexts = (1024,) if args.quick else (512, 1024, 2048, 4096)
+    cases = []
+    from jax.experimental.pallas.ops.gpu import decode_attention as jax_da
+    for b in batches:
+        for ctx in contexts:
+            q, k, v, pt, lens = make_case(b, ctx, 16, rng)
+            nbytes = 2 * b * ctx * KVH * D * 2
+            full = b * KVH
+            for nprog in sorted({16, sms // 2, sms, 2 * sms, 4 * sms, full}):
+                if nprog > full:
+                    continue
+                t = timed(lambda *a: decode_attention(*a, num_programs=nprog,
+                                                      pages_per_block=ppb, num_warps=warps,
+                                                      num_stages=stages), q, k, v, pt, lens)
+                cases.append({"kernel": "nanojax_paged", "batch": b, "context": ctx,
+                              "programs": nprog, "seconds": t, "GBps": nbytes / t / 1e9,
+                              "fraction_of_copy": nbytes / t / bw})
+                print(cases[-1], flush=True)
+            # jax's gqa on contiguous [B, S, KVH, D] caches of the same contents
+            kc = k[pt].transpose(0, 1, 3, 2, 4).reshape(b, ctx, KVH, D)
+            vc = v[pt].transpose(0, 1, 3, 2, 4).reshape(b, ctx, KVH, D)
+            try:
+                t = timed(lambda qq, kk, vv: jax_da.gqa(qq, kk, vv), q, kc, vc)
+                cases.append({"kernel": "jax_gqa_BSKD", "batch": b, "context": ctx,
+                              "seconds": t, "GBps": nbytes / t / 1e9,
+                              "fraction_of_copy": nbytes / t / bw})
+            except Exception as e:  # keep the sweep going
+                cases.append({"kernel": "jax_gqa_BSKD", "batch": b, "context": ctx,
+                              "error": f"{type(e).__name__}: {e}"[:300]})
+            print(cases[-1], flush=True)
+            del kc, vc
+            res["cases"] = cases
+            save()
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

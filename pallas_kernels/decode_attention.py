@@ -1,0 +1,120 @@
+"""Paged grouped-query decode attention: a Pallas kernel and its pure-JAX reference.
+
+Layout: KV pages are [num_pages, KVH, page_size, D] (head-major inside a page), so the
+rows of one (page, kv head) are contiguous. A unit of work is one (sequence, kv head): it
+serves every query head of that group with one pass over the sequence's pages. The grid
+is persistent: `num_programs` programs (the resource share R of NanoFlow) stride over the
+B x KVH units, so the kernel occupies a bounded part of the GPU and a concurrent GEMM can
+have the rest.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+_NEG = -1e30
+_MIN_ROWS = 16  # tl.dot needs at least 16 rows: the query group is padded up to this
+
+
+def decode_attention_reference(q, k_pages, v_pages, page_table, context_lens):
+    """q [B, H, D]; pages [N, KVH, ps, D]; page_table [B, P]; context_lens [B] -> [B, H, D].
+    Computed in f32."""
+    b, h, d = q.shape
+    n, kvh, ps, _ = k_pages.shape
+    g = h // kvh
+    k = k_pages[page_table].transpose(0, 2, 1, 3, 4).reshape(b, kvh, -1, d)  # [B,KVH,P*ps,D]
+    v = v_pages[page_table].transpose(0, 2, 1, 3, 4).reshape(b, kvh, -1, d)
+    qg = q.reshape(b, kvh, g, d).astype(jnp.float32) / math.sqrt(d)
+    s = jnp.einsum("bkgd,bksd->bkgs", qg, k.astype(jnp.float32))
+    mask = jnp.arange(k.shape[2])[None, :] < context_lens[:, None]
+    s = jnp.where(mask[:, None, None, :], s, _NEG)
+    p = jax.nn.softmax(s, axis=-1)
+    v = jnp.where(mask[:, None, :, None], v.astype(jnp.float32), 0.0)
+    o = jnp.einsum("bkgs,bksd->bkgd", p, v)
+    return o.reshape(b, h, d).astype(q.dtype)
+
+
+def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, *, kvh, num_work, num_programs,
+            pages_per_block, page_size, scale):
+    pid = pl.program_id(0)
+    rows, d = q_ref.shape[2], q_ref.shape[3]
+    block_k = pages_per_block * page_size
+    n_units = (num_work - pid + num_programs - 1) // num_programs
+
+    def unit(i, carry):
+        w = pid + i * num_programs
+        b, h = w // kvh, w % kvh
+        ctx = len_ref[b]
+        q = q_ref[b, h] * scale  # [rows, D]
+
+        def block(j, carry):
+            o, m, l = carry
+            pages = pt_ref[b, pl.ds(j * pages_per_block, pages_per_block)]
+            idx = pages * kvh + h  # rows of the [N * KVH, ps, D] view
+            k = k_ref[idx].reshape(block_k, d)
+            v = v_ref[idx].reshape(block_k, d)
+            s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # [rows, block_k]
+            valid = j * block_k + jnp.arange(block_k) < ctx
+            s = jnp.where(valid[None, :], s, _NEG)
+            v = jnp.where(valid[:, None], v, jnp.zeros_like(v))  # stale pages may hold NaN
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            alpha = jnp.exp(m - m_new)
+            p = jnp.exp(s - m_new[:, None])
+            l = l * alpha + p.sum(axis=-1)
+            o = o * alpha[:, None] + jnp.dot(p.astype(v.dtype), v,
+                                            preferred_element_type=jnp.float32)
+            return o, m_new, l
+
+        init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
+                jnp.zeros((rows,), jnp.float32))
+        n_blocks = (ctx + block_k - 1) // block_k
+        o, m, l = lax.fori_loop(0, n_blocks, block, init)
+        o_ref[b, h] = (o / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
+        return carry
+
+    lax.fori_loop(0, n_units, unit, ())
+
+
+@functools.partial(jax.jit, static_argnames=("num_programs", "pages_per_block", "num_warps",
+                                             "num_stages", "interpret"))
+def decode_attention(q, k_pages, v_pages, page_table, context_lens, *,
+                     num_programs: int | None = None, pages_per_block: int = 8,
+                     num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
+    """Pallas paged decode attention; same contract as decode_attention_reference.
+
+    num_programs: programs in the persistent grid (None: one per unit of work).
+    pages_per_block: pages loaded per inner step (block of pages_per_block * page_size keys).
+    """
+    b, h, d = q.shape
+    n, kvh, ps, _ = k_pages.shape
+    g = h // kvh
+    rows = max(_MIN_ROWS, g)
+    num_work = b * kvh
+    nprog = num_work if num_programs is None else max(1, min(num_programs, num_work))
+    qg = q.reshape(b, kvh, g, d)
+    if rows > g:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - g), (0, 0)))
+    pw = page_table.shape[1]
+    pad = -pw % pages_per_block
+    if pad:
+        page_table = jnp.pad(page_table, ((0, 0), (0, pad)))
+    kern = functools.partial(_kernel, kvh=kvh, num_work=num_work, num_programs=nprog,
+                             pages_per_block=pages_per_block, page_size=ps,
+                             scale=1.0 / math.sqrt(d))
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps,
+                                                         num_stages=num_stages)
+    out = pl.pallas_call(
+        kern, grid=(nprog,),
+        out_shape=jax.ShapeDtypeStruct((b, kvh, rows, d), q.dtype),
+        interpret=interpret, **params,
+    )(qg, k_pages.reshape(n * kvh, ps, d), v_pages.reshape(n * kvh, ps, d),
+      page_table.astype(jnp.int32), context_lens.astype(jnp.int32))
+    return out[:, :, :g].reshape(b, h, d)
