@@ -1,0 +1,1 @@
+"""Nano-batch pipeline: the plan format (data) and the executor that builds the step."""

@@ -1,0 +1,119 @@
+"""The plan: a versioned JSON document, the contract between search/ and the executor.
+
+    {"version": 1,
+     "model": {num_layers, hidden_size, num_heads, num_kv_heads, head_dim,
+               intermediate_size},          # the signature the plan was made for
+     "tp": 1, "b_dense": 2048, "granularity": 128,
+     "nano_batches": {"qkv": [[0, 1024], [1024, 2048]], "attention": [...],
+                      "o_proj": [...], "mlp": [...]},   # token ranges per op group
+     "nano_ops": [{"op": "qkv", "batch": 0, "stream": 0, "share": 1.0}, ...]}
+                                            # one layer's nano-ops in issue order
+
+Streams: 0 is the main stream, 1 and 2 side streams, 3 collectives. `share` is the
+fraction of the GPU a kernel may take (the decode kernel's persistent program count).
+"""
+from __future__ import annotations
+
+import copy
+import json
+from importlib import resources
+from pathlib import Path
+
+from nanojax.config import ModelConfig
+from nanojax.errors import NanojaxError
+
+PLAN_VERSION = 1
+OP_GROUPS = ("qkv", "attention", "o_proj", "mlp")  # the data order within a layer
+MODES = ("non-overlap", "nanobatch-only", "overlap")
+
+
+class PlanError(NanojaxError):
+    pass
+
+
+def validate(plan: dict) -> dict:
+    if not isinstance(plan, dict):
+        raise PlanError("a plan must be a JSON object")
+    if plan.get("version") != PLAN_VERSION:
+        raise PlanError(f"plan version {plan.get('version')!r} is not supported "
+                        f"(this nanojax reads version {PLAN_VERSION})")
+    for key in ("model", "b_dense", "nano_batches", "nano_ops"):
+        if key not in plan:
+            raise PlanError(f"plan lacks '{key}'")
+    b = plan["b_dense"]
+    if not isinstance(b, int) or b <= 0:
+        raise PlanError(f"plan b_dense must be a positive integer, got {b!r}")
+    nb = plan["nano_batches"]
+    for group in OP_GROUPS:
+        ranges = nb.get(group)
+        if not ranges:
+            raise PlanError(f"plan has no nano-batches for op group '{group}'")
+        pos = 0
+        for r in ranges:
+            if not (isinstance(r, list) and len(r) == 2 and r[0] == pos and r[1] > r[0]):
+                raise PlanError(f"nano-batches of '{group}' must tile [0, {b}) in order; "
+                                f"got {ranges}")
+            pos = r[1]
+        if pos != b:
+            raise PlanError(f"nano-batches of '{group}' end at {pos}, not at b_dense {b}")
+    seen = set()
+    for i, op in enumerate(plan["nano_ops"]):
+        g, k = op.get("op"), op.get("batch")
+        if g not in OP_GROUPS or not isinstance(k, int) or not 0 <= k < len(nb[g]):
+            raise PlanError(f"nano_ops[{i}] names no nano-batch: {op}")
+        if (g, k) in seen:
+            raise PlanError(f"nano-op {g}[{k}] appears twice")
+        seen.add((g, k))
+        if op.get("stream", 0) not in (0, 1, 2, 3):
+            raise PlanError(f"nano_ops[{i}] stream must be 0-3, got {op.get('stream')}")
+        if not 0 < float(op.get("share", 1.0)) <= 1:
+            raise PlanError(f"nano_ops[{i}] share must be in (0, 1], got {op.get('share')}")
+    missing = {(g, k) for g in OP_GROUPS for k in range(len(nb[g]))} - seen
+    if missing:
+        raise PlanError(f"plan leaves nano-ops unscheduled: {sorted(missing)}")
+    return plan
+
+
+def check_model(plan: dict, cfg: ModelConfig, tp: int = 1) -> None:
+    want = cfg.signature()
+    diff = {k: (plan["model"].get(k), v) for k, v in want.items() if plan["model"].get(k) != v}
+    if diff:
+        detail = ", ".join(f"{k}: plan {a} vs model {b}" for k, (a, b) in diff.items())
+        raise PlanError(f"plan was made for another model ({detail})")
+    if plan.get("tp", 1) != tp:
+        raise PlanError(f"plan is for tensor parallelism {plan.get('tp', 1)}, not {tp}")
+
+
+def load_plan(path_or_name: str | Path) -> dict:
+    """A path to a JSON plan, or the name of a plan shipped in nanojax/plans."""
+    p = Path(path_or_name)
+    if not p.is_file():
+        name = str(path_or_name).removesuffix(".json") + ".json"
+        shipped = resources.files("nanojax.plans").joinpath(name)
+        if not shipped.is_file():
+            raise PlanError(f"no plan file {path_or_name}")
+        text = shipped.read_text()
+    else:
+        text = p.read_text()
+    try:
+        return validate(json.loads(text))
+    except json.JSONDecodeError as e:
+        raise PlanError(f"plan {path_or_name} is not valid JSON: {e}") from None
+
+
+def ablation(plan: dict, mode: str) -> dict:
+    """non-overlap: one nano-batch per op, one stream; nanobatch-only: the plan's splits on
+    one stream; overlap: the plan as it is."""
+    if mode not in MODES:
+        raise PlanError(f"unknown mode {mode!r}; one of {MODES}")
+    plan = copy.deepcopy(plan)
+    if mode == "overlap":
+        return plan
+    if mode == "non-overlap":
+        b = plan["b_dense"]
+        plan["nano_batches"] = {g: [[0, b]] for g in OP_GROUPS}
+        plan["nano_ops"] = [{"op": g, "batch": 0, "stream": 0, "share": 1.0}
+                            for g in OP_GROUPS]
+        return plan
+    plan["nano_ops"] = [dict(op, stream=0, share=1.0) for op in plan["nano_ops"]]
+    return plan

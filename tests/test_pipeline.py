@@ -1,0 +1,83 @@
+"""Plans (format, validation, ablations) and the nano-batch executor: every mode gives the
+reference's tokens."""
+import copy
+import json
+
+import numpy as np
+import pytest
+
+from nanojax.config import named_shape
+from nanojax.engine.llm_engine import EngineConfig, LLMEngine
+from nanojax.engine.sampling import SamplingParams
+from nanojax.pipeline.executor import PipelineForward
+from nanojax.pipeline.plan import MODES, PlanError, ablation, check_model, load_plan, validate
+
+
+def _plan_for(cfg, b_dense):
+    """Uneven, misaligned splits: attention and MLP cut the batch elsewhere than qkv."""
+    return validate({
+        "version": 1, "model": cfg.signature(), "tp": 1, "b_dense": b_dense,
+        "nano_batches": {"qkv": [[0, 12], [12, b_dense]],
+                         "attention": [[0, 20], [20, b_dense]],
+                         "o_proj": [[0, 20], [20, b_dense]],
+                         "mlp": [[0, 8], [8, 24], [24, b_dense]]},
+        "nano_ops": [{"op": "qkv", "batch": 0, "stream": 0}, {"op": "qkv", "batch": 1},
+                     {"op": "attention", "batch": 0, "stream": 1, "share": 0.5},
+                     {"op": "o_proj", "batch": 0}, {"op": "mlp", "batch": 0},
+                     {"op": "attention", "batch": 1, "stream": 1, "share": 0.5},
+                     {"op": "o_proj", "batch": 1}, {"op": "mlp", "batch": 1},
+                     {"op": "mlp", "batch": 2}]})
+
+
+def test_shipped_plan_loads_and_matches_llama3_8b():
+    plan = load_plan("llama3-8b-1gpu")
+    check_model(plan, named_shape("llama3-8b"))
+    with pytest.raises(PlanError, match="another model.*hidden_size: plan 4096 vs model 8192"):
+        check_model(plan, named_shape("llama3-70b"))
+    for mode in MODES:
+        a = ablation(plan, mode)
+        validate(a)
+        if mode != "overlap":
+            assert {op.get("stream", 0) for op in a["nano_ops"]} == {0}
+    assert len(ablation(plan, "non-overlap")["nano_ops"]) == 4
+
+
+@pytest.mark.parametrize("mutate,msg", [
+    (lambda p: p.update(version=7), "version"),
+    (lambda p: p["nano_batches"]["qkv"].__setitem__(1, [13, 32]), "tile"),
+    (lambda p: p["nano_ops"].pop(), "unscheduled"),
+    (lambda p: p["nano_ops"].append(dict(p["nano_ops"][0])), "twice"),
+    (lambda p: p["nano_ops"][0].update(stream=9), "stream"),
+])
+def test_bad_plans_are_refused(mutate, msg, tmp_path):
+    plan = copy.deepcopy(_plan_for(named_shape("tiny"), 32))
+    mutate(plan)
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(plan))
+    with pytest.raises(PlanError, match=msg):
+        load_plan(f)
+
+
+def test_out_of_order_plan_is_refused():
+    cfg = named_shape("tiny")
+    plan = copy.deepcopy(_plan_for(cfg, 32))
+    plan["nano_ops"].insert(0, plan["nano_ops"].pop(2))  # attention before its qkv
+    with pytest.raises(PlanError, match="before its inputs"):
+        PipelineForward(cfg, plan)
+
+
+def test_all_modes_give_the_reference_tokens(smollm2):
+    from nanojax.reference import ReferenceGenerator
+    plan = _plan_for(smollm2.config, 32)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(100, 40000, size=int(n)).tolist() for n in (5, 40, 17, 9)]
+    ref = ReferenceGenerator(smollm2.config, smollm2.params, max_len=128)
+    want = [ref.generate(p, 8, ignore_eos=True) for p in prompts]
+    for mode in MODES:
+        eng = LLMEngine(smollm2, EngineConfig(b_dense=32, num_pages=32, max_model_len=128,
+                                              constant_batch=True),
+                        forward=PipelineForward(smollm2.config, plan, mode))
+        ids = [eng.add_request(p, SamplingParams(max_tokens=8, temperature=0,
+                                                 ignore_eos=True)) for p in prompts]
+        done = eng.run_to_completion()
+        assert [done[i].token_ids for i in ids] == want, mode
