@@ -80,9 +80,7 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, *, kvh, num_work, num_p
     lax.fori_loop(0, n_units, unit, ())
 
 
-@functools.partial(jax.jit, static_argnames=("num_programs", "pages_per_block", "num_warps",
-                                             "num_stages", "interpret"))
-def decode_attention(q, k_pages, v_pages, page_table, context_lens, *,
+def decode_attention_impl(q, k_pages, v_pages, page_table, context_lens, *,
                      num_programs: int | None = None, pages_per_block: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
     """Pallas paged decode attention; same contract as decode_attention_reference.
@@ -99,12 +97,15 @@ def decode_attention(q, k_pages, v_pages, page_table, context_lens, *,
     num_work = b * kvh
     nprog = num_work if num_programs is None else max(1, min(num_programs, num_work))
     qg = q.reshape(b, kvh, g, d)
+    # lax.pad, not jnp.pad (a nested jit, refused inside stream-annotated regions)
     if rows > g:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - g), (0, 0)))
+        qg = lax.pad(qg, jnp.zeros((), qg.dtype), [(0, 0, 0), (0, 0, 0), (0, rows - g, 0),
+                                                   (0, 0, 0)])
     pw = page_table.shape[1]
     pad = -pw % pages_per_block
     if pad:
-        page_table = jnp.pad(page_table, ((0, 0), (0, pad)))
+        page_table = lax.pad(page_table.astype(jnp.int32), jnp.int32(0),
+                             [(0, 0, 0), (0, pad, 0)])
     kern = functools.partial(_kernel, kvh=kvh, num_work=num_work, num_programs=nprog,
                              pages_per_block=pages_per_block, page_size=ps,
                              scale=1.0 / math.sqrt(d))
@@ -120,3 +121,9 @@ def decode_attention(q, k_pages, v_pages, page_table, context_lens, *,
     )(qg, k_pages.reshape(n * kvh, ps, d), v_pages.reshape(n * kvh, ps, d),
       page_table.astype(jnp.int32), context_lens.astype(jnp.int32))
     return out[:, :, :g].reshape(b, h, d)
+
+
+# Jitted entry point. Inside a larger jitted step (and inside stream-annotated regions,
+# which refuse nested jits) call decode_attention_impl instead.
+decode_attention = jax.jit(decode_attention_impl, static_argnames=(
+    "num_programs", "pages_per_block", "num_warps", "num_stages", "interpret"))

@@ -32,14 +32,37 @@ def cmd_throughput(args) -> int:
     bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
     reqs = make_requests(args.num_prompts, bundle.config.vocab_size, args.input_len,
                          args.output_len, args.trace, args.max_model_len, args.seed)
-    modes = {"both": ["sync", "async"], "async": ["async"], "sync": ["sync"]}[args.scheduling]
+    if args.plan:  # the nano-batch pipeline: compare its ablation modes in one run
+        modes = args.modes.split(",")
+    else:
+        modes = {"both": ["sync", "async"], "async": ["async"],
+                 "sync": ["sync"]}[args.scheduling]
     results = {}
     for mode in modes:
-        eng = LLMEngine(bundle, EngineConfig(
-            b_dense=args.b_dense, num_pages=args.num_pages, page_size=args.page_size,
-            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-            async_scheduling=mode == "async", constant_batch=args.constant_batch))
-        results[mode] = run_offline(eng, reqs, progress=not args.quiet)
+        forward = None
+        if args.plan:
+            from nanojax.pipeline.executor import PipelineForward
+            from nanojax.pipeline.plan import load_plan
+            forward = PipelineForward(bundle.config, load_plan(args.plan), mode)
+        try:
+            eng = LLMEngine(bundle, EngineConfig(
+                b_dense=args.b_dense, num_pages=args.num_pages, page_size=args.page_size,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                async_scheduling=(mode != "sync"), constant_batch=args.constant_batch),
+                forward=forward)
+            results[mode] = run_offline(eng, reqs, progress=not args.quiet)
+        except Exception as e:  # record the failure of one mode, measure the others
+            if not args.plan:
+                raise
+            results[mode] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
+            print(f"{mode}: failed: {results[mode]['error'][:300]}", file=sys.stderr)
+            continue
+        finally:
+            eng = forward = None
+            import gc
+            gc.collect()  # the runner's jitted step holds the engine: free its KV cache now
+        write_json(args.json, {"command": " ".join(["nanojax"] + sys.argv[1:]),
+                               "partial": True, "results": results})
         r = results[mode]
         print(f"{mode:>5}: {r['requests']} requests, {r['prompt_tokens']} prompt + "
               f"{r['output_tokens']} output tokens in {r['wall_s']:.2f}s -> "
@@ -53,12 +76,30 @@ def cmd_throughput(args) -> int:
                "engine": {"b_dense": args.b_dense, "page_size": args.page_size,
                           "num_pages": args.num_pages, "max_model_len": args.max_model_len},
                "results": results}
-    if len(modes) == 2:
+    if args.plan:
+        ok = {m: r["total_tokens_per_s"] for m, r in results.items() if "error" not in r}
+        if "overlap" in ok and "non-overlap" in ok:
+            payload["overlap_over_non_overlap"] = ok["overlap"] / ok["non-overlap"]
+        if "overlap" in ok and "nanobatch-only" in ok:
+            payload["overlap_over_nanobatch_only"] = ok["overlap"] / ok["nanobatch-only"]
+    import jax
+    if jax.default_backend() == "gpu":
+        from nanojax.bench.roofline import measure_gemm_rate
+        roof = measure_gemm_rate(bundle.config, args.b_dense)
+        payload["roofline"] = roof
+        for m, r in results.items():
+            if "error" not in r:
+                r["fraction_of_optimal"] = (r["total_tokens_per_s"]
+                                            / roof["optimal_tokens_per_s"])
+                r["fraction_of_optimal_at_790_tflops"] = (
+                    r["total_tokens_per_s"] / (790e12 / (2 * bundle.config.param_count())))
+    if len(modes) == 2 and not args.plan:
         payload["async_over_sync"] = (results["async"]["total_tokens_per_s"]
                                       / results["sync"]["total_tokens_per_s"])
         print(f"async / sync throughput: {payload['async_over_sync']:.3f}", file=sys.stderr)
-    print(json.dumps({k: payload[k] for k in ("results",) + (("async_over_sync",)
-                      if len(modes) == 2 else ())}))
+    print(json.dumps({k: v for k, v in payload.items() if k in (
+        "results", "async_over_sync", "overlap_over_non_overlap",
+        "overlap_over_nanobatch_only")}))
     write_json(args.json, payload)
     return 0
 
@@ -88,6 +129,10 @@ def register(sub) -> None:
     t.add_argument("--constant-batch", action="store_true",
                    help="pad every iteration to B_dense tokens (NanoFlow's dense batch)")
     t.add_argument("--scheduling", choices=["async", "sync", "both"], default="async")
+    t.add_argument("--plan", default=None,
+                   help="run the nano-batch executor with this plan (name or JSON path)")
+    t.add_argument("--modes", default="non-overlap,nanobatch-only,overlap",
+                   help="with --plan: the ablation modes to compare")
     t.add_argument("--quiet", action="store_true")
     t.add_argument("--json", default=None, help="write the full result here")
     t.set_defaults(func=cmd_throughput)

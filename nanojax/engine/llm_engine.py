@@ -71,7 +71,8 @@ class LLMEngine:
                                    self.max_model_len)
         self.runner = ModelRunner(self.model_config, bundle.params, self.sizing.num_pages,
                                   cfg.page_size, self.scheduler.max_num_seqs, cfg.b_dense,
-                                  forward=forward, constant_batch=cfg.constant_batch)
+                                  forward=forward, constant_batch=cfg.constant_batch,
+                                  max_pages_per_seq=-(-self.max_model_len // cfg.page_size))
         self.eos_ids = tuple(self.tokenizer.eos_token_ids if self.tokenizer
                              else self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}

@@ -42,12 +42,14 @@ class StepOutput:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, num_pages: int, page_size: int,
                  max_rows: int, b_dense: int, forward=None,
-                 constant_batch: bool = False, min_token_bucket: int = 16):
+                 constant_batch: bool = False, min_token_bucket: int = 16,
+                 max_pages_per_seq: int | None = None):
         self.cfg = cfg
         self.page_size = page_size
         self.max_rows = bucket(max_rows, 4)
         self.b_dense = b_dense
         self.constant_batch = constant_batch
+        self.max_pages_per_seq = max_pages_per_seq
         self.min_token_bucket = min_token_bucket
         forward = forward or default_forward(cfg)
         self.forward = forward
@@ -75,6 +77,8 @@ class ModelRunner:
         return step
 
     def shapes_for(self, batch: ScheduledBatch) -> tuple[int, int, int]:
+        if self.constant_batch and self.max_pages_per_seq:  # one shape: one compile
+            return self.b_dense, self.max_rows, bucket(self.max_pages_per_seq, 4)
         n_tok = batch.num_tokens
         t = self.b_dense if self.constant_batch else bucket(n_tok, self.min_token_bucket,
                                                             self.b_dense)

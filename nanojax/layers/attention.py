@@ -83,8 +83,10 @@ class PagedMetadata:
 def write_kv_pages(k_pages, v_pages, k, v, slot_mapping):
     """Scatter k, v [T, KVH, D] into their pages; slots < 0 are dropped."""
     num_pages, _, page_size, _ = k_pages.shape
-    page = jnp.where(slot_mapping >= 0, slot_mapping // page_size, num_pages)  # OOB -> drop
-    off = slot_mapping % page_size
+    # lax.div/rem rather than // and %: jnp's versions are nested jits, which XLA refuses
+    # inside stream-annotated regions; slots are non-negative where they are used
+    page = jnp.where(slot_mapping >= 0, jax.lax.div(slot_mapping, page_size), num_pages)
+    off = jax.lax.rem(jnp.maximum(slot_mapping, 0), page_size)
     k_pages = k_pages.at[page, :, off].set(k.astype(k_pages.dtype), mode="drop")
     v_pages = v_pages.at[page, :, off].set(v.astype(v_pages.dtype), mode="drop")
     return k_pages, v_pages
@@ -120,7 +122,7 @@ def paged_attention_pallas(q, k, v, kv_layer, meta: PagedMetadata, inv_freq,
     """GPU backend: RoPE and the page write in JAX, attention in the Pallas paged kernel.
     Every token is a row of the kernel with its own sequence's pages and a context that
     ends at its own position, which is causal attention for prefill chunks as well."""
-    from pallas_kernels.decode_attention import decode_attention
+    from pallas_kernels.decode_attention import decode_attention_impl as decode_attention
     q = apply_rope(q, meta.positions, inv_freq)
     k = apply_rope(k, meta.positions, inv_freq)
     k_pages, v_pages = write_kv_pages(*kv_layer, k, v, meta.slot_mapping)

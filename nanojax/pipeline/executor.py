@@ -51,14 +51,21 @@ def _streams_enabled() -> bool:
 
 
 def on_stream(fn, stream: int):
-    """Place fn on an XLA execution stream (GPU only; jax 0.10 and 0.11 spell it apart)."""
+    """Place fn on an XLA execution stream (GPU only). jax 0.10 spells the function form
+    `compute_on2(f, ...)`, jax 0.11 `compute_on(f, ...)`. The region must be flat: no
+    nested jit inside (XLA: "No ExecutionStreamId found for call-start")."""
     if stream == 0 or not _streams_enabled():
         return fn
-    try:
-        from jax.experimental.compute_on import compute_on
-    except ImportError:  # jax 0.10
-        from jax.experimental.compute_on import compute_on2 as compute_on
-    return compute_on(f"gpu_stream:{stream}")(fn)
+    import jax.experimental.compute_on as co
+    from jax._src import core
+    annotate = getattr(co, "compute_on2", None) or co.compute_on
+
+    def placed(*args):
+        spaces = jax.tree_util.tree_map(lambda _: core.MemorySpace.Device,
+                                        jax.eval_shape(fn, *args))
+        return annotate(fn, compute_type=f"gpu_stream:{stream}",
+                        out_memory_spaces=spaces)(*args)
+    return placed
 
 
 def _gather(pieces: dict, ranges: list, a: int, b: int):
