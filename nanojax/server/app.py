@@ -8,6 +8,8 @@ frees its KV pages at the engine's next iteration.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import json
 import logging
 import time
@@ -116,7 +118,6 @@ class _Choices:
             for k in range(p.n):
                 params = p.params
                 if p.n > 1:  # distinct samples: derive a seed per choice
-                    import dataclasses
                     seed = None if params.seed is None else (params.seed + k) % 2**63
                     params = dataclasses.replace(params, seed=seed)
                 idx = pi * p.n + k
@@ -148,6 +149,23 @@ class _Choices:
             await self.queue.put((idx, e))
             return
         await self.queue.put((idx, None))
+
+    async def finals(self) -> dict:
+        """Choice index -> its finished RequestOutput."""
+        return {idx: out async for idx, out in self.stream() if out.finished}
+
+    async def deltas(self):
+        """(index, output, log-probs of the tokens new in this output); counts the
+        completion tokens of finished choices in self.completion_tokens."""
+        sent: dict[int, int] = {}
+        self.completion_tokens = 0
+        async for idx, out in self.stream():
+            c = out.outputs[0]
+            lps = c.logprobs[sent.get(idx, 0):] if c.logprobs is not None else None
+            sent[idx] = len(c.token_ids)
+            if out.finished:
+                self.completion_tokens += len(c.token_ids)
+            yield idx, out, lps
 
     async def stream(self):
         remaining = len(self.tasks)
@@ -229,6 +247,14 @@ def _chat_logprobs(tok, lps) -> dict | None:
                          "top_logprobs": [entry(i, v) for i, v in e["top"]]} for e in lps]}
 
 
+def _envelope(rid, obj, created, model, choice_list, usage=None) -> dict:
+    d = {"id": rid, "object": obj, "created": created, "model": model,
+         "choices": choice_list}
+    if usage is not None:
+        d["usage"] = usage
+    return d
+
+
 def _usage(prompt_ids, completion_tokens: int) -> dict:
     p = sum(len(x) for x in prompt_ids)
     return {"prompt_tokens": p, "completion_tokens": completion_tokens,
@@ -247,6 +273,14 @@ async def _send(resp: web.StreamResponse, data) -> None:
     await resp.write(f"data: {payload}\n\n".encode())
 
 
+async def _end_stream(resp: web.StreamResponse, usage_chunk: dict | None):
+    if usage_chunk is not None:
+        await _send(resp, usage_chunk)
+    await _send(resp, "[DONE]")
+    await resp.write_eof()
+    return resp
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     model = _check_model(request, body)
@@ -257,40 +291,22 @@ async def completions(request: web.Request) -> web.StreamResponse:
     choices = _Choices(request.app, prompt_ids, parsed, rid).start()
     tok = eng.tokenizer
 
-    def chunk(choice_list, usage=None):
-        d = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "choices": choice_list}
-        if usage is not None:
-            d["usage"] = usage
-        return d
+    chunk = functools.partial(_envelope, rid, "text_completion", created, model)
 
     if parsed.stream:
         resp = await _sse(request)
-        sent_tokens = {}
-        completion_tokens = 0
-        async for idx, out in choices.stream():
+        async for idx, out, lps in choices.deltas():
             c = out.outputs[0]
-            start = sent_tokens.get(idx, 0)
-            lps = c.logprobs[start:len(c.token_ids)] if c.logprobs is not None else None
-            sent_tokens[idx] = len(c.token_ids)
-            if out.finished:
-                completion_tokens += len(c.token_ids)
             if out.delta_text or out.finished or out.delta_token_ids:
                 await _send(resp, chunk([{
                     "index": idx, "text": out.delta_text,
                     "logprobs": _completion_logprobs(tok, lps, 0, out.delta_text),
                     "finish_reason": c.finish_reason if out.finished else None,
                     "stop_reason": c.stop_reason if out.finished else None}]))
-        if parsed.include_usage:
-            await _send(resp, chunk([], _usage(prompt_ids, completion_tokens)))
-        await _send(resp, "[DONE]")
-        await resp.write_eof()
-        return resp
+        return await _end_stream(resp, chunk([], _usage(prompt_ids, choices.completion_tokens))
+                                 if parsed.include_usage else None)
 
-    finals = {}
-    async for idx, out in choices.stream():
-        if out.finished:
-            finals[idx] = out
+    finals = await choices.finals()
     result = []
     for idx in sorted(finals):
         c = finals[idx].outputs[0]
@@ -319,11 +335,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tok = eng.tokenizer
 
     def chunk(obj, choice_list, usage=None):
-        d = {"id": rid, "object": obj, "created": created, "model": model,
-             "choices": choice_list}
-        if usage is not None:
-            d["usage"] = usage
-        return d
+        return _envelope(rid, obj, created, model, choice_list, usage)
 
     if parsed.stream:
         resp = await _sse(request)
@@ -331,32 +343,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             await _send(resp, chunk("chat.completion.chunk", [{
                 "index": idx, "delta": {"role": "assistant", "content": ""},
                 "logprobs": None, "finish_reason": None}]))
-        sent_tokens, completion_tokens = {}, 0
-        async for idx, out in choices.stream():
+        async for idx, out, lps in choices.deltas():
             c = out.outputs[0]
-            start = sent_tokens.get(idx, 0)
-            lps = c.logprobs[start:len(c.token_ids)] if c.logprobs is not None else None
-            sent_tokens[idx] = len(c.token_ids)
             if out.delta_text or out.delta_token_ids:
                 await _send(resp, chunk("chat.completion.chunk", [{
                     "index": idx, "delta": {"content": out.delta_text},
                     "logprobs": _chat_logprobs(tok, lps), "finish_reason": None}]))
             if out.finished:
-                completion_tokens += len(c.token_ids)
                 await _send(resp, chunk("chat.completion.chunk", [{
                     "index": idx, "delta": {}, "logprobs": None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]))
-        if parsed.include_usage:
-            await _send(resp, chunk("chat.completion.chunk", [],
-                                    _usage(prompt_ids, completion_tokens)))
-        await _send(resp, "[DONE]")
-        await resp.write_eof()
-        return resp
+        return await _end_stream(resp, chunk("chat.completion.chunk", [], _usage(
+            prompt_ids, choices.completion_tokens)) if parsed.include_usage else None)
 
-    finals = {}
-    async for idx, out in choices.stream():
-        if out.finished:
-            finals[idx] = out
+    finals = await choices.finals()
     result = [{"index": i, "message": {"role": "assistant",
                                        "content": finals[i].outputs[0].text},
                "logprobs": _chat_logprobs(tok, finals[i].outputs[0].logprobs),
