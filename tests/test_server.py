@@ -380,3 +380,19 @@ def test_disconnect_aborts_non_streaming_request(server):
     asyncio.run(hang_up())
     assert server.idle(timeout=5), "the abandoned request kept running"
     assert server.engine.allocator.num_free == server.engine.allocator.num_pages
+
+
+def test_queue_limit_and_dead_engine_give_503(smollm2):
+    s = ServerThread(smollm2, max_waiting=0)  # every new request finds the queue full
+    try:
+        status, text = asyncio.run(_post(s.url + "/v1/completions",
+                                         json.dumps({"prompt": "hi", "max_tokens": 2})))
+        assert status == 503 and "waiting" in json.loads(text)["error"]["message"]
+        s.aeng.shutdown()  # the engine loop stops: health and requests say so
+        import urllib.error
+        import urllib.request
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(s.url + "/health")
+        assert e.value.code == 503
+    finally:
+        s.stop()

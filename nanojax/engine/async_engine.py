@@ -54,7 +54,7 @@ class AsyncLLMEngine:
     # ---- health --------------------------------------------------------------------------
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and self._error is None
+        return self._thread.is_alive() and self._error is None and not self._stop
 
     @property
     def num_pending(self) -> int:
