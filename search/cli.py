@@ -1,0 +1,77 @@
+"""`nanojax costmodel` (and, later, `profile` and `search`)."""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def cmd_costmodel(args) -> int:
+    from nanojax.config import named_shape
+    from search.costmodel import WORKLOADS, analyze, gpu_from, table
+    if args.table:
+        rows = table(batch=args.batch, workload=args.workload or "splitwise")
+        if args.json:
+            print(json.dumps(rows, indent=1))
+        else:
+            print(f"{'model':<12}{'gpu':<18}{'tp':>3}{'TR':>8}{'Tnet/Tc':>9}  bound    "
+                  f"{'optimal tok/s/GPU':>18}")
+            for r in rows:
+                print(f"{r['model']:<12}{r['gpu']:<18}{r['tp']:>3}{r['TR']:>8.3f}"
+                      f"{r['T_net_over_T_compute']:>9.3f}  {r['bound']:<8}"
+                      f"{r['optimal_tokens_per_s_per_gpu']:>18.0f}")
+        return 0
+    p, d = WORKLOADS[args.workload] if args.workload else (args.prompt_len, args.output_len)
+    gpu = gpu_from(args.gpu, args.tflops, args.mem_bw, args.net_bw)
+    res = analyze(gpu, named_shape(args.model), args.batch, args.tp, p, d)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        for k, v in res.items():
+            print(f"{k:<30} {v}")
+    if args.plot:
+        plot_tr(gpu, named_shape(args.model), args.tp, p, d, args.plot)
+        print(f"nanojax: wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def plot_tr(gpu, cfg, tp, p, d, path) -> None:
+    """TR and T_net/T_compute against batch size, like the paper's Figures 2-3."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from search.costmodel import analyze
+    batches = [2 ** i for i in range(2, 14)]
+    rows = [analyze(gpu, cfg, b, tp, p, d) for b in batches]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(batches, [r["TR"] for r in rows], "o-", label="T_mem / T_compute")
+    if tp > 1:
+        ax.plot(batches, [r["T_net_over_T_compute"] for r in rows], "s-",
+                label="T_net / T_compute")
+    ax.axhline(1.0, color="gray", ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("dense batch (tokens)")
+    ax.set_ylabel("ratio to T_compute")
+    ax.set_title(f"{gpu.name}, TP {tp}, prompt {p} / output {d}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def register(sub) -> None:
+    c = sub.add_parser("costmodel", help="compute/memory/network-bound analysis (NanoFlow)")
+    c.add_argument("--gpu", default="a100", help="v100, a100, h100, h200, b200, h200-measured")
+    c.add_argument("--model", default="llama2-70b", help="a named shape (e.g. llama3-8b)")
+    c.add_argument("--tp", type=int, default=1)
+    c.add_argument("--batch", type=int, default=2048)
+    c.add_argument("--workload", default=None,
+                   help="splitwise, lmsys, sharegpt, constant-512-512, ...")
+    c.add_argument("--prompt-len", type=float, default=512)
+    c.add_argument("--output-len", type=float, default=512)
+    c.add_argument("--tflops", type=float, default=None, help="override: measured TFLOP/s")
+    c.add_argument("--mem-bw", type=float, default=None, help="override: measured TB/s")
+    c.add_argument("--net-bw", type=float, default=None, help="override: GB/s per GPU")
+    c.add_argument("--table", action="store_true", help="the Table-2-like overview")
+    c.add_argument("--plot", default=None, help="write a PNG of TR against batch")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_costmodel)
