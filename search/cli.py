@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 
 def cmd_costmodel(args) -> int:
@@ -58,6 +59,51 @@ def plot_tr(gpu, cfg, tp, p, d, path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def cmd_search(args) -> int:
+    from tqdm.auto import tqdm
+
+    from nanojax.config import named_shape
+    from search.milp import Profile, search, to_plan
+    prof = Profile.load(args.profile)
+    signature = prof.model or named_shape(args.model).signature()
+    with tqdm(total=args.max_k, desc="stage I", unit="split") as bar:
+        def progress(k, s):
+            bar.update(1)
+            bar.set_postfix(k=k, makespan=f"{s['makespan']:.4g}")
+        best = search(prof, max_k=args.max_k, time_limit=args.time_limit, progress=progress)
+    plan = to_plan(prof, best, signature, args.tp)
+    Path(args.out).write_text(json.dumps(plan, indent=1))
+    print(f"nanojax: {best['k']} nano-batches {best['sizes']}, predicted makespan "
+          f"{best['makespan']:.4g}; wrote {args.out}", file=sys.stderr)
+    if args.png:
+        plot_plan(plan, prof, args.png)
+        print(f"nanojax: wrote {args.png}", file=sys.stderr)
+    return 0
+
+
+def plot_plan(plan: dict, prof, path) -> None:
+    """Predicted nano-ops per resource on a time axis (a Gantt chart)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    pred = plan["predicted"]
+    lanes = ["compute", "memory", "network"]
+    colors = {"qkv": "#4c72b0", "attention": "#dd8452", "o_proj": "#55a868", "mlp": "#c44e52"}
+    fig, ax = plt.subplots(figsize=(9, 2.6))
+    for key, t0 in pred["start_s"].items():
+        op, b = key[:-1].split("[")
+        lane = lanes.index(prof.resource[op])
+        d = pred["duration_s"][key]
+        ax.barh(lane, d, left=t0, color=colors[op], edgecolor="black")
+        ax.text(t0 + d / 2, lane, f"{op}[{b}]", ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_xlabel("predicted time within one layer")
+    ax.set_title(f"plan: {len(plan['nano_batches']['qkv'])} nano-batches, makespan "
+                 f"{pred['makespan_s']:.4g}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def register(sub) -> None:
     c = sub.add_parser("costmodel", help="compute/memory/network-bound analysis (NanoFlow)")
     c.add_argument("--gpu", default="a100", help="v100, a100, h100, h200, b200, h200-measured")
@@ -75,3 +121,14 @@ def register(sub) -> None:
     c.add_argument("--plot", default=None, help="write a PNG of TR against batch")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_costmodel)
+
+    s = sub.add_parser("search", help="stage-I MILP: nano-batch sizes and order -> plan")
+    s.add_argument("--profile", required=True, help="profile JSON (see search/milp.py)")
+    s.add_argument("--out", required=True, help="plan JSON to write")
+    s.add_argument("--model", default="llama3-8b",
+                   help="model signature when the profile names none")
+    s.add_argument("--tp", type=int, default=1)
+    s.add_argument("--max-k", type=int, default=4)
+    s.add_argument("--time-limit", type=float, default=120.0, help="seconds per MILP")
+    s.add_argument("--png", default=None, help="write the predicted schedule as a PNG")
+    s.set_defaults(func=cmd_search)

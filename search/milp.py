@@ -1,0 +1,217 @@
+"""Stage I of NanoFlow's search as a MILP: nano-batch sizes and nano-op order.
+
+Given interference-free op times by batch size (multiples of a granularity g), choose K
+nano-batches (sizes are decision variables, multiples of g summing to B_dense) and start
+times for every nano-op so the layer's makespan is smallest, where
+  * a nano-op starts after its nano-batch's previous op finishes (qkv -> attention ->
+    o_proj -> mlp; all groups share the split, so ranges intersect only within a batch),
+  * two nano-ops bound by the same resource (compute, memory, network) never overlap.
+K grows from 2 while the compute resource still idles inside the makespan and the
+makespan improves. Solved with HiGHS (highspy), or scipy.optimize.milp as a fallback.
+Stage II (resource shares with the interference table) is not implemented yet.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from nanojax.errors import NanojaxError
+from nanojax.pipeline.plan import OP_GROUPS, PLAN_VERSION, validate
+
+
+class SearchError(NanojaxError):
+    pass
+
+
+@dataclasses.dataclass
+class Profile:
+    b_dense: int
+    granularity: int
+    resource: dict[str, str]                   # op group -> compute | memory | network
+    times: dict[str, dict[int, float]]         # op group -> {tokens: seconds}
+    model: dict | None = None
+
+    @classmethod
+    def load(cls, path) -> "Profile":
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise SearchError(f"cannot read profile {path}: {e}") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Profile":
+        try:
+            b, g = int(d["b_dense"]), int(d["granularity"])
+            ops = d["ops"]
+            resource = {k: ops[k]["resource"] for k in OP_GROUPS}
+            times = {k: {int(n): float(t) for n, t in ops[k]["times"].items()}
+                     for k in OP_GROUPS}
+        except (KeyError, TypeError, ValueError) as e:
+            raise SearchError(f"malformed profile: missing or bad field {e}") from None
+        if b % g:
+            raise SearchError(f"b_dense {b} is not a multiple of the granularity {g}")
+        for k in OP_GROUPS:
+            need = set(range(g, b + 1, g))
+            if not need <= set(times[k]):
+                raise SearchError(f"profile of '{k}' lacks sizes {sorted(need - set(times[k]))[:5]}")
+            if resource[k] not in ("compute", "memory", "network"):
+                raise SearchError(f"'{k}' has unknown resource {resource[k]!r}")
+        return cls(b, g, resource, times, d.get("model"))
+
+
+class _Milp:
+    """A tiny modelling layer: variables, rows, objective -> HiGHS or scipy."""
+
+    def __init__(self):
+        self.lb, self.ub, self.integer, self.cost = [], [], [], []
+        self.rows: list[tuple[dict, float, float]] = []
+
+    def var(self, lb=0.0, ub=np.inf, integer=False, cost=0.0) -> int:
+        self.lb.append(lb), self.ub.append(ub), self.integer.append(integer)
+        self.cost.append(cost)
+        return len(self.lb) - 1
+
+    def row(self, coeffs: dict, lo=-np.inf, hi=np.inf) -> None:
+        self.rows.append((coeffs, lo, hi))
+
+    def solve(self, time_limit: float) -> np.ndarray:
+        from scipy.sparse import csc_matrix
+        n, m = len(self.lb), len(self.rows)
+        r, c, v = [], [], []
+        for i, (coeffs, _, _) in enumerate(self.rows):
+            for j, a in coeffs.items():
+                r.append(i), c.append(j), v.append(a)
+        a = csc_matrix((v, (r, c)), shape=(m, n))
+        lo = np.array([x[1] for x in self.rows])
+        hi = np.array([x[2] for x in self.rows])
+        try:
+            import highspy
+        except ImportError:
+            highspy = None
+        if highspy is not None:
+            h = highspy.Highs()
+            h.setOptionValue("output_flag", False)
+            h.setOptionValue("time_limit", float(time_limit))
+            h.setOptionValue("random_seed", 0)
+            h.setOptionValue("threads", 1)  # same input, same plan
+            lp = highspy.HighsLp()
+            lp.num_col_, lp.num_row_ = n, m
+            lp.col_cost_ = np.array(self.cost)
+            lp.col_lower_, lp.col_upper_ = np.array(self.lb), np.array(self.ub)
+            lp.row_lower_, lp.row_upper_ = lo, hi
+            lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+            lp.a_matrix_.start_ = a.indptr
+            lp.a_matrix_.index_ = a.indices
+            lp.a_matrix_.value_ = a.data
+            lp.integrality_ = [highspy.HighsVarType.kInteger if i
+                               else highspy.HighsVarType.kContinuous for i in self.integer]
+            h.passModel(lp)
+            h.run()
+            status = h.getModelStatus()
+            if status == highspy.HighsModelStatus.kOptimal:
+                return np.array(h.getSolution().col_value)
+            if status == highspy.HighsModelStatus.kInfeasible:
+                raise SearchError("the search problem is infeasible")
+            if status == highspy.HighsModelStatus.kTimeLimit and h.getInfo().primal_solution_status == 2:
+                return np.array(h.getSolution().col_value)
+            raise SearchError(f"HiGHS stopped without a solution: {h.modelStatusToString(status)}")
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        res = milp(np.array(self.cost), integrality=np.array(self.integer, int),
+                   bounds=Bounds(self.lb, self.ub), constraints=LinearConstraint(a, lo, hi),
+                   options={"time_limit": time_limit})
+        if res.x is None:
+            raise SearchError(f"scipy milp found no solution: {res.message}")
+        return res.x
+
+
+def stage1(profile: Profile, k: int, time_limit: float = 60.0) -> dict:
+    """Best schedule with exactly k nano-batches."""
+    g, units = profile.granularity, profile.b_dense // profile.granularity
+    if not 1 <= k <= units:
+        raise SearchError(f"cannot cut {profile.b_dense} tokens into {k} nano-batches of "
+                          f"multiples of {g}")
+    sizes = range(1, units - k + 2)
+    m = _Milp()
+    x = {(b, s): m.var(0, 1, True) for b in range(k) for s in sizes}
+    start = {(j, b): m.var() for j in OP_GROUPS for b in range(k)}
+    dur = {(j, b): m.var() for j in OP_GROUPS for b in range(k)}
+    cmax = m.var(cost=1.0)
+    big = sum(max(profile.times[j].values()) for j in OP_GROUPS) * k
+    for b in range(k):
+        m.row({x[b, s]: 1 for s in sizes}, 1, 1)
+        for j in OP_GROUPS:
+            coeffs = {x[b, s]: -profile.times[j][s * g] for s in sizes}
+            coeffs[dur[j, b]] = 1
+            m.row(coeffs, 0, 0)
+        for prev, nxt in zip(OP_GROUPS, OP_GROUPS[1:]):
+            m.row({start[nxt, b]: 1, start[prev, b]: -1, dur[prev, b]: -1}, 0)
+        m.row({cmax: 1, start[OP_GROUPS[-1], b]: -1, dur[OP_GROUPS[-1], b]: -1}, 0)
+    m.row({x[b, s]: s for b in range(k) for s in sizes}, units, units)
+    for b in range(k - 1):
+        # attention nano-ops run in token order (the executor threads the KV cache through
+        # them); nano-batches are interchangeable otherwise, so this loses nothing and
+        # also breaks the symmetry between them
+        a0, a1 = ("attention", b), ("attention", b + 1)
+        m.row({start[a1]: 1, start[a0]: -1, dur[a0]: -1}, 0)
+    nano = [(j, b) for j in OP_GROUPS for b in range(k)]
+    for i, a in enumerate(nano):
+        for c in nano[i + 1:]:
+            if profile.resource[a[0]] != profile.resource[c[0]] or a[1] == c[1]:
+                continue  # same batch: already ordered by the chain
+            if a[0] == c[0] == "attention":
+                continue  # ordered above
+            y = m.var(0, 1, True)
+            m.row({start[a]: 1, dur[a]: 1, start[c]: -1, y: big}, hi=big)
+            m.row({start[c]: 1, dur[c]: 1, start[a]: -1, y: -big}, hi=0)
+    sol = m.solve(time_limit)
+    size = [g * next(s for s in sizes if sol[x[b, s]] > 0.5) for b in range(k)]
+    starts = {op: float(sol[start[op]]) for op in nano}
+    durs = {op: float(sol[dur[op]]) for op in nano}
+    return {"k": k, "sizes": size, "makespan": float(sol[cmax]), "start": starts,
+            "duration": durs}
+
+
+def compute_idle(profile: Profile, sched: dict) -> float:
+    busy = sum(d for (j, _), d in sched["duration"].items()
+               if profile.resource[j] == "compute")
+    return sched["makespan"] - busy
+
+
+def search(profile: Profile, max_k: int = 4, time_limit: float = 120.0, progress=None):
+    best = None
+    for k in range(1, max_k + 1):
+        if k > profile.b_dense // profile.granularity:
+            break
+        s = stage1(profile, k, time_limit)
+        if progress is not None:
+            progress(k, s)
+        if best is not None and s["makespan"] >= best["makespan"] * (1 - 1e-9):
+            break
+        best = s
+        if k >= 2 and compute_idle(profile, s) <= 1e-9 * s["makespan"]:
+            break  # no compute bubble left
+    return best
+
+
+def to_plan(profile: Profile, sched: dict, model_signature: dict, tp: int = 1) -> dict:
+    bounds, pos = [], 0
+    for s in sched["sizes"]:
+        bounds.append([pos, pos + s])
+        pos += s
+    order = sorted(sched["start"], key=lambda op: (sched["start"][op],
+                                                    OP_GROUPS.index(op[0])))
+    stream = {"compute": 0, "memory": 1, "network": 3}
+    plan = {"version": PLAN_VERSION, "name": "searched", "model": model_signature, "tp": tp,
+            "b_dense": profile.b_dense, "granularity": profile.granularity,
+            "nano_batches": {j: [list(b) for b in bounds] for j in OP_GROUPS},
+            "nano_ops": [{"op": j, "batch": b, "stream": stream[profile.resource[j]],
+                          "share": 1.0} for j, b in order],
+            "predicted": {"makespan_s": sched["makespan"],
+                          "start_s": {f"{j}[{b}]": t for (j, b), t in sched["start"].items()},
+                          "duration_s": {f"{j}[{b}]": t for (j, b), t in
+                                         sched["duration"].items()}}}
+    return validate(plan)

@@ -1,0 +1,130 @@
+"""Stage-I search against brute force on small synthetic profiles."""
+import itertools
+
+import pytest
+
+from nanojax.pipeline.executor import _check_order
+from nanojax.pipeline.plan import OP_GROUPS
+from search.milp import Profile, SearchError, search, stage1, to_plan
+
+
+def _profile(b, g, per_token, fixed, resource=None):
+    resource = resource or {"qkv": "compute", "attention": "memory", "o_proj": "compute",
+                            "mlp": "compute"}
+    return Profile(b, g, resource, {j: {n: fixed[j] + per_token[j] * n
+                                        for n in range(g, b + 1, g)} for j in OP_GROUPS})
+
+
+def _brute(profile, k):
+    """Every split, every dependency-respecting issue order, each op as early as its
+    resource and predecessor allow (semi-active schedules contain an optimum)."""
+    g, units = profile.granularity, profile.b_dense // profile.granularity
+    best = float("inf")
+    for split in itertools.product(range(1, units + 1), repeat=k):
+        if sum(split) != units:
+            continue
+        ops = [(j, b) for b in range(k) for j in OP_GROUPS]
+        dur = {(j, b): profile.times[j][split[b] * g] for j, b in ops}
+
+        def extend(done, free, finish):
+            nonlocal best
+            if len(done) == len(ops):
+                best = min(best, max(finish.values()))
+                return
+            for j, b in ops:
+                if (j, b) in done:
+                    continue
+                i = OP_GROUPS.index(j)
+                if i and (OP_GROUPS[i - 1], b) not in done:
+                    continue
+                r = profile.resource[j]
+                t0 = max(free.get(r, 0.0), finish.get((OP_GROUPS[i - 1], b), 0.0) if i else 0)
+                extend(done | {(j, b)}, {**free, r: t0 + dur[j, b]},
+                       {**finish, (j, b): t0 + dur[j, b]})
+
+        extend(frozenset(), {}, {})
+    return best
+
+
+CASES = [
+    # attention-heavy: splitting lets attention hide under the GEMMs
+    (512, 128, {"qkv": 1.0, "attention": 1.5, "o_proj": 0.5, "mlp": 2.0},
+     {"qkv": 20, "attention": 5, "o_proj": 10, "mlp": 30}),
+    # large fixed costs: splitting costs more than it hides
+    (512, 128, {"qkv": 0.1, "attention": 0.1, "o_proj": 0.1, "mlp": 0.1},
+     {"qkv": 100, "attention": 100, "o_proj": 100, "mlp": 100}),
+    (768, 128, {"qkv": 0.7, "attention": 2.0, "o_proj": 0.3, "mlp": 1.2},
+     {"qkv": 5, "attention": 1, "o_proj": 3, "mlp": 4}),
+]
+
+
+@pytest.mark.parametrize("b,g,per,fixed", CASES)
+@pytest.mark.parametrize("k", [1, 2])
+def test_stage1_finds_the_brute_force_optimum(b, g, per, fixed, k):
+    prof = _profile(b, g, per, fixed)
+    got = stage1(prof, k)
+    assert got["makespan"] == pytest.approx(_brute(prof, k), rel=1e-6)
+    assert sum(got["sizes"]) == b and all(s % g == 0 for s in got["sizes"])
+
+
+def test_schedule_obeys_dependencies_and_resources():
+    prof = _profile(*CASES[2])
+    s = stage1(prof, 3)
+    st, du = s["start"], s["duration"]
+    for (j, b), t in st.items():
+        i = OP_GROUPS.index(j)
+        if i:
+            prev = (OP_GROUPS[i - 1], b)
+            assert t >= st[prev] + du[prev] - 1e-6
+    ops = list(st)
+    for a, c in itertools.combinations(ops, 2):
+        if prof.resource[a[0]] == prof.resource[c[0]]:
+            assert st[a] + du[a] <= st[c] + 1e-6 or st[c] + du[c] <= st[a] + 1e-6
+
+
+def test_search_grows_k_and_writes_a_valid_plan():
+    from nanojax.config import named_shape
+    prof = _profile(*CASES[0])
+    best = search(prof, max_k=3)
+    assert best["k"] >= 2  # splitting pays on this profile
+    plan = to_plan(prof, best, named_shape("llama3-8b").signature())
+    _check_order(plan)  # the executor accepts its order
+    again = to_plan(prof, search(prof, max_k=3), named_shape("llama3-8b").signature())
+    assert again == plan  # same input, same plan
+
+
+def test_malformed_profile_is_named():
+    with pytest.raises(SearchError, match="malformed profile"):
+        Profile.from_dict({"b_dense": 256})
+    with pytest.raises(SearchError, match="lacks sizes"):
+        Profile.from_dict({"b_dense": 256, "granularity": 128, "ops": {
+            j: {"resource": "compute", "times": {"128": 1.0}} for j in OP_GROUPS}})
+
+
+def test_realistic_instance_and_cli(tmp_path):
+    """B_dense 2048 in steps of 128, up to 4 nano-batches, through the CLI."""
+    import json
+    import subprocess
+    import sys
+    import time
+    prof = _profile(2048, 128, CASES[2][2], CASES[2][3])
+    d = {"b_dense": 2048, "granularity": 128,
+         "ops": {j: {"resource": prof.resource[j],
+                     "times": {str(n): t for n, t in prof.times[j].items()}}
+                 for j in OP_GROUPS}}
+    (tmp_path / "profile.json").write_text(json.dumps(d))
+    t0 = time.time()
+    res = subprocess.run([sys.executable, "-m", "nanojax", "search", "--profile",
+                          str(tmp_path / "profile.json"), "--out", str(tmp_path / "plan.json"),
+                          "--max-k", "4", "--png", str(tmp_path / "plan.png")],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert time.time() - t0 < 600
+    from nanojax.pipeline.plan import load_plan
+    plan = load_plan(tmp_path / "plan.json")
+    assert len(plan["nano_batches"]["qkv"]) >= 2
+    assert (tmp_path / "plan.png").stat().st_size > 1000
+    bad = subprocess.run([sys.executable, "-m", "nanojax", "search", "--profile",
+                          str(tmp_path / "nope.json"), "--out", str(tmp_path / "x.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "cannot read profile" in bad.stderr
