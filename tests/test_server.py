@@ -1,7 +1,6 @@
 """The HTTP server on 127.0.0.1 with the real SmolLM2 model, spoken to by real clients."""
 import asyncio
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -271,7 +270,7 @@ def test_load_with_cancellations(server, smollm2):
                 await r.content.readline()  # first chunk, then hang up
                 r.close()
                 return i, None
-            finish, ntok = None, 0
+            finish = None
             async for line in r.content:
                 line = line.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":

@@ -19,7 +19,7 @@ from nanojax.engine.outputs import CompletionOutput, RequestOutput
 from nanojax.engine.runner import ModelRunner
 from nanojax.engine.sampling import SamplingParams
 from nanojax.engine.scheduler import ScheduledBatch, Scheduler
-from nanojax.engine.sequence import Sequence, Status
+from nanojax.engine.sequence import Sequence
 from nanojax.errors import NanojaxError
 from nanojax.tokenizer import IncrementalDetokenizer
 

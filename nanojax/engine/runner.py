@@ -16,7 +16,7 @@ import numpy as np
 
 from nanojax.config import ModelConfig
 from nanojax.engine.forward import default_forward
-from nanojax.engine.sampling import MAX_LOGPROBS, sample
+from nanojax.engine.sampling import sample
 from nanojax.engine.scheduler import ScheduledBatch
 from nanojax.layers.attention import PagedMetadata
 
