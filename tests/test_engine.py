@@ -166,7 +166,7 @@ def test_random_workloads_finish_correctly_and_free_every_page(tiny_bundle, data
     abort_at = {rid: data.draw(st.integers(0, 30)) for rid in expected
                 if data.draw(st.booleans())}
     done, step = {}, 0
-    while eng.has_unfinished() or eng._in_flight is not None:
+    while not eng.is_idle:
         for rid, at in abort_at.items():
             if at == step:
                 eng.abort_request(rid)

@@ -57,8 +57,7 @@ class ServerThread:
     def idle(self, timeout=60) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if (not self.engine.requests and self.engine._in_flight is None
-                    and self.aeng.num_pending == 0):
+            if self.engine.is_idle and self.aeng.num_pending == 0:
                 return True
             time.sleep(0.05)
         return False
@@ -153,7 +152,6 @@ def test_logprobs(client):
 
 
 def test_models_health_and_auth(server, smollm2):
-    import requests  # noqa: F401  (transformers brings it)
     import urllib.request
     with urllib.request.urlopen(server.url + "/v1/models") as r:
         assert json.load(r)["data"][0]["id"] == MODEL

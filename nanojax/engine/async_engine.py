@@ -111,7 +111,7 @@ class AsyncLLMEngine:
         try:
             while not self._stop:
                 self._drain_commands()
-                if not (eng.has_unfinished() or eng._in_flight is not None):
+                if eng.is_idle:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue

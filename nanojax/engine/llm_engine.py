@@ -136,6 +136,11 @@ class LLMEngine:
         return any(not s.is_finished for s in self.requests.values()) or bool(self._aborted)
 
     @property
+    def is_idle(self) -> bool:
+        """No request left and no step whose results are still to be read."""
+        return not self.has_unfinished() and self._in_flight is None
+
+    @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
@@ -244,7 +249,7 @@ class LLMEngine:
     # ---- offline helper ------------------------------------------------------------------
     def run_to_completion(self, progress=None) -> dict[str, RequestOutput]:
         done: dict[str, RequestOutput] = {}
-        while self.has_unfinished() or self._in_flight is not None:
+        while not self.is_idle:
             for out in self.step():
                 if out.finished:
                     done[out.request_id] = out
