@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -134,10 +135,29 @@ def _extra_commands():
     return regs
 
 
+# XLA needs these before the backend starts for the executor's stream-annotated regions
+# to run concurrently (see DESIGN.md, "What the H200 showed"); harmless off the GPU.
+# Command buffers (CUDA graphs) are off: inside one, the H200 trace showed every kernel of
+# the step serialised on one stream, stream annotations notwithstanding.
+STREAM_XLA_FLAGS = ("--xla_gpu_experimental_stream_annotation=true",
+                    "--xla_gpu_enable_latency_hiding_scheduler=true",
+                    "--xla_gpu_experimental_parallel_async_compute_limit=2",
+                    "--xla_gpu_enable_command_buffer=")
+
+
+def _add_stream_flags() -> None:
+    flags = os.environ.get("XLA_FLAGS", "")
+    missing = [f for f in STREAM_XLA_FLAGS if f.split("=")[0] not in flags]
+    if missing:
+        os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _add_stream_flags()
     if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] not in
-                                  ("throughput", "serve", "-h", "--help")):
+                                  ("throughput", "serve", "step",
+                                                "plot-timeline", "-h", "--help")):
         argv.insert(1, "throughput")  # `nanojax bench` is the offline benchmark
     args = build_parser().parse_args(argv)
     try:

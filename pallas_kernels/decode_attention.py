@@ -80,22 +80,33 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, *, kvh, num_work, num_p
     lax.fori_loop(0, n_units, unit, ())
 
 
+def _block_keys(programs: int) -> int:
+    """Keys per inner step for a grid of `programs` (tuning at batch 512, context 1024)."""
+    try:
+        sms = jax.devices()[0].core_count or 132
+    except AttributeError:  # CPU devices have no core_count
+        sms = 132
+    per_sm = programs / sms
+    return 64 if per_sm > 2 else (128 if per_sm > 1 else 256)
+
+
 def decode_attention_impl(q, k_pages, v_pages, page_table, context_lens, *,
                      num_programs: int | None = None, pages_per_block: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
     """Pallas paged decode attention; same contract as decode_attention_reference.
 
     num_programs: programs in the persistent grid (None: one per unit of work).
-    pages_per_block: pages loaded per inner step (None: blocks of 64 keys, the best on an
-        H200 in bench/results/decode_attention_tuning_h200.json).
+    pages_per_block: pages loaded per inner step (None: by programs per SM, the best on an
+        H200 in bench/results/decode_attention_tuning_h200.json: a program with fewer
+        siblings on its SM needs more bytes in flight, so larger blocks).
     """
     b, h, d = q.shape
     n, kvh, ps, _ = k_pages.shape
-    pages_per_block = pages_per_block or max(1, 64 // ps)
     g = h // kvh
     rows = max(_MIN_ROWS, g)
     num_work = b * kvh
     nprog = num_work if num_programs is None else max(1, min(num_programs, num_work))
+    pages_per_block = pages_per_block or max(1, _block_keys(nprog) // ps)
     qg = q.reshape(b, kvh, g, d)
     # lax.pad, not jnp.pad (a nested jit, refused inside stream-annotated regions)
     if rows > g:
@@ -115,7 +126,7 @@ def decode_attention_impl(q, k_pages, v_pages, page_table, context_lens, *,
         params["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps,
                                                          num_stages=num_stages)
     out = pl.pallas_call(
-        kern, grid=(nprog,),
+        kern, grid=(nprog,), name="paged_decode_attention",  # named in profiles
         out_shape=jax.ShapeDtypeStruct((b, kvh, rows, d), q.dtype),
         interpret=interpret, **params,
     )(qg, k_pages.reshape(n * kvh, ps, d), v_pages.reshape(n * kvh, ps, d),

@@ -81,3 +81,83 @@ def test_all_modes_give_the_reference_tokens(smollm2):
                                                  ignore_eos=True)) for p in prompts]
         done = eng.run_to_completion()
         assert [done[i].token_ids for i in ids] == want, mode
+
+
+def test_stream_regions_are_flattened_to_one_computation(smollm2):
+    """XLA assigns streams only to flat regions: inline_calls must leave no nested call
+    (jnp.einsum, jax.nn.silu, ... are jits) and compute the same values."""
+    import jax
+    import jax.numpy as jnp
+
+    from nanojax.models.llama import DecoderLayer
+    from nanojax.pipeline.streams import inline_calls
+
+    cfg = smollm2.config
+    layer, lp = DecoderLayer(cfg), {"params": smollm2.params["params"]["layers_0"]}
+    x = jax.random.normal(jax.random.PRNGKey(0), (8, cfg.hidden_size), jnp.float32)
+
+    def region(lp, x):
+        return layer.apply(lp, x, method=DecoderLayer.mlp), jnp.floor_divide(x, 3.0)
+
+    def nested(jaxpr):
+        return [e.primitive.name for e in jaxpr.eqns
+                if any(hasattr(v, "eqns") or hasattr(v, "jaxpr") for v in e.params.values())]
+
+    assert nested(jax.make_jaxpr(region)(lp, x).jaxpr)  # the region does nest calls
+    flat = inline_calls(region)
+    assert nested(jax.make_jaxpr(flat)(lp, x).jaxpr) == []
+    for got, want in zip(flat(lp, x), region(lp, x)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_scheduler_ends_prefill_chunks_at_the_attention_cuts():
+    from nanojax.engine.kv_cache import PageAllocator
+    from nanojax.engine.scheduler import Scheduler
+    from nanojax.engine.sequence import Sequence
+
+    sched = Scheduler(PageAllocator(256), page_size=4, b_dense=32, max_num_seqs=8,
+                      max_model_len=128, chunk_cuts=(12, 20))
+    for i in range(4):
+        sched.add(Sequence(f"r{i}", list(range(1, 31)), SamplingParams(max_tokens=4)))
+    sizes = []
+    for _ in range(4):
+        batch = sched.schedule()
+        pos = 0
+        for e in batch.entries:
+            assert not any(pos < c < pos + e.num_tokens for c in (12, 20)), \
+                f"chunk [{pos}, {pos + e.num_tokens}) straddles a cut"
+            pos += e.num_tokens
+        sizes.append(pos)
+    # the cuts shorten chunks; while prompts are waiting the batch is still full
+    assert sizes[:2] == [32, 32]
+
+
+def test_attention_nano_ops_in_any_order_give_the_reference_tokens(smollm2):
+    """With chunks ending at the cuts, the decode nano-batch's attention may run after the
+    prefill one's (the shipped 8B plan's order)."""
+    from nanojax.reference import ReferenceGenerator
+    plan = copy.deepcopy(_plan_for(smollm2.config, 32))
+    ops = plan["nano_ops"]
+    ops.insert(2, ops.pop(5))  # attention[1] now comes before attention[0]
+    assert [(o["op"], o["batch"]) for o in ops[:4]] == [
+        ("qkv", 0), ("qkv", 1), ("attention", 1), ("attention", 0)]
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(100, 40000, size=int(n)).tolist() for n in (30, 7, 45)]
+    ref = ReferenceGenerator(smollm2.config, smollm2.params, max_len=128)
+    want = [ref.generate(p, 6, ignore_eos=True) for p in prompts]
+    eng = LLMEngine(smollm2, EngineConfig(b_dense=32, num_pages=32, max_model_len=128,
+                                          constant_batch=True),
+                    forward=PipelineForward(smollm2.config, plan, "overlap"))
+    ids = [eng.add_request(p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+           for p in prompts]
+    done = eng.run_to_completion()
+    assert [done[i].token_ids for i in ids] == want
+
+
+def test_overlap_groups_pair_each_side_op_with_the_gemms_issued_beside_it():
+    from nanojax.pipeline.executor import overlap_groups
+    groups = overlap_groups(load_plan("llama3-8b-1gpu"))
+    # prefill attention beside the decode nano-batch's qkv; decode attention beside the
+    # prefill nano-batch's o_proj and MLP; o_proj[0] needs attention[0] and is left out
+    assert groups == {("attention", 1): 1, ("qkv", 0): 1,
+                      ("attention", 0): 2, ("o_proj", 1): 2, ("mlp", 1): 2}

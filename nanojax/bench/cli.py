@@ -29,6 +29,20 @@ def cmd_throughput(args) -> int:
     from nanojax.bench.workload import make_requests
     from nanojax.engine.llm_engine import EngineConfig, LLMEngine
 
+    peer = None
+    if args.peer:  # first, in its own process, before JAX holds the GPU's memory
+        from nanojax.bench.peer import run_peer_subprocess
+        if not args.model.startswith("random:"):
+            raise SystemExit("nanojax: --peer needs --model random:<shape>")
+        n = args.peer_num_prompts or args.num_prompts
+        peer_args = ["--shape", args.model.split(":", 1)[1], "--num-prompts", str(n),
+                     "--max-model-len", str(args.max_model_len), "--seed", str(args.seed)]
+        if args.trace:
+            peer_args += ["--trace", args.trace]
+        else:
+            peer_args += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+        peer = run_peer_subprocess(peer_args)
+        print(f"peer: {json.dumps(peer)[:400]}", file=sys.stderr)
     bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
     reqs = make_requests(args.num_prompts, bundle.config.vocab_size, args.input_len,
                          args.output_len, args.trace, args.max_model_len, args.seed)
@@ -76,6 +90,17 @@ def cmd_throughput(args) -> int:
                "engine": {"b_dense": args.b_dense, "page_size": args.page_size,
                           "num_pages": args.num_pages, "max_model_len": args.max_model_len},
                "results": results}
+    if peer is not None:
+        payload["peer"] = peer
+        if "error" not in peer:
+            payload["ours_over_peer"] = {m: r["total_tokens_per_s"] / peer["total_tokens_per_s"]
+                                         for m, r in results.items() if "error" not in r}
+    digests = {m: r.pop("output_digests") for m, r in results.items() if "error" not in r}
+    if len(digests) > 1:  # greedy decoding: every mode should produce the same tokens
+        first = next(iter(digests))
+        for m, d in digests.items():
+            results[m]["same_outputs_as_" + first] = (
+                sum(a == b for a, b in zip(d, digests[first])) / len(d))
     if args.plan:
         ok = {m: r["total_tokens_per_s"] for m, r in results.items() if "error" not in r}
         if "overlap" in ok and "non-overlap" in ok:
@@ -99,8 +124,45 @@ def cmd_throughput(args) -> int:
         print(f"async / sync throughput: {payload['async_over_sync']:.3f}", file=sys.stderr)
     print(json.dumps({k: v for k, v in payload.items() if k in (
         "results", "async_over_sync", "overlap_over_non_overlap",
-        "overlap_over_nanobatch_only")}))
+        "overlap_over_nanobatch_only", "ours_over_peer")}))
     write_json(args.json, payload)
+    return 0
+
+
+def cmd_step(args) -> int:
+    from checkpoints.loader import load_model
+    from nanojax.bench.step import run_step_bench
+    from nanojax.pipeline.plan import load_plan
+
+    bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
+    out = run_step_bench(bundle, load_plan(args.plan),
+                         [int(b) for b in args.b_dense.split(",")], args.workloads.split(","),
+                         args.modes.split(","), page_size=args.page_size,
+                         num_pages=args.num_pages, max_model_len=args.max_model_len,
+                         repeats=args.repeats, timeline_png=args.timeline,
+                         progress=not args.quiet,
+                         checkpoint=lambda part: write_json(args.json, {
+                             "command": " ".join(["nanojax"] + sys.argv[1:]), **part}))
+    payload = {"command": " ".join(["nanojax"] + sys.argv[1:]), "env": environment(),
+               "model": args.model, "plan": args.plan, **out}
+    for r in out["results"]:
+        if "error" in r:
+            print(f"B_dense {r['b_dense']:>5} {r['mode']}: failed: {r['error'][:300]}",
+                  file=sys.stderr)
+            continue
+        frac = r.get("fraction_of_optimal")
+        print(f"B_dense {r['b_dense']:>5} {r['workload']:>10} {r['mode']:>15}: "
+              f"{1e3 * r['step_s']:8.2f} ms/step {r['tokens_per_s']:10.0f} tok/s"
+              + (f"  {100 * frac:5.1f}% of optimal" if frac else ""), file=sys.stderr)
+    print(json.dumps(out["ratios"]))
+    write_json(args.json, payload)
+    return 0
+
+
+def cmd_plot_timeline(args) -> int:
+    from nanojax.bench import timeline
+    timeline.plot(json.loads(Path(args.events).read_text()), args.out, args.title)
+    print(f"nanojax: wrote {args.out}", file=sys.stderr)
     return 0
 
 
@@ -133,9 +195,39 @@ def register(sub) -> None:
                    help="run the nano-batch executor with this plan (name or JSON path)")
     t.add_argument("--modes", default="non-overlap,nanobatch-only,overlap",
                    help="with --plan: the ablation modes to compare")
+    t.add_argument("--peer", action="store_true",
+                   help="also run the workload through transformers' continuous batching "
+                        "(GPU, torch present; needs --model random:<shape>)")
+    t.add_argument("--peer-num-prompts", type=int, default=None,
+                   help="requests for the peer (default: the same as ours)")
     t.add_argument("--quiet", action="store_true")
     t.add_argument("--json", default=None, help="write the full result here")
     t.set_defaults(func=cmd_throughput)
+
+    st = bsub.add_parser("step", help="time one dense iteration of each pipeline mode on a "
+                                      "synthetic steady-state batch (GPU), with a timeline")
+    _add_model_args(st)
+    st.add_argument("--plan", required=True, help="plan name or JSON path")
+    st.add_argument("--b-dense", default="2048", help="comma-separated B_dense values")
+    st.add_argument("--workloads", default="512/512",
+                    help="comma-separated PROMPT/OUTPUT pairs or trace names")
+    st.add_argument("--modes", default="non-overlap,nanobatch-only,overlap")
+    st.add_argument("--page-size", type=int, default=16)
+    st.add_argument("--num-pages", type=int, default=16384, help="KV page pool")
+    st.add_argument("--max-model-len", type=int, default=2048)
+    st.add_argument("--repeats", type=int, default=10)
+    st.add_argument("--timeline", default=None,
+                    help="write a Gantt PNG (and its events JSON) of one iteration per mode, "
+                         "for the first B_dense and workload")
+    st.add_argument("--quiet", action="store_true")
+    st.add_argument("--json", default=None)
+    st.set_defaults(func=cmd_step)
+
+    pt = bsub.add_parser("plot-timeline", help="render a timeline events JSON as a PNG")
+    pt.add_argument("events")
+    pt.add_argument("--out", required=True)
+    pt.add_argument("--title", default="one iteration")
+    pt.set_defaults(func=cmd_plot_timeline)
     try:
         from nanojax.bench.serve import register_serve
         register_serve(bsub)

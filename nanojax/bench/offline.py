@@ -1,6 +1,7 @@
 """Offline throughput: push a whole workload through the engine, count what came out."""
 from __future__ import annotations
 
+import hashlib
 import time
 
 from tqdm.auto import tqdm
@@ -26,6 +27,7 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
     with tqdm(total=len(ids), desc="requests", unit="req", disable=not progress) as bar:
         done = engine.run_to_completion(bar)
     wall = time.perf_counter() - t0
+    digests = [hashlib.sha1(str(done[i].token_ids).encode()).hexdigest()[:12] for i in ids]
     prompt_tokens = sum(len(done[i].prompt_token_ids) for i in ids)
     output_tokens = sum(len(done[i].token_ids) for i in ids)
     return {
@@ -39,4 +41,5 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
         "iterations": engine.stats.steps,
         "preemptions": engine.scheduler.num_preemptions,
         "compiles_during_run": engine.runner.num_compiles - compiles_before,
+        "output_digests": digests,  # per request, to compare modes' tokens
     }

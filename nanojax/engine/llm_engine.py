@@ -68,7 +68,8 @@ class LLMEngine:
         max_seqs = cfg.max_num_seqs or self.sizing.max_num_seqs
         self.allocator = PageAllocator(self.sizing.num_pages)
         self.scheduler = Scheduler(self.allocator, cfg.page_size, cfg.b_dense, max_seqs,
-                                   self.max_model_len)
+                                   self.max_model_len,
+                                   chunk_cuts=getattr(forward, "chunk_cuts", ()))
         self.runner = ModelRunner(self.model_config, bundle.params, self.sizing.num_pages,
                                   cfg.page_size, self.scheduler.max_num_seqs, cfg.b_dense,
                                   forward=forward, constant_batch=cfg.constant_batch,

@@ -39,8 +39,12 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, b_dense: int,
-                 max_num_seqs: int, max_model_len: int):
+                 max_num_seqs: int, max_model_len: int, chunk_cuts: tuple[int, ...] = ()):
+        """chunk_cuts: positions in the dense batch that no prefill chunk may straddle (the
+        forward's attention nano-batch boundaries: a nano-batch then holds whole chunks,
+        so the nano-batches' attention can run in any order)."""
         self.allocator = allocator
+        self.chunk_cuts = sorted(c for c in chunk_cuts if 0 < c < b_dense)
         self.page_size = page_size
         self.b_dense = b_dense
         self.max_num_seqs = min(max_num_seqs, b_dense)
@@ -131,7 +135,7 @@ class Scheduler:
                 continue
             if seq.num_computed >= seq.num_known:
                 continue
-            chunk = min(seq.num_known - seq.num_computed, budget)
+            chunk = self._chunk(seq.num_known - seq.num_computed, budget)
             if not self._grow_or_preempt(seq, seq.num_computed + chunk, scheduled):
                 continue
             entries.append(self._prefill_entry(seq, chunk))
@@ -148,7 +152,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            chunk = min(seq.num_known, budget)
+            chunk = self._chunk(seq.num_known, budget)
             ok = self._grow(seq, chunk)
             assert ok, "admission checked the pages"
             entries.append(self._prefill_entry(seq, chunk))
@@ -160,6 +164,12 @@ class Scheduler:
             if e.samples:
                 e.seq.pending += 1
         return ScheduledBatch(entries, num_decodes)
+
+    def _chunk(self, wanted: int, budget: int) -> int:
+        """Tokens of a prefill chunk starting at the batch position b_dense - budget."""
+        pos = self.b_dense - budget
+        room = next((c - pos for c in self.chunk_cuts if c > pos), budget)
+        return min(wanted, budget, room)
 
     def _prefill_entry(self, seq: Sequence, chunk: int) -> BatchEntry:
         samples = seq.num_computed + chunk == seq.num_known and seq.pending == 0

@@ -109,23 +109,40 @@ def paged_attention_reference(q, k_pages, v_pages, meta: PagedMetadata):
     return _softmax_attend(q, keys, values, mask)
 
 
-def paged_attention(q, k, v, kv_layer, meta: PagedMetadata, inv_freq):
-    """Pure-JAX paged backend: RoPE, append to pages, attend. Used on the CPU."""
-    q = apply_rope(q, meta.positions, inv_freq)
+def append_kv(k, v, kv_layer, meta: PagedMetadata, inv_freq):
+    """RoPE on the new keys, then write k and v into their pages (the step's KV append).
+    This is where a fused RoPE + append kernel plugs in."""
     k = apply_rope(k, meta.positions, inv_freq)
-    k_pages, v_pages = write_kv_pages(*kv_layer, k, v, meta.slot_mapping)
-    return paged_attention_reference(q, k_pages, v_pages, meta), (k_pages, v_pages)
+    return write_kv_pages(*kv_layer, k, v, meta.slot_mapping)
 
 
-def paged_attention_pallas(q, k, v, kv_layer, meta: PagedMetadata, inv_freq,
-                           num_programs: int | None = None):
-    """GPU backend: RoPE and the page write in JAX, attention in the Pallas paged kernel.
-    Every token is a row of the kernel with its own sequence's pages and a context that
-    ends at its own position, which is causal attention for prefill chunks as well."""
+def attend_reference(q, kv_layer, meta: PagedMetadata, inv_freq, num_programs=None):
+    """Pure-JAX attention over pages that already hold this step's keys (CPU path)."""
+    q = apply_rope(q, meta.positions, inv_freq)
+    return paged_attention_reference(q, *kv_layer, meta)
+
+
+def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, num_programs=None):
+    """GPU path: the Pallas paged kernel. Every token is a row of the kernel with its own
+    sequence's pages and a context that ends at its own position, which is causal
+    attention for prefill chunks as well. num_programs: the kernel's resource share."""
     from pallas_kernels.decode_attention import decode_attention_impl as decode_attention
     q = apply_rope(q, meta.positions, inv_freq)
-    k = apply_rope(k, meta.positions, inv_freq)
-    k_pages, v_pages = write_kv_pages(*kv_layer, k, v, meta.slot_mapping)
-    out = decode_attention(q, k_pages, v_pages, meta.page_table[meta.seq_ids],
-                           meta.positions + 1, num_programs=num_programs)
-    return out, (k_pages, v_pages)
+    return decode_attention(q, *kv_layer, meta.page_table[meta.seq_ids], meta.positions + 1,
+                            num_programs=num_programs)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttention:
+    """An AttentionBackend in two halves, append then attend. The nano-batch executor calls
+    the halves itself so that attention nano-ops only read the cache."""
+
+    attend: callable
+
+    def __call__(self, q, k, v, kv_layer, meta: PagedMetadata, inv_freq):
+        kv_layer = append_kv(k, v, kv_layer, meta, inv_freq)
+        return self.attend(q, kv_layer, meta, inv_freq), kv_layer
+
+
+paged_attention = PagedAttention(attend_reference)         # CPU
+paged_attention_pallas = PagedAttention(attend_pallas)     # GPU

@@ -2,25 +2,40 @@
 
 For every layer the dense batch is cut, per op group, into the plan's token ranges; the
 nano-ops run in the plan's order, each reading the slices of its predecessor's outputs
-that cover its range. Attention nano-ops thread the layer's KV pages from one to the next
-(a prefill chunk may straddle two nano-batches). On the GPU, a nano-op on stream N > 0 is
-placed with `compute_on("gpu_stream:N")`; elsewhere streams are ignored, so every mode
-computes the same function and must give the same tokens.
+that cover its range.
+
+- An attention nano-op appends its tokens' keys and values to the layer's pages, then
+  attends: both on its stream, so the main stream never waits on the cache. The pages go
+  from one attention nano-op to the next through an optimization barrier, which orders the
+  next append after this read; without it XLA copies the whole cache per nano-op.
+- The scheduler ends prefill chunks at the attention cuts (`chunk_cuts`), so each attention
+  nano-batch holds whole chunks and the plan may order them freely.
+- Main-stream nano-ops are chained in plan order through optimization barriers: otherwise
+  XLA merges the nano-batches' GEMMs back into one (its dot merger) and reorders the rest.
+- On the GPU, a nano-op on stream N > 0 is placed with `compute_on("gpu_stream:N")` (see
+  streams.py); elsewhere streams are ignored, so every mode computes the same function and
+  must give the same tokens.
+- Left alone, XLA's scheduler put each side-stream op's done right after its start, so the
+  main stream waited for it (H200 timeline in bench/results: 0% of attention time under a
+  GEMM). `scheduling_groups=True` (experimental, not yet measured on the GPU) puts a side
+  op and the main-stream ops issued after it, up to the first that needs its output, in
+  one XLA scheduling group (`_scheduling_group_id`) to keep them between start and done.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 
 from nanojax.config import ModelConfig
 from nanojax.engine.forward import UnrolledForward, default_forward
-from nanojax.layers.attention import PagedMetadata, paged_attention_pallas
+from nanojax.layers.attention import PagedMetadata, append_kv, attend_pallas
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
 from nanojax.pipeline.plan import OP_GROUPS, PlanError, ablation, check_model, validate
+from nanojax.pipeline.streams import on_stream, streams_enabled
 
 _PRODUCER = {"attention": "qkv", "o_proj": "attention", "mlp": "o_proj"}
 
@@ -29,7 +44,6 @@ def _check_order(plan: dict) -> None:
     """Each nano-op must come after the nano-ops that produce its inputs."""
     nb = plan["nano_batches"]
     done: set = set()
-    last_attention = -1
     for op in plan["nano_ops"]:
         g, k = op["op"], op["batch"]
         a, b = nb[g][k]
@@ -39,33 +53,34 @@ def _check_order(plan: dict) -> None:
             if not need <= done:
                 raise PlanError(f"nano-op {g}[{k}] is ordered before its inputs "
                                 f"{sorted(need - done)}")
-        if g == "attention":
-            if k < last_attention:
-                raise PlanError("attention nano-ops must run in token order")
-            last_attention = k
         done.add((g, k))
 
 
-def _streams_enabled() -> bool:
-    return jax.default_backend() == "gpu" and os.environ.get("NANOJAX_STREAMS", "1") != "0"
-
-
-def on_stream(fn, stream: int):
-    """Place fn on an XLA execution stream (GPU only). jax 0.10 spells the function form
-    `compute_on2(f, ...)`, jax 0.11 `compute_on(f, ...)`. The region must be flat: no
-    nested jit inside (XLA: "No ExecutionStreamId found for call-start")."""
-    if stream == 0 or not _streams_enabled():
-        return fn
-    import jax.experimental.compute_on as co
-    from jax._src import core
-    annotate = getattr(co, "compute_on2", None) or co.compute_on
-
-    def placed(*args):
-        spaces = jax.tree_util.tree_map(lambda _: core.MemorySpace.Device,
-                                        jax.eval_shape(fn, *args))
-        return annotate(fn, compute_type=f"gpu_stream:{stream}",
-                        out_memory_spaces=spaces)(*args)
-    return placed
+def overlap_groups(plan: dict) -> dict[tuple[str, int], int]:
+    """(op, batch) -> scheduling group, for nano-ops that should overlap a side-stream op:
+    the side op itself and the main-stream ops after it in plan order, until one consumes
+    its output or the next side op begins."""
+    nb = plan["nano_batches"]
+    groups: dict[tuple[str, int], int] = {}
+    open_op, gid = None, 0
+    for op in plan["nano_ops"]:
+        g, k = op["op"], op["batch"]
+        if op.get("stream", 0) != 0:
+            gid += 1
+            open_op = (g, k)
+            groups[(g, k)] = gid
+            continue
+        if open_op is None:
+            continue
+        og, ok = open_op
+        a, b = nb[g][k]
+        c, d = nb[og][ok]
+        if _PRODUCER.get(g) == og and a < d and c < b:  # needs the side op's output
+            open_op = None
+            continue
+        groups[(g, k)] = gid
+    return {key: v for key, v in groups.items()
+            if sum(1 for w in groups.values() if w == v) > 1}
 
 
 def _gather(pieces: dict, ranges: list, a: int, b: int):
@@ -90,7 +105,7 @@ class PipelineForward(UnrolledForward):
     """The Forward interface (see engine/forward.py) driven by a plan."""
 
     def __init__(self, cfg: ModelConfig, plan: dict, mode: str = "overlap", attention=None,
-                 num_sms: int = 132, ctas_per_sm: int = 4):
+                 num_sms: int = 132, ctas_per_sm: int = 4, scheduling_groups: bool = False):
         validate(plan)
         check_model(plan, cfg)
         self.plan = ablation(plan, mode)
@@ -100,48 +115,86 @@ class PipelineForward(UnrolledForward):
             attention = default_forward(cfg).attention
         super().__init__(cfg, attention)
         self.num_sms, self.ctas_per_sm = num_sms, ctas_per_sm
+        self.chunk_cuts = tuple(a for a, _ in self.plan["nano_batches"]["attention"][1:])
+        self.groups = (overlap_groups(self.plan)
+                       if scheduling_groups and streams_enabled() else {})
 
-    def _attention_for(self, share: float):
-        if self.attention is paged_attention_pallas and share < 1.0:
+    def _attend_for(self, share: float):
+        attend = self.attention.attend
+        if attend is attend_pallas and share < 1.0:
             programs = max(1, round(share * self.num_sms * self.ctas_per_sm))
-            return functools.partial(paged_attention_pallas, num_programs=programs)
-        return self.attention
+            return functools.partial(attend_pallas, num_programs=programs)
+        return attend
 
     def __call__(self, params, tokens, kv, meta: PagedMetadata, logit_idx):
         t = tokens.shape[0]
         ranges = {g: _clip(self.plan["nano_batches"][g], t) for g in OP_GROUPS}
         ops = [op for op in self.plan["nano_ops"]
                if op["batch"] < len(ranges[op["op"]])]
-        model, layer = self.model, DecoderLayer(self.cfg)
-        inv_freq = model.inv_freq
+        model = self.model
         x = model.apply(params, tokens, method=LlamaForCausalLM.embed_tokens)
         new_kv = []
+        chain = None  # the last main-stream nano-op's output: the next one waits for it
+
+        def placed(f, stream, *args):
+            nonlocal chain
+            if stream == 0 and chain is not None:
+                args, _ = jax.lax.optimization_barrier((args, chain))
+            out = on_stream(f, stream)(*args)
+            if stream == 0:
+                chain = out
+            return out
+
         for li, kv_layer in enumerate(kv):
             lp = {"params": params["params"][f"layers_{li}"]}
             out = {g: {} for g in OP_GROUPS}
             for op in ops:
                 g, k = op["op"], op["batch"]
-                a, b = ranges[g][k]
-                stream = op.get("stream", 0)
-                if g == "qkv":
-                    f = lambda xs: layer.apply(lp, xs, method=DecoderLayer.qkv)  # noqa: E731
-                    out[g][k] = on_stream(f, stream)(x[a:b])
-                elif g == "attention":
-                    q, kk, vv = _gather(out["qkv"], ranges["qkv"], a, b)
-                    m = dataclasses.replace(meta, positions=meta.positions[a:b],
-                                            slot_mapping=meta.slot_mapping[a:b],
-                                            seq_ids=meta.seq_ids[a:b])
-                    attend = self._attention_for(float(op.get("share", 1.0)))
-                    f = lambda q, kk, vv, kvl, m: attend(q, kk, vv, kvl, m, inv_freq)  # noqa
-                    out[g][k], kv_layer = on_stream(f, stream)(q, kk, vv, kv_layer, m)
-                elif g == "o_proj":
-                    attn = _gather(out["attention"], ranges["attention"], a, b)
-                    f = lambda o, r: layer.apply(lp, o, r, method=DecoderLayer.attn_out)  # noqa
-                    out[g][k] = on_stream(f, stream)(attn, x[a:b])
-                else:
-                    h = _gather(out["o_proj"], ranges["o_proj"], a, b)
-                    f = lambda h: layer.apply(lp, h, method=DecoderLayer.mlp)  # noqa: E731
-                    out[g][k] = on_stream(f, stream)(h)
+                gid = self.groups.get((g, k))
+                with _group(None if gid is None else li * 1000 + gid):
+                    kv_layer = self._nano_op(op, lp, x, meta, ranges, out, kv_layer, placed)
             x = _gather(out["mlp"], ranges["mlp"], 0, t)
             new_kv.append(kv_layer)
         return model.apply(params, x[logit_idx], method=LlamaForCausalLM.logits), new_kv
+
+    def _nano_op(self, op, lp, x, meta, ranges, out, kv_layer, placed):
+        """Emits one nano-op; returns the layer's KV pages (changed by attention only)."""
+        layer, inv_freq = DecoderLayer(self.cfg), self.model.inv_freq
+        g, k = op["op"], op["batch"]
+        a, b = ranges[g][k]
+        stream = op.get("stream", 0)
+        if g == "qkv":
+            f = lambda lp, xs: layer.apply(lp, xs, method=DecoderLayer.qkv)  # noqa: E731
+            out[g][k] = placed(f, stream, lp, x[a:b])
+        elif g == "attention":
+            q, kk, vv = _gather(out["qkv"], ranges["qkv"], a, b)
+            m = dataclasses.replace(meta, positions=meta.positions[a:b],
+                                    slot_mapping=meta.slot_mapping[a:b],
+                                    seq_ids=meta.seq_ids[a:b])
+            attend = self._attend_for(float(op.get("share", 1.0)))
+
+            def f(q, kk, vv, kvl, m):
+                kvl = append_kv(kk, vv, kvl, m, inv_freq)
+                return attend(q, kvl, m, inv_freq), kvl
+            o, kv_layer = placed(f, stream, q, kk, vv, kv_layer, m)
+            out[g][k], kv_layer = jax.lax.optimization_barrier((o, kv_layer))
+        elif g == "o_proj":
+            attn = _gather(out["attention"], ranges["attention"], a, b)
+            f = lambda lp, o, r: layer.apply(lp, o, r, method=DecoderLayer.attn_out)  # noqa
+            out[g][k] = placed(f, stream, lp, attn, x[a:b])
+        else:
+            h = _gather(out["o_proj"], ranges["o_proj"], a, b)
+            f = lambda lp, h: layer.apply(lp, h, method=DecoderLayer.mlp)  # noqa: E731
+            out[g][k] = placed(f, stream, lp, h)
+        return kv_layer
+
+
+@contextlib.contextmanager
+def _group(group_id):
+    """Tags the ops traced inside with an XLA scheduling group (nothing when None)."""
+    if group_id is None:
+        yield
+        return
+    from jax.experimental.xla_metadata import set_xla_metadata
+    with set_xla_metadata(_scheduling_group_id=str(group_id)):
+        yield

@@ -117,3 +117,23 @@ def ablation(plan: dict, mode: str) -> dict:
         return plan
     plan["nano_ops"] = [dict(op, stream=0, share=1.0) for op in plan["nano_ops"]]
     return plan
+
+
+def resize(plan: dict, b_dense: int) -> dict:
+    """The plan's splits scaled to another B_dense (cuts rounded to the plan's granularity
+    where the batch allows), for sweeps over B_dense with one searched plan."""
+    plan = copy.deepcopy(plan)
+    old, gran = plan["b_dense"], int(plan.get("granularity", 1))
+    if gran * 8 > b_dense:
+        gran = 1
+    for g in OP_GROUPS:
+        cuts = [round(b * b_dense / old / gran) * gran for _, b in plan["nano_batches"][g]]
+        cuts[-1] = b_dense
+        ranges, pos = [], 0
+        for c in cuts:  # a cut that collapses onto the previous one keeps one token
+            c = min(max(c, pos + 1), b_dense - (len(cuts) - len(ranges) - 1))
+            ranges.append([pos, c])
+            pos = c
+        plan["nano_batches"][g] = ranges
+    plan["b_dense"] = b_dense
+    return validate(plan)

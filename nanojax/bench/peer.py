@@ -1,0 +1,99 @@
+"""The PyTorch peer: the same workload through transformers' continuous batching
+(`generate_batch`, paged attention) on a model of the same shape with random bf16 weights.
+
+Runs as its own process (`python -m nanojax.bench.peer ...`), before JAX takes the GPU's
+memory, and prints one JSON line. Tokens are counted from what generate_batch returned.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _sync(torch):
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_peer(shape: str, num_prompts: int, input_len: int | None, output_len: int | None,
+             trace: str | None, max_model_len: int, seed: int = 0) -> dict:
+    import torch
+    import transformers
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from nanojax.bench.workload import make_requests
+    from nanojax.config import named_shape
+
+    cfg = named_shape(shape)
+    hf_cfg = LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+        max_position_embeddings=max(max_model_len, 2048), tie_word_embeddings=cfg.tie_word_embeddings,
+        eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    torch.manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = LlamaForCausalLM(hf_cfg).to(torch.bfloat16).eval()
+    # generate_batch switches the model to its paged attention itself
+    reqs = make_requests(num_prompts, cfg.vocab_size, input_len, output_len, trace,
+                         max_model_len, seed)
+    max_new = max(r.output_len for r in reqs)
+    gen = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
+    prompts = [r.prompt_ids for r in reqs]
+    with torch.inference_mode():
+        model.generate_batch(inputs=prompts[:8], generation_config=gen, progress_bar=False)
+        _sync(torch)
+        t0 = time.perf_counter()
+        out = model.generate_batch(inputs=prompts, generation_config=gen, progress_bar=False)
+        _sync(torch)
+        wall = time.perf_counter() - t0
+    attn = getattr(model.config, "_attn_implementation", "?")
+    outputs = list(out.values())
+    produced = sum(len(o.generated_tokens) for o in outputs)
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {"stack": f"transformers {transformers.__version__} generate_batch ({attn}), "
+                     f"torch {torch.__version__}",
+            "requests": len(outputs), "prompt_tokens": prompt_tokens, "output_tokens": produced,
+            "max_new_tokens": max_new, "wall_s": wall,
+            "total_tokens_per_s": (prompt_tokens + produced) / wall,
+            "note": "all requests get the workload's largest output length as max_new_tokens"
+                    if trace else ""}
+
+
+def run_peer_subprocess(args_list: list[str], timeout: float = 900) -> dict:
+    """Runs the peer in a child process (it must not share the GPU with JAX's allocator)."""
+    import subprocess
+    p = subprocess.run([sys.executable, "-m", "nanojax.bench.peer", *args_list],
+                       capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        return {"error": (p.stderr or p.stdout)[-1500:]}
+    result = json.loads(lines[-1])
+    if not result.get("output_tokens"):  # generate_batch can fail inside and return nothing
+        return {"error": "the peer produced no tokens", "peer": result,
+                "stderr_tail": p.stderr[-1500:]}
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shape", default="llama3-8b")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=None)
+    ap.add_argument("--output-len", type=int, default=None)
+    ap.add_argument("--trace", default=None)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    print(json.dumps(run_peer(a.shape, a.num_prompts, a.input_len, a.output_len, a.trace,
+                              a.max_model_len, a.seed)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

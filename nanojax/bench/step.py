@@ -1,0 +1,269 @@
+"""One dense iteration, timed on the device: the decoder step of each pipeline mode on a
+synthetic steady-state batch, without the scheduler around it.
+
+The batch is what the engine's dense batch looks like once a workload is in steady state:
+decodes first, with contexts spread over [prompt, prompt + output), then prefill chunks
+filling the rest up to B_dense. For a workload of prompt I and output O per request, a
+request spends I tokens in prefill and O in decode, so O / (I + O) of the batch are decodes.
+Sequences draw their pages from a shared pool (pages may repeat across sequences): reads
+cost the same bandwidth as distinct pages once the pool is far larger than L2, and the cache
+fits on one GPU at any batch.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nanojax.config import ModelConfig
+from nanojax.layers.attention import PagedMetadata
+
+
+@dataclasses.dataclass
+class SyntheticBatch:
+    tokens: np.ndarray
+    meta: PagedMetadata
+    logit_idx: np.ndarray
+    num_decodes: int
+    num_prefill_tokens: int
+    kv_tokens_read: int  # keys attended over, summed over tokens: the attention's traffic
+
+
+def steady_state_mix(lengths: list[tuple[int, int]], b_dense: int,
+                     rng: np.random.Generator, cuts: tuple[int, ...] = ()):
+    """Decode contexts and prefill chunk lengths of a steady-state dense batch of requests
+    drawn from `lengths` [(prompt, output)]; chunks end at `cuts`, as the scheduler's do."""
+    lengths = np.asarray(lengths)
+    decode_share = lengths[:, 1].sum() / lengths.sum()
+    num_decodes = int(round(b_dense * decode_share))
+    picks = lengths[rng.integers(0, len(lengths), num_decodes)]
+    contexts = picks[:, 0] + (rng.random(num_decodes) * picks[:, 1]).astype(int) + 1
+    chunks, pos, left = [], num_decodes, 0
+    bounds = sorted(c for c in cuts if c > num_decodes) + [b_dense]
+    while pos < b_dense:
+        if left == 0:
+            left = max(int(lengths[rng.integers(0, len(lengths)), 0]), 1)
+        n = min(left, next(c for c in bounds if c > pos) - pos)
+        chunks.append(n)
+        pos += n
+        left -= n
+    return contexts.tolist(), chunks
+
+
+def synthetic_batch(cfg: ModelConfig, b_dense: int, lengths: list[tuple[int, int]],
+                    page_size: int, num_pages: int, max_pages: int,
+                    cuts: tuple[int, ...] = (), seed: int = 0) -> SyntheticBatch:
+    """Pages that this step writes are each sequence's own; the pages it only reads come
+    from a shared pool, so every mode reads the same cache contents."""
+    rng = np.random.default_rng(seed)
+    contexts, chunks = steady_state_mix(lengths, b_dense, rng, cuts)
+    contexts = [min(c, max_pages * page_size) for c in contexts]
+    chunks = [min(n, max_pages * page_size) for n in chunks]
+    written = len(contexts) + sum(-(-n // page_size) for n in chunks)
+    if written * 2 > num_pages:
+        raise ValueError(f"a KV pool of {num_pages} pages is too small for B_dense {b_dense}")
+    shared = num_pages - written
+    fresh = iter(range(shared, num_pages))
+    positions = np.zeros(b_dense, np.int32)
+    seq_ids = np.zeros(b_dense, np.int32)
+    page_table = rng.integers(0, shared, (b_dense, max_pages)).astype(np.int32)
+    context_lens = np.zeros(b_dense, np.int32)
+    logit_idx = np.zeros(b_dense, np.int32)
+    i = 0
+    for row, c in enumerate(contexts):
+        positions[i], seq_ids[i], context_lens[row], logit_idx[row] = c - 1, row, c, i
+        page_table[row, (c - 1) // page_size] = next(fresh)
+        i += 1
+    for j, n in enumerate(chunks):
+        row = len(contexts) + j
+        positions[i:i + n] = np.arange(n)
+        seq_ids[i:i + n] = row
+        context_lens[row], logit_idx[row] = n, i + n - 1
+        for p in range(-(-n // page_size)):
+            page_table[row, p] = next(fresh)
+        i += n
+    pos = positions
+    slots = page_table[seq_ids, pos // page_size] * page_size + pos % page_size
+    meta = PagedMetadata(positions=positions, slot_mapping=slots.astype(np.int32),
+                         seq_ids=seq_ids, page_table=page_table, context_lens=context_lens,
+                         num_decodes=np.int32(len(contexts)))
+    tokens = rng.integers(min(1000, cfg.vocab_size // 2), cfg.vocab_size, b_dense)
+    return SyntheticBatch(tokens.astype(np.int32), meta, logit_idx, len(contexts),
+                          b_dense - len(contexts), int((positions[:i] + 1).sum()))
+
+
+_CHECK_ROWS = 64  # rows whose logits come back to compare the modes numerically
+
+
+def make_step(forward):
+    """The jitted iteration: forward over the dense batch, greedy sample per row; returns
+    the sampled tokens and the logits of the first rows."""
+    def step(params, kv, tokens, meta, logit_idx):
+        logits, kv = forward(params, tokens, kv, meta, logit_idx)
+        return kv, (jnp.argmax(logits, axis=-1), logits[:_CHECK_ROWS])
+    return jax.jit(step, donate_argnums=(1,))
+
+
+def time_step(step, params, kv, batch: SyntheticBatch, repeats: int = 10):
+    """Median seconds of one step (each call is one executable, tens of ms: dispatch, ~0.1
+    ms, is noise here); returns (seconds, kv, sampled tokens)."""
+    args = (batch.tokens, batch.meta, batch.logit_idx)
+    kv, out = step(params, kv, *args)  # compile + warm up
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        kv, out = step(params, kv, *args)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)), kv, jax.device_get(out)
+
+
+def workload_lengths(spec: str, max_model_len: int) -> list[tuple[int, int]]:
+    """'512/512' (prompt/output) or a trace name or CSV path."""
+    from nanojax.bench.workload import trace_lengths
+    from nanojax.errors import NanojaxError
+    if "/" in spec and not spec.endswith(".csv"):
+        try:
+            i, o = (int(x) for x in spec.split("/"))
+        except ValueError:
+            raise NanojaxError(f"workload {spec!r} is not PROMPT/OUTPUT or a trace") from None
+        lengths = [(i, o)]
+    else:
+        lengths = trace_lengths(spec)
+    lengths = [(i, o) for i, o in lengths if 0 < i and 0 < o and i + o <= max_model_len]
+    if not lengths:
+        raise NanojaxError(f"no request of workload {spec} fits max_model_len {max_model_len}")
+    return lengths
+
+
+def _variant(plan: dict, mode: str) -> tuple[dict, str, bool]:
+    """'overlap:0.25' runs the plan with every attention nano-op at share 0.25;
+    'overlap:1.0:groups' also turns on the executor's XLA scheduling groups."""
+    base, *opts = mode.split(":")
+    plan = copy.deepcopy(plan)
+    if opts and opts[0]:
+        for op in plan["nano_ops"]:
+            if op["op"] == "attention":
+                op["share"] = float(opts[0])
+    return plan, base, "groups" in opts
+
+
+def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[str],
+                   modes: list[str], page_size: int = 16, num_pages: int = 16384,
+                   max_model_len: int = 2048, repeats: int = 10, timeline_png: str | None = None,
+                   progress: bool = True, checkpoint=None) -> dict:
+    """Every mode at every B_dense and workload, in one process: ratios between modes come
+    from the same run. Optimal = the GEMM rate measured here at that B_dense.
+    checkpoint(results) is called after every mode, so a run cut short keeps what it has."""
+    from tqdm.auto import tqdm
+
+    from nanojax.bench import timeline
+    from nanojax.bench.roofline import measure_gemm_rate
+    from nanojax.pipeline.executor import PipelineForward
+    from nanojax.pipeline.plan import resize
+
+    cfg = bundle.config
+    max_pages = -(-max_model_len // page_size)
+    on_gpu = jax.default_backend() == "gpu"
+    results, timelines = [], {}
+    bar = tqdm(total=len(b_dense_list) * len(workloads) * len(modes), desc="steps",
+               disable=not progress)
+    params = kv = None
+    for b_dense in b_dense_list:
+        roof = measure_gemm_rate(cfg, b_dense) if on_gpu else None
+        sized = resize(plan, b_dense)
+        cuts = tuple(a for a, _ in sized["nano_batches"]["attention"][1:])
+        batches = {w: synthetic_batch(cfg, b_dense, workload_lengths(w, max_model_len),
+                                      page_size, num_pages, max_pages, cuts)
+                   for w in workloads}
+        tokens = {}
+        for mode in modes:
+            p, base, groups = _variant(sized, mode)
+            fwd = PipelineForward(cfg, p, base, scheduling_groups=groups)
+            if params is None:
+                params = fwd.prepare(bundle.params)
+                kv = fwd.init_kv(num_pages, page_size)
+            step = make_step(fwd)
+            t0 = time.perf_counter()
+            try:
+                step.lower(params, kv, *(lambda b: (b.tokens, b.meta, b.logit_idx))(
+                    batches[workloads[0]])).compile()
+            except Exception as e:  # record the mode's failure, measure the others
+                results.append({"b_dense": b_dense, "mode": mode,
+                                "error": f"{type(e).__name__}: {str(e)[:1500]}"})
+                bar.update(len(workloads))
+                continue
+            compile_s = time.perf_counter() - t0
+            for w in workloads:
+                b = batches[w]
+                kv = None  # a fresh cache: every mode starts from the same contents
+                kv = fwd.init_kv(num_pages, page_size)
+                secs, kv, out = time_step(step, params, kv, b, repeats)
+                tokens.setdefault(w, {})[mode] = out
+                r = {"b_dense": b_dense, "workload": w, "mode": mode, "step_s": secs,
+                     "tokens_per_s": b_dense / secs, "compile_s": compile_s,
+                     "num_decodes": b.num_decodes, "num_prefill_tokens": b.num_prefill_tokens,
+                     "kv_tokens_read_per_layer": b.kv_tokens_read}
+                if roof:
+                    r["fraction_of_optimal"] = r["tokens_per_s"] / roof["optimal_tokens_per_s"]
+                    r["fraction_of_optimal_at_790_tflops"] = (
+                        r["tokens_per_s"] / (790e12 / (2 * cfg.param_count())))
+                if timeline_png and b_dense == b_dense_list[0] and w == workloads[0]:
+                    args = (b.tokens, b.meta, b.logit_idx)
+                    holder = {}
+
+                    def once(step=step, kv=kv):
+                        holder["kv"], o = step(params, kv, *args)
+                        jax.block_until_ready(o)
+                    ev = timeline.capture(once)
+                    kv = holder["kv"]
+                    timelines[mode] = ev
+                    r["timeline"] = timeline.summarize(ev)
+                results.append(r)
+                bar.update(1)
+            del step, fwd
+            if checkpoint:
+                checkpoint({"partial": True, "results": results})
+        for w in tokens:  # do the modes compute the same function on the same batch?
+            ref_mode = next(iter(tokens[w]))
+            ref_tok, ref_logits = tokens[w][ref_mode]
+            scale = float(np.std(ref_logits))
+            for r in results:
+                if r["b_dense"] == b_dense and r.get("workload") == w:
+                    tok, logits = tokens[w][r["mode"]]
+                    r["same_tokens_as_" + ref_mode] = float(np.mean(tok == ref_tok))
+                    r["logits_max_diff_over_std"] = float(
+                        np.max(np.abs(logits - ref_logits)) / scale)
+        if roof:
+            for r in results:
+                if r["b_dense"] == b_dense:
+                    r["optimal_tokens_per_s"] = roof["optimal_tokens_per_s"]
+                    r["gemm_tflops"] = roof["gemm_flops_per_s"] / 1e12
+    bar.close()
+    ratios = []
+    for b_dense in b_dense_list:
+        for w in workloads:
+            t = {r["mode"]: r["tokens_per_s"] for r in results
+                 if r["b_dense"] == b_dense and r.get("workload") == w}
+            row = {"b_dense": b_dense, "workload": w}
+            if "overlap" in t and "non-overlap" in t:
+                row["overlap_over_non_overlap"] = t["overlap"] / t["non-overlap"]
+            if "overlap" in t and "nanobatch-only" in t:
+                row["overlap_over_nanobatch_only"] = t["overlap"] / t["nanobatch-only"]
+            ratios.append(row)
+    if timeline_png and timelines:
+        events_path = str(Path(timeline_png).with_suffix(".events.json"))
+        Path(events_path).write_text(json.dumps(timelines))
+        try:
+            timeline.plot(timelines, timeline_png,
+                          f"one iteration, B_dense {b_dense_list[0]}, workload {workloads[0]}")
+        except ImportError:  # matplotlib absent: the events file can be plotted elsewhere
+            pass
+    return {"results": results, "ratios": ratios}

@@ -1,0 +1,163 @@
+"""Timeline of one iteration per stream, from a jax profiler trace: which kernel ran on
+which stream when, how much of the iteration the GPU spent in GEMMs (compute-bound) and in
+attention (memory-bound), and how much of the attention overlapped a GEMM. Rendered as a
+Gantt chart with busy-fraction curves, like NanoFlow's Figure 10.
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import re
+import tempfile
+from pathlib import Path
+
+import jax
+
+KINDS = ("gemm", "attention", "collective", "other")
+_PATTERNS = {
+    "attention": re.compile(r"paged_decode_attention|decode_attention|pallas", re.I),
+    "collective": re.compile(r"nccl|all-reduce|all-gather|reduce-scatter", re.I),
+    "gemm": re.compile(r"gemm|cutlass|nvjet|xmma|cublas|matmul|^dot|triton_gemm", re.I),
+}
+
+
+def classify(name: str, hlo_op: str = "") -> str:
+    for kind in ("attention", "collective", "gemm"):
+        if _PATTERNS[kind].search(name) or _PATTERNS[kind].search(hlo_op):
+            return kind
+    return "other"
+
+
+def parse_trace(path: str) -> list[dict]:
+    """Device kernel events of a trace.json.gz: stream, name, kind, start and duration (us).
+    On a GPU the device's streams; without one, the host's XLA ops (CPU tests)."""
+    events = json.load(gzip.open(path))["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    gpu = {p for p, n in procs.items() if n.startswith("/device:GPU")}
+    out = []
+    for e in events:
+        if e.get("ph") != "X" or (gpu and e["pid"] not in gpu):
+            continue
+        hlo_op = e.get("args", {}).get("hlo_op", "")
+        if not gpu and not hlo_op:
+            continue
+        out.append({"stream": threads.get((e["pid"], e["tid"]), str(e["tid"])),
+                    "name": e["name"][:120], "hlo_op": hlo_op,
+                    "kind": classify(e["name"], hlo_op),
+                    "start_us": float(e["ts"]), "dur_us": float(e["dur"])})
+    if out:
+        t0 = min(e["start_us"] for e in out)
+        for e in out:
+            e["start_us"] -= t0
+    return sorted(out, key=lambda e: e["start_us"])
+
+
+def capture(fn, log_dir: str | None = None) -> list[dict]:
+    """Runs fn() (which must block on its result) under the profiler; its kernel events."""
+    log_dir = log_dir or tempfile.mkdtemp(prefix="nanojax-trace-")
+    jax.profiler.start_trace(log_dir)
+    try:
+        fn()
+    finally:
+        jax.profiler.stop_trace()
+    newest = max(glob.glob(f"{log_dir}/plugins/profile/*/*.trace.json.gz"),
+                 key=lambda p: Path(p).stat().st_mtime)
+    return parse_trace(newest)
+
+
+def _union(intervals):
+    merged = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return merged
+
+
+def _length(intervals):
+    return sum(b - a for a, b in intervals)
+
+
+def _intersect(xs, ys):
+    i = j = 0
+    total = 0.0
+    while i < len(xs) and j < len(ys):
+        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, hi - lo)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def summarize(events: list[dict]) -> dict:
+    """Busy fraction of the iteration per kind (time any kernel of that kind ran), kernel
+    time per kind, and the share of attention time that ran while a GEMM ran."""
+    if not events:
+        return {"span_us": 0.0}
+    span = max(e["start_us"] + e["dur_us"] for e in events)
+    by_kind = {k: _union([(e["start_us"], e["start_us"] + e["dur_us"])
+                          for e in events if e["kind"] == k]) for k in KINDS}
+    attn = _length(by_kind["attention"])
+    return {
+        "span_us": span,
+        "streams": sorted({e["stream"] for e in events}),
+        "kernel_us": {k: sum(e["dur_us"] for e in events if e["kind"] == k) for k in KINDS},
+        "busy_fraction": {k: _length(v) / span for k, v in by_kind.items()},
+        "attention_overlapped_by_gemm": (_intersect(by_kind["attention"], by_kind["gemm"])
+                                         / attn if attn else 0.0),
+    }
+
+
+_COLORS = {"gemm": "tab:blue", "attention": "tab:orange", "collective": "tab:green",
+           "other": "tab:gray"}
+
+
+def plot(timelines: dict[str, list[dict]], png: str, title: str, bins: int = 400) -> None:
+    """One Gantt panel per mode (rows: streams; colour: kind) over a shared time axis, each
+    with the busy fraction of GEMM (compute) and attention (memory) kernels below it."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    modes = [m for m, ev in timelines.items() if ev]
+    span = max(e["start_us"] + e["dur_us"] for m in modes for e in timelines[m]) / 1e3
+    fig, axes = plt.subplots(2 * len(modes), 1, figsize=(14, 3.2 * len(modes)),
+                             gridspec_kw={"height_ratios": [3, 1] * len(modes)})
+    for i, mode in enumerate(modes):
+        ev, ax, ux = timelines[mode], axes[2 * i], axes[2 * i + 1]
+        streams = sorted({e["stream"] for e in ev})
+        for e in ev:
+            ax.barh(streams.index(e["stream"]), e["dur_us"] / 1e3, left=e["start_us"] / 1e3,
+                    color=_COLORS[e["kind"]], height=0.8, linewidth=0)
+        ax.set_yticks(range(len(streams)), [s[:28] for s in streams], fontsize=7)
+        ax.set_xlim(0, span)
+        s = summarize(ev)
+        ax.set_title(f"{mode}: {s['span_us'] / 1e3:.2f} ms; attention overlapped by GEMM "
+                     f"{100 * s['attention_overlapped_by_gemm']:.0f}%", fontsize=9)
+        edges = np.linspace(0, span, bins + 1)
+        for kind, label in (("gemm", "GEMM busy (compute)"),
+                            ("attention", "attention busy (memory)")):
+            busy = np.zeros(bins)
+            for a, b in _union([(e["start_us"] / 1e3, (e["start_us"] + e["dur_us"]) / 1e3)
+                                for e in ev if e["kind"] == kind]):
+                busy += np.clip(np.minimum(edges[1:], b) - np.maximum(edges[:-1], a), 0, None)
+            ux.plot(edges[:-1], busy / (span / bins), color=_COLORS[kind], label=label, lw=0.8)
+        ux.set_xlim(0, span)
+        ux.set_ylim(0, 1.05)
+        ux.legend(fontsize=7, loc="upper right")
+    axes[-1].set_xlabel("ms")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLORS.values()]
+    fig.legend(handles, list(_COLORS), loc="upper right", fontsize=8, ncol=4)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    Path(png).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,84 @@
+"""Placing a region of the step on an XLA execution stream (GPU only).
+
+XLA assigns a stream to an annotated call, and only to a flat one: a nested call inside the
+region (every `jax.jit`-decorated library function: jnp.einsum, jax.nn.silu, ...) fails with
+"No ExecutionStreamId found for call-start". So the region is traced to a jaxpr, every call
+in it is inlined, and the flat result is what gets annotated.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+from jax.extend import core as jex_core
+
+# primitives that wrap a sub-jaxpr; the region evaluates their body in place
+_CALL_PARAMS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
+                "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
+                "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
+                "remat": "jaxpr", "checkpoint": "jaxpr"}
+
+
+def streams_enabled() -> bool:
+    return jax.default_backend() == "gpu" and os.environ.get("NANOJAX_STREAMS", "1") != "0"
+
+
+def _eval_inlined(jaxpr, consts, args):
+    env = {}
+
+    def read(v):
+        return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        key = _CALL_PARAMS.get(eqn.primitive.name)
+        if key is not None and key in eqn.params:
+            inner = eqn.params[key]
+            if hasattr(inner, "consts"):  # a ClosedJaxpr
+                outs = _eval_inlined(inner.jaxpr, inner.consts, ins)
+            else:
+                outs = _eval_inlined(inner, [], ins)
+        else:
+            params = eqn.primitive.get_bind_params(eqn.params)
+            subfuns = ()
+            if isinstance(params, tuple):  # older jax: (subfuns, params)
+                subfuns, params = params
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(*subfuns, *ins, **params)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+        for v, x in zip(eqn.outvars, outs):
+            env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+def inline_calls(fn):
+    """fn with every nested call (jit, custom_jvp, ...) inlined: one flat computation."""
+    def flat(*args):
+        leaves, _ = jax.tree_util.tree_flatten(args)
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        outs = _eval_inlined(closed.jaxpr, closed.consts, leaves)
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+    return flat
+
+
+def on_stream(fn, stream: int):
+    """Place fn on XLA execution stream `stream` (0: the main stream, left alone). jax 0.10
+    spells the function form `compute_on2(f, ...)`, jax 0.11 `compute_on(f, ...)`."""
+    if stream == 0 or not streams_enabled():
+        return fn
+    import jax.experimental.compute_on as co
+    from jax._src import core
+    annotate = getattr(co, "compute_on2", None) or co.compute_on
+    flat = inline_calls(fn)
+
+    def placed(*args):
+        spaces = jax.tree_util.tree_map(lambda _: core.MemorySpace.Device,
+                                        jax.eval_shape(fn, *args))
+        return annotate(flat, compute_type=f"gpu_stream:{stream}",
+                        out_memory_spaces=spaces)(*args)
+    return placed

@@ -1,0 +1,113 @@
+"""The step benchmark's synthetic batch, the timeline analysis, and the PyTorch peer."""
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from nanojax.bench import timeline
+from nanojax.bench.step import steady_state_mix, synthetic_batch, workload_lengths
+from nanojax.config import named_shape
+
+
+def test_steady_state_mix_follows_the_workload():
+    rng = np.random.default_rng(0)
+    contexts, chunks = steady_state_mix([(300, 100)], 1024, rng, cuts=(512, 700))
+    assert len(contexts) == 256  # a request spends 100 of its 400 tokens decoding
+    assert all(301 <= c <= 400 for c in contexts)
+    assert len(contexts) + sum(chunks) == 1024
+    ends = np.cumsum([len(contexts)] + chunks)
+    assert 512 in ends and 700 in ends  # chunks end at the cuts
+
+
+def test_synthetic_batch_writes_only_pages_nobody_else_reads():
+    cfg = named_shape("tiny")
+    b = synthetic_batch(cfg, 256, workload_lengths("sharegpt", 512), page_size=16,
+                        num_pages=2048, max_pages=32, cuts=(128,))
+    m = b.meta
+    written = m.slot_mapping // 16
+    assert len(set(m.slot_mapping.tolist())) == 256  # no slot written twice
+    rows = np.unique(m.seq_ids)
+    for row in rows:  # pages a row reads but does not write are never written by anyone
+        read = set(m.page_table[row, :-(-int(m.context_lens[row]) // 16)].tolist())
+        own = set(written[m.seq_ids == row].tolist())
+        assert not (read - own) & set(written.tolist())
+    # no sequence straddles the cut
+    assert not set(m.seq_ids[:128].tolist()) & set(m.seq_ids[128:].tolist())
+    assert b.num_decodes + b.num_prefill_tokens == 256
+
+
+def test_step_bench_modes_agree_on_the_cpu(tmp_path):
+    from checkpoints.loader import load_model
+    from nanojax.bench.step import run_step_bench
+    bundle = load_model("random:tiny")
+    plan = {"version": 1, "model": bundle.config.signature(), "tp": 1, "b_dense": 64,
+            "granularity": 8,
+            "nano_batches": {g: [[0, 32], [32, 64]]
+                             for g in ("qkv", "attention", "o_proj", "mlp")},
+            "nano_ops": [{"op": "qkv", "batch": 1}, {"op": "attention", "batch": 1,
+                                                     "stream": 1, "share": 0.5},
+                         {"op": "qkv", "batch": 0}, {"op": "attention", "batch": 0,
+                                                     "stream": 1},
+                         {"op": "o_proj", "batch": 1}, {"op": "mlp", "batch": 1},
+                         {"op": "o_proj", "batch": 0}, {"op": "mlp", "batch": 0}]}
+    saved = []
+    out = run_step_bench(bundle, plan, [64], ["32/32"], ["non-overlap", "overlap",
+                                                         "overlap:0.25:groups"],
+                         num_pages=512, max_model_len=256, repeats=1, progress=False,
+                         timeline_png=str(tmp_path / "t.png"), checkpoint=saved.append)
+    assert len(saved) == 3 and saved[-1]["partial"]
+    for r in out["results"]:
+        assert r["same_tokens_as_non-overlap"] == 1.0
+        assert r["logits_max_diff_over_std"] < 1e-4
+        assert r["timeline"]["span_us"] > 0
+    assert "overlap_over_non_overlap" in out["ratios"][0]
+    assert (tmp_path / "t.png").stat().st_size > 10_000
+    events = json.loads((tmp_path / "t.events.json").read_text())
+    assert set(events) == {"non-overlap", "overlap", "overlap:0.25:groups"}
+
+
+def _event(stream, kind, start, dur):
+    return {"stream": stream, "name": kind, "hlo_op": "", "kind": kind,
+            "start_us": start, "dur_us": dur}
+
+
+def test_timeline_summary_measures_overlap():
+    ev = [_event("s0", "gemm", 0, 100), _event("s1", "attention", 50, 100),
+          _event("s0", "gemm", 120, 20), _event("s0", "other", 140, 10)]
+    s = timeline.summarize(ev)
+    assert s["span_us"] == 150
+    # attention [50, 150) lies under GEMMs during [50, 100) and [120, 140): 70 of 100
+    assert s["attention_overlapped_by_gemm"] == pytest.approx(0.7)
+    assert s["busy_fraction"]["gemm"] == pytest.approx(120 / 150)
+    assert s["kernel_us"]["attention"] == 100
+
+
+def test_trace_parser_reads_gpu_streams(tmp_path):
+    trace = {"traceEvents": [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name",
+         "args": {"name": "Stream #14(Compute)"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "tid": 7, "ts": 1000, "dur": 5, "name": "nvjet_sm90_tss_x",
+         "args": {"hlo_op": "custom-call.1"}},
+        {"ph": "X", "pid": 1, "tid": 7, "ts": 1010, "dur": 9, "name": "paged_decode_attention",
+         "args": {"hlo_op": "custom-call.2"}},
+        {"ph": "X", "pid": 2, "tid": 3, "ts": 900, "dur": 50, "name": "host work",
+         "args": {"hlo_op": "x"}}]}
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(trace, f)
+    ev = timeline.parse_trace(str(path))
+    assert [(e["kind"], e["start_us"], e["stream"]) for e in ev] == [
+        ("gemm", 0.0, "Stream #14(Compute)"), ("attention", 10.0, "Stream #14(Compute)")]
+
+
+def test_peer_runs_transformers_continuous_batching():
+    pytest.importorskip("transformers")
+    from nanojax.bench.peer import run_peer
+    r = run_peer("tiny", num_prompts=3, input_len=12, output_len=4, trace=None,
+                 max_model_len=64)
+    assert r["requests"] == 3 and r["prompt_tokens"] == 36
+    assert r["output_tokens"] == 12  # EOS is off: every request runs to max_new_tokens
+    assert r["total_tokens_per_s"] > 0
