@@ -71,6 +71,11 @@ def cmd_search(args) -> int:
             bar.update(1)
             bar.set_postfix(k=k, makespan=f"{s['makespan']:.4g}")
         best = search(prof, max_k=args.max_k, time_limit=args.time_limit, progress=progress)
+    if prof.share_times or prof.interference:  # stage II: resource shares
+        from search.shares import stage2
+        best = stage2(prof, best, time_limit=args.time_limit)
+        shared = {f"{j}[{b}]": r for (j, b), r in best["share"].items() if r < 1}
+        print(f"nanojax: stage II shares below 1: {shared or 'none'}", file=sys.stderr)
     plan = to_plan(prof, best, signature, args.tp)
     Path(args.out).write_text(json.dumps(plan, indent=1))
     print(f"nanojax: {best['k']} nano-batches {best['sizes']}, predicted makespan "
@@ -78,6 +83,22 @@ def cmd_search(args) -> int:
     if args.png:
         plot_plan(plan, prof, args.png)
         print(f"nanojax: wrote {args.png}", file=sys.stderr)
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from checkpoints.loader import load_model
+    from search.profiler import run_profile
+    bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
+    shares = [float(x) for x in args.shares.split(",")]
+    if any(not 0 < r <= 1 for r in shares):
+        raise SystemExit(f"nanojax: shares must lie in (0, 1], got {args.shares}")
+    prof = run_profile(bundle, args.b_dense, args.granularity, args.context, shares,
+                       iters=args.iters)
+    prof["command"] = " ".join(["nanojax"] + sys.argv[1:])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(prof, indent=1))
+    print(f"nanojax: wrote {args.out}", file=sys.stderr)
     return 0
 
 
@@ -122,7 +143,8 @@ def register(sub) -> None:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_costmodel)
 
-    s = sub.add_parser("search", help="stage-I MILP: nano-batch sizes and order -> plan")
+    s = sub.add_parser("search", help="two-stage MILP (sizes and order, then resource "
+                                      "shares) -> plan")
     s.add_argument("--profile", required=True, help="profile JSON (see search/milp.py)")
     s.add_argument("--out", required=True, help="plan JSON to write")
     s.add_argument("--model", default="llama3-8b",
@@ -132,3 +154,18 @@ def register(sub) -> None:
     s.add_argument("--time-limit", type=float, default=120.0, help="seconds per MILP")
     s.add_argument("--png", default=None, help="write the predicted schedule as a PNG")
     s.set_defaults(func=cmd_search)
+
+    pr = sub.add_parser("profile", help="measure op times by batch size and share, and the "
+                                        "interference table (GPU) -> profile JSON")
+    pr.add_argument("--model", default="random:llama3-8b")
+    pr.add_argument("--dtype", default=None)
+    pr.add_argument("--cache-dir", default=None)
+    pr.add_argument("--b-dense", type=int, default=2048)
+    pr.add_argument("--granularity", type=int, default=128)
+    pr.add_argument("--context", type=int, default=1024,
+                    help="context of the decode attention profiled")
+    pr.add_argument("--shares", default="0.25,0.5,1.0",
+                    help="resource shares of the attention kernel to profile")
+    pr.add_argument("--iters", type=int, default=10)
+    pr.add_argument("--out", required=True)
+    pr.set_defaults(func=cmd_profile)

@@ -8,7 +8,7 @@ times for every nano-op so the layer's makespan is smallest, where
   * two nano-ops bound by the same resource (compute, memory, network) never overlap.
 K grows from 2 while the compute resource still idles inside the makespan and the
 makespan improves. Solved with HiGHS (highspy), or scipy.optimize.milp as a fallback.
-Stage II (resource shares with the interference table) is not implemented yet.
+Stage II (resource shares with the interference table) is in search/shares.py.
 """
 from __future__ import annotations
 
@@ -33,6 +33,11 @@ class Profile:
     resource: dict[str, str]                   # op group -> compute | memory | network
     times: dict[str, dict[int, float]]         # op group -> {tokens: seconds}
     model: dict | None = None
+    # op group -> {share: {tokens: seconds}}, interference-free, for ops with a share knob
+    share_times: dict[str, dict[float, dict[int, float]]] = dataclasses.field(
+        default_factory=dict)
+    # share R of the memory op -> (P of the GEMM beside it, P of the memory op)
+    interference: dict[float, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def load(cls, path) -> "Profile":
@@ -52,6 +57,15 @@ class Profile:
                      for k in OP_GROUPS}
         except (KeyError, TypeError, ValueError) as e:
             raise SearchError(f"malformed profile: missing or bad field {e}") from None
+        try:
+            share_times = {k: {float(r): {int(n): float(t) for n, t in ts.items()}
+                               for r, ts in ops[k]["times_by_share"].items()}
+                           for k in OP_GROUPS if "times_by_share" in ops[k]}
+            table = d.get("interference") or {}
+            interference = ({float(r["share"]): (float(r["compute"]), float(r["memory"]))
+                             for r in table["rows"]} if table.get("measured") else {})
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise SearchError(f"malformed profile: bad share or interference data {e}") from None
         if b % g:
             raise SearchError(f"b_dense {b} is not a multiple of the granularity {g}")
         for k in OP_GROUPS:
@@ -60,7 +74,12 @@ class Profile:
                 raise SearchError(f"profile of '{k}' lacks sizes {sorted(need - set(times[k]))[:5]}")
             if resource[k] not in ("compute", "memory", "network"):
                 raise SearchError(f"'{k}' has unknown resource {resource[k]!r}")
-        return cls(b, g, resource, times, d.get("model"))
+        for k, by_share in share_times.items():
+            for r, ts in by_share.items():
+                if not 0 < r <= 1 or not set(range(g, b + 1, g)) <= set(ts):
+                    raise SearchError(f"profile of '{k}' at share {r} is out of range or "
+                                      "lacks sizes")
+        return cls(b, g, resource, times, d.get("model"), share_times, interference)
 
 
 class _Milp:
@@ -152,9 +171,8 @@ def stage1(profile: Profile, k: int, time_limit: float = 60.0) -> dict:
         m.row({cmax: 1, start[OP_GROUPS[-1], b]: -1, dur[OP_GROUPS[-1], b]: -1}, 0)
     m.row({x[b, s]: s for b in range(k) for s in sizes}, units, units)
     for b in range(k - 1):
-        # attention nano-ops run in token order (the executor threads the KV cache through
-        # them); nano-batches are interchangeable otherwise, so this loses nothing and
-        # also breaks the symmetry between them
+        # op times depend on sizes only, so nano-batches are interchangeable: ordering
+        # their attention loses nothing and breaks the symmetry between them
         a0, a1 = ("attention", b), ("attention", b + 1)
         m.row({start[a1]: 1, start[a0]: -1, dur[a0]: -1}, 0)
     nano = [(j, b) for j in OP_GROUPS for b in range(k)]
@@ -209,7 +227,8 @@ def to_plan(profile: Profile, sched: dict, model_signature: dict, tp: int = 1) -
             "b_dense": profile.b_dense, "granularity": profile.granularity,
             "nano_batches": {j: [list(b) for b in bounds] for j in OP_GROUPS},
             "nano_ops": [{"op": j, "batch": b, "stream": stream[profile.resource[j]],
-                          "share": 1.0} for j, b in order],
+                          "share": sched.get("share", {}).get((j, b), 1.0)}
+                         for j, b in order],
             "predicted": {"makespan_s": sched["makespan"],
                           "start_s": {f"{j}[{b}]": t for (j, b), t in sched["start"].items()},
                           "duration_s": {f"{j}[{b}]": t for (j, b), t in

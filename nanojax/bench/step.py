@@ -59,22 +59,30 @@ def steady_state_mix(lengths: list[tuple[int, int]], b_dense: int,
 def synthetic_batch(cfg: ModelConfig, b_dense: int, lengths: list[tuple[int, int]],
                     page_size: int, num_pages: int, max_pages: int,
                     cuts: tuple[int, ...] = (), seed: int = 0) -> SyntheticBatch:
-    """Pages that this step writes are each sequence's own; the pages it only reads come
-    from a shared pool, so every mode reads the same cache contents."""
+    """A steady-state dense batch of the workload `lengths` (see steady_state_mix)."""
     rng = np.random.default_rng(seed)
     contexts, chunks = steady_state_mix(lengths, b_dense, rng, cuts)
+    return build_batch(cfg, contexts, chunks, page_size, num_pages, max_pages, rng)
+
+
+def build_batch(cfg: ModelConfig, contexts: list[int], chunks: list[int], page_size: int,
+                num_pages: int, max_pages: int, rng: np.random.Generator) -> SyntheticBatch:
+    """Decodes with these contexts, then prefill chunks (from position 0) of these lengths.
+    Pages that this step writes are each sequence's own; the pages it only reads come
+    from a shared pool, so every mode reads the same cache contents."""
     contexts = [min(c, max_pages * page_size) for c in contexts]
     chunks = [min(n, max_pages * page_size) for n in chunks]
+    t = len(contexts) + sum(chunks)
     written = len(contexts) + sum(-(-n // page_size) for n in chunks)
     if written * 2 > num_pages:
-        raise ValueError(f"a KV pool of {num_pages} pages is too small for B_dense {b_dense}")
+        raise ValueError(f"a KV pool of {num_pages} pages is too small for {t} tokens")
     shared = num_pages - written
     fresh = iter(range(shared, num_pages))
-    positions = np.zeros(b_dense, np.int32)
-    seq_ids = np.zeros(b_dense, np.int32)
-    page_table = rng.integers(0, shared, (b_dense, max_pages)).astype(np.int32)
-    context_lens = np.zeros(b_dense, np.int32)
-    logit_idx = np.zeros(b_dense, np.int32)
+    positions = np.zeros(t, np.int32)
+    seq_ids = np.zeros(t, np.int32)
+    page_table = rng.integers(0, shared, (t, max_pages)).astype(np.int32)
+    context_lens = np.zeros(t, np.int32)
+    logit_idx = np.zeros(t, np.int32)
     i = 0
     for row, c in enumerate(contexts):
         positions[i], seq_ids[i], context_lens[row], logit_idx[row] = c - 1, row, c, i
@@ -88,14 +96,13 @@ def synthetic_batch(cfg: ModelConfig, b_dense: int, lengths: list[tuple[int, int
         for p in range(-(-n // page_size)):
             page_table[row, p] = next(fresh)
         i += n
-    pos = positions
-    slots = page_table[seq_ids, pos // page_size] * page_size + pos % page_size
+    slots = page_table[seq_ids, positions // page_size] * page_size + positions % page_size
     meta = PagedMetadata(positions=positions, slot_mapping=slots.astype(np.int32),
                          seq_ids=seq_ids, page_table=page_table, context_lens=context_lens,
                          num_decodes=np.int32(len(contexts)))
-    tokens = rng.integers(min(1000, cfg.vocab_size // 2), cfg.vocab_size, b_dense)
+    tokens = rng.integers(min(1000, cfg.vocab_size // 2), cfg.vocab_size, t)
     return SyntheticBatch(tokens.astype(np.int32), meta, logit_idx, len(contexts),
-                          b_dense - len(contexts), int((positions[:i] + 1).sum()))
+                          t - len(contexts), int((positions + 1).sum()))
 
 
 _CHECK_ROWS = 64  # rows whose logits come back to compare the modes numerically

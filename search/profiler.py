@@ -1,0 +1,146 @@
+"""The profiler behind `nanojax profile`: what the search needs to know about this device.
+
+1. Interference-free time of each op group of one layer (qkv, attention, o_proj, mlp) at
+   every batch size in multiples of the granularity up to B_dense; attention also at each
+   resource share (the decode kernel's program count). Attention is decode attention at
+   the given context, append included, as the executor runs it.
+2. The interference table (GPU, streams on): a GEMM (the MLP) and decode attention run
+   together on two streams, attention at share R; from the trace, each kernel's time
+   together over its time alone is its normalized performance P (NanoFlow's Table 3).
+
+The result is the search's input (search/milp.py, Profile), saved as JSON with the
+hardware and software it was measured on.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nanojax.bench.step import build_batch
+from nanojax.bench.timing import device_seconds
+from nanojax.layers.attention import append_kv, attend_pallas
+from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
+from search.milp import SearchError
+
+COMPUTE_OPS = ("qkv", "o_proj", "mlp")
+
+
+class _Layer:
+    """One decoder layer's ops on random inputs of n tokens."""
+
+    def __init__(self, bundle, context: int, page_size: int = 16, num_sms: int = 132):
+        from nanojax.engine.forward import default_forward
+        self.cfg = cfg = bundle.config
+        self.layer = DecoderLayer(cfg)
+        self.lp = jax.device_put({"params": bundle.params["params"]["layers_0"]})
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.context, self.page_size, self.num_sms = context, page_size, num_sms
+        self.attention = default_forward(cfg).attention
+        self.inv_freq = LlamaForCausalLM(cfg).inv_freq
+
+    def inputs(self, op: str, n: int):
+        c, key = self.cfg, jax.random.PRNGKey(n)
+        if op == "qkv" or op == "mlp":
+            return (jax.random.normal(key, (n, c.hidden_size), self.dtype),)
+        if op == "o_proj":
+            return (jax.random.normal(key, (n, c.num_heads, c.head_dim), self.dtype),
+                    jax.random.normal(key, (n, c.hidden_size), self.dtype))
+        pages = -(-self.context // self.page_size)
+        num_pages = 2 * (n * pages + n)
+        b = build_batch(c, [self.context] * n, [], self.page_size, num_pages, pages,
+                        np.random.default_rng(n))
+        shape = (num_pages, c.num_kv_heads, self.page_size, c.head_dim)
+        kv = (jax.random.normal(key, shape, self.dtype), jax.random.normal(key, shape, self.dtype))
+        q = jax.random.normal(key, (n, c.num_heads, c.head_dim), self.dtype)
+        k = jax.random.normal(key, (n, c.num_kv_heads, c.head_dim), self.dtype)
+        return q, k, k, kv, jax.device_put(b.meta)
+
+    def fn(self, op: str, share: float = 1.0):
+        layer, lp = self.layer, self.lp
+        if op == "qkv":
+            return lambda x: layer.apply(lp, x, method=DecoderLayer.qkv)
+        if op == "o_proj":
+            return lambda a, r: layer.apply(lp, a, r, method=DecoderLayer.attn_out)
+        if op == "mlp":
+            return lambda h: layer.apply(lp, h, method=DecoderLayer.mlp)
+        attend = self.attention.attend
+        if attend is attend_pallas and share < 1.0:
+            attend = functools.partial(attend_pallas,
+                                       num_programs=max(1, round(share * self.num_sms * 4)))
+
+        def attention(q, k, v, kv, meta):
+            return attend(q, append_kv(k, v, kv, meta, self.inv_freq), meta, self.inv_freq)
+        return attention
+
+    def seconds(self, op: str, n: int, share: float = 1.0, iters: int = 10) -> float:
+        return device_seconds(self.fn(op, share), *self.inputs(op, n), iters=iters)
+
+
+def interference_table(lay: _Layer, n: int, shares, progress=None) -> dict:
+    """MLP on the main stream beside attention on stream 1 at each share, one call traced
+    per share: P = time alone / time together, for each kernel kind."""
+    from nanojax.bench import timeline
+    from nanojax.pipeline.streams import on_stream
+
+    mlp, mlp_in = lay.fn("mlp"), lay.inputs("mlp", n)
+    att_in = lay.inputs("attention", n)
+    rows = []
+    for share in shares:
+        att = lay.fn("attention", share)
+
+        def alone_and_together(h, *a):
+            return mlp(h), on_stream(att, 1)(*a)
+        f = jax.jit(alone_and_together)
+        jax.block_until_ready(f(*mlp_in, *att_in))
+        alone = {"gemm": lay.seconds("mlp", n), "attention": lay.seconds("attention", n, share)}
+        ev = timeline.capture(lambda: jax.block_until_ready(f(*mlp_in, *att_in)))
+        s = timeline.summarize(ev)
+        together = {k: s["kernel_us"][k] * 1e-6 for k in ("gemm", "attention")}
+        rows.append({"share": share,
+                     "compute": min(1.0, alone["gemm"] / max(together["gemm"], 1e-12)),
+                     "memory": min(1.0, alone["attention"] / max(together["attention"], 1e-12)),
+                     "attention_overlapped_by_gemm": s["attention_overlapped_by_gemm"]})
+        if progress:
+            progress(rows[-1])
+    return {"measured": True, "tokens": n, "rows": rows}
+
+
+def run_profile(bundle, b_dense: int, granularity: int, context: int, shares=(0.25, 0.5, 1.0),
+                iters: int = 10, progress: bool = True) -> dict:
+    from tqdm.auto import tqdm
+
+    from nanojax.bench.cli import environment
+    from nanojax.pipeline.streams import streams_enabled
+    if b_dense % granularity:
+        raise SearchError(f"B_dense {b_dense} is not a multiple of the granularity {granularity}")
+    lay = _Layer(bundle, context)
+    sizes = list(range(granularity, b_dense + 1, granularity))
+    shares = sorted(set(shares) | {1.0})
+    bar = tqdm(total=len(sizes) * (len(COMPUTE_OPS) + len(shares)), desc="profile",
+               disable=not progress)
+    ops = {}
+    for op in COMPUTE_OPS:
+        times = {}
+        for n in sizes:
+            times[n] = lay.seconds(op, n, iters=iters)
+            bar.update(1)
+        ops[op] = {"resource": "compute", "times": times}
+    by_share = {}
+    for share in shares:
+        by_share[share] = {}
+        for n in sizes:
+            by_share[share][n] = lay.seconds("attention", n, share, iters=iters)
+            bar.update(1)
+    ops["attention"] = {"resource": "memory", "times": by_share[1.0],
+                        "times_by_share": {str(s): t for s, t in by_share.items()}}
+    bar.close()
+    if streams_enabled():
+        table = interference_table(lay, b_dense // 2, shares)
+    else:  # one stream: nothing runs together, so there is nothing to measure
+        table = {"measured": False, "reason": "no concurrent streams on this backend"}
+    return {"version": 1, "b_dense": b_dense, "granularity": granularity,
+            "context": context, "model": bundle.config.signature(), "ops": ops,
+            "interference": table, "environment": environment()}
