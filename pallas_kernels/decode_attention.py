@@ -39,8 +39,8 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, context_lens):
     return o.reshape(b, h, d).astype(q.dtype)
 
 
-def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, *, kvh, num_work, num_programs,
-            pages_per_block, page_size, scale):
+def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, rowpos_ref, o_ref, *, kvh, num_work,
+            num_programs, pages_per_block, page_size, scale):
     pid = pl.program_id(0)
     rows, d = q_ref.shape[2], q_ref.shape[3]
     block_k = pages_per_block * page_size
@@ -50,6 +50,7 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, *, kvh, num_work, num_p
         w = pid + i * num_programs
         b, h = w // kvh, w % kvh
         ctx = len_ref[b]
+        last = rowpos_ref[b]  # [rows]: the last key position each row may see
         q = q_ref[b, h] * scale  # [rows, D]
 
         def block(j, carry):
@@ -59,8 +60,9 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, *, kvh, num_work, num_p
             k = k_ref[idx].reshape(block_k, d)
             v = v_ref[idx].reshape(block_k, d)
             s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # [rows, block_k]
-            valid = j * block_k + jnp.arange(block_k) < ctx
-            s = jnp.where(valid[None, :], s, _NEG)
+            key_pos = j * block_k + jnp.arange(block_k)
+            s = jnp.where(key_pos[None, :] <= last[:, None], s, _NEG)
+            valid = key_pos < ctx
             v = jnp.where(valid[:, None], v, jnp.zeros_like(v))  # stale pages may hold NaN
             m_new = jnp.maximum(m, s.max(axis=-1))
             alpha = jnp.exp(m - m_new)
@@ -90,31 +92,23 @@ def _block_keys(programs: int) -> int:
     return 64 if per_sm > 2 else (128 if per_sm > 1 else 256)
 
 
-def decode_attention_impl(q, k_pages, v_pages, page_table, context_lens, *,
-                     num_programs: int | None = None, pages_per_block: int | None = None,
-                     num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
-    """Pallas paged decode attention; same contract as decode_attention_reference.
+def paged_attention_call(qg, k_pages, v_pages, page_table, context_lens, row_last, *,
+                         num_programs: int | None = None, pages_per_block: int | None = None,
+                         num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
+    """The kernel over units of (query group, kv head), shared by decode and prefill.
 
-    num_programs: programs in the persistent grid (None: one per unit of work).
-    pages_per_block: pages loaded per inner step (None: by programs per SM, the best on an
-        H200 in bench/results/decode_attention_tuning_h200.json: a program with fewer
-        siblings on its SM needs more bytes in flight, so larger blocks).
+    qg [B, KVH, rows, D]: the query rows of unit b for kv head h; page_table [B, P];
+    context_lens [B]: keys the unit reads; row_last [B, rows]: the last key position each
+    row may see (causal masking; decode rows see the whole context). -> [B, KVH, rows, D]
     """
-    b, h, d = q.shape
-    n, kvh, ps, _ = k_pages.shape
-    g = h // kvh
-    rows = max(_MIN_ROWS, g)
+    b, kvh, rows, d = qg.shape
+    n, _, ps, _ = k_pages.shape
     num_work = b * kvh
     nprog = num_work if num_programs is None else max(1, min(num_programs, num_work))
     pages_per_block = pages_per_block or max(1, _block_keys(nprog) // ps)
-    qg = q.reshape(b, kvh, g, d)
-    # lax.pad, not jnp.pad (a nested jit, refused inside stream-annotated regions)
-    if rows > g:
-        qg = lax.pad(qg, jnp.zeros((), qg.dtype), [(0, 0, 0), (0, 0, 0), (0, rows - g, 0),
-                                                   (0, 0, 0)])
     pw = page_table.shape[1]
     pad = -pw % pages_per_block
-    if pad:
+    if pad:  # lax.pad, not jnp.pad (a nested jit, refused inside stream-annotated regions)
         page_table = lax.pad(page_table.astype(jnp.int32), jnp.int32(0),
                              [(0, 0, 0), (0, pad, 0)])
     kern = functools.partial(_kernel, kvh=kvh, num_work=num_work, num_programs=nprog,
@@ -125,12 +119,38 @@ def decode_attention_impl(q, k_pages, v_pages, page_table, context_lens, *,
         from jax.experimental.pallas import triton as plgpu
         params["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps,
                                                          num_stages=num_stages)
-    out = pl.pallas_call(
+    return pl.pallas_call(
         kern, grid=(nprog,), name="paged_decode_attention",  # named in profiles
-        out_shape=jax.ShapeDtypeStruct((b, kvh, rows, d), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((b, kvh, rows, d), qg.dtype),
         interpret=interpret, **params,
     )(qg, k_pages.reshape(n * kvh, ps, d), v_pages.reshape(n * kvh, ps, d),
-      page_table.astype(jnp.int32), context_lens.astype(jnp.int32))
+      page_table.astype(jnp.int32), context_lens.astype(jnp.int32),
+      row_last.astype(jnp.int32))
+
+
+def decode_attention_impl(q, k_pages, v_pages, page_table, context_lens, *,
+                          num_programs: int | None = None, pages_per_block: int | None = None,
+                          num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
+    """Pallas paged decode attention; same contract as decode_attention_reference.
+
+    num_programs: programs in the persistent grid (None: one per unit of work).
+    pages_per_block: pages loaded per inner step (None: by programs per SM, the best on an
+        H200 in bench/results/decode_attention_tuning_h200.json: a program with fewer
+        siblings on its SM needs more bytes in flight, so larger blocks).
+    """
+    b, h, d = q.shape
+    kvh = k_pages.shape[1]
+    g = h // kvh
+    rows = max(_MIN_ROWS, g)
+    qg = q.reshape(b, kvh, g, d)
+    if rows > g:  # lax.pad: see paged_attention_call
+        qg = lax.pad(qg, jnp.zeros((), qg.dtype), [(0, 0, 0), (0, 0, 0), (0, rows - g, 0),
+                                                   (0, 0, 0)])
+    row_last = lax.broadcast_in_dim(context_lens.astype(jnp.int32) - 1, (b, rows), (0,))
+    out = paged_attention_call(qg, k_pages, v_pages, page_table, context_lens, row_last,
+                               num_programs=num_programs, pages_per_block=pages_per_block,
+                               num_warps=num_warps, num_stages=num_stages,
+                               interpret=interpret)
     return out[:, :, :g].reshape(b, h, d)
 
 
