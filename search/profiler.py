@@ -67,8 +67,8 @@ class _Layer:
         if op == "mlp":
             return lambda h: layer.apply(lp, h, method=DecoderLayer.mlp)
         attend = self.attention.attend
-        if attend is attend_pallas and share < 1.0:
-            attend = functools.partial(attend_pallas,
+        if getattr(attend, "func", attend) is attend_pallas and share < 1.0:
+            attend = functools.partial(attend,
                                        num_programs=max(1, round(share * self.num_sms * 4)))
 
         def attention(q, k, v, kv, meta):

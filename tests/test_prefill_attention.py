@@ -91,3 +91,38 @@ def test_kernel_on_gpu_bf16():
     ref = prefill_attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), pt,
                                       jnp.asarray(seq_ids), jnp.asarray(positions))
     assert _rel(out, ref) < REL_TOL_BF16
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_engine_with_the_pallas_kernels_matches_pure_jax(tiny_bundle, pipeline):
+    """The GPU attention path (decode kernel + chunked-prefill kernel, in interpret mode)
+    inside the engine: chunked prefills, decodes, and the nano-batch executor's slices."""
+    from nanojax.engine.forward import UnrolledForward
+    from nanojax.engine.llm_engine import EngineConfig, LLMEngine
+    from nanojax.engine.sampling import SamplingParams
+    from nanojax.layers.attention import paged_attention, pallas_backend
+    from nanojax.pipeline.executor import PipelineForward
+
+    cfg = tiny_bundle.config
+    plan = {"version": 1, "model": cfg.signature(), "tp": 1, "b_dense": 32,
+            "nano_batches": {g: [[0, 12], [12, 32]]
+                             for g in ("qkv", "attention", "o_proj", "mlp")},
+            "nano_ops": [{"op": "qkv", "batch": 0}, {"op": "qkv", "batch": 1},
+                         {"op": "attention", "batch": 1, "stream": 1},
+                         {"op": "attention", "batch": 0, "stream": 1},
+                         {"op": "o_proj", "batch": 1}, {"op": "mlp", "batch": 1},
+                         {"op": "o_proj", "batch": 0}, {"op": "mlp", "batch": 0}]}
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(1, cfg.vocab_size, size=int(n)).tolist() for n in (23, 5, 40)]
+    outs = []
+    for attention in (paged_attention, pallas_backend(prefill_block_q=4, interpret=True)):
+        fwd = (PipelineForward(cfg, plan, "overlap", attention=attention) if pipeline
+               else UnrolledForward(cfg, attention))
+        eng = LLMEngine(tiny_bundle, EngineConfig(b_dense=32, num_pages=48, page_size=4,
+                                                  max_model_len=64, constant_batch=True),
+                        forward=fwd)
+        ids = [eng.add_request(p, SamplingParams(max_tokens=5, temperature=0,
+                                                 ignore_eos=True)) for p in prompts]
+        done = eng.run_to_completion()
+        outs.append([done[i].token_ids for i in ids])
+    assert outs[0] == outs[1]

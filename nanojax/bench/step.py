@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nanojax.config import ModelConfig
-from nanojax.layers.attention import PagedMetadata
+from nanojax.layers.attention import PagedMetadata, prefill_metadata
 
 
 @dataclasses.dataclass
@@ -58,15 +58,18 @@ def steady_state_mix(lengths: list[tuple[int, int]], b_dense: int,
 
 def synthetic_batch(cfg: ModelConfig, b_dense: int, lengths: list[tuple[int, int]],
                     page_size: int, num_pages: int, max_pages: int,
-                    cuts: tuple[int, ...] = (), seed: int = 0) -> SyntheticBatch:
+                    cuts: tuple[int, ...] = (), seed: int = 0,
+                    prefill_block_q: int | None = None) -> SyntheticBatch:
     """A steady-state dense batch of the workload `lengths` (see steady_state_mix)."""
     rng = np.random.default_rng(seed)
     contexts, chunks = steady_state_mix(lengths, b_dense, rng, cuts)
-    return build_batch(cfg, contexts, chunks, page_size, num_pages, max_pages, rng)
+    return build_batch(cfg, contexts, chunks, page_size, num_pages, max_pages, rng,
+                       prefill_block_q)
 
 
 def build_batch(cfg: ModelConfig, contexts: list[int], chunks: list[int], page_size: int,
-                num_pages: int, max_pages: int, rng: np.random.Generator) -> SyntheticBatch:
+                num_pages: int, max_pages: int, rng: np.random.Generator,
+                prefill_block_q: int | None = None) -> SyntheticBatch:
     """Decodes with these contexts, then prefill chunks (from position 0) of these lengths.
     Pages that this step writes are each sequence's own; the pages it only reads come
     from a shared pool, so every mode reads the same cache contents."""
@@ -97,9 +100,14 @@ def build_batch(cfg: ModelConfig, contexts: list[int], chunks: list[int], page_s
             page_table[row, p] = next(fresh)
         i += n
     slots = page_table[seq_ids, positions // page_size] * page_size + positions % page_size
+    blocks = slot = None
+    if prefill_block_q:  # query blocks for the chunked-prefill kernel, as the runner makes
+        blocks, slot = prefill_metadata(seq_ids, positions, len(contexts), t,
+                                        prefill_block_q, t)
     meta = PagedMetadata(positions=positions, slot_mapping=slots.astype(np.int32),
                          seq_ids=seq_ids, page_table=page_table, context_lens=context_lens,
-                         num_decodes=np.int32(len(contexts)))
+                         num_decodes=np.int32(len(contexts)), prefill_blocks=blocks,
+                         prefill_slot=slot)
     tokens = rng.integers(min(1000, cfg.vocab_size // 2), cfg.vocab_size, t)
     return SyntheticBatch(tokens.astype(np.int32), meta, logit_idx, len(contexts),
                           t - len(contexts), int((positions + 1).sum()))
@@ -173,6 +181,7 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
 
     from nanojax.bench import timeline
     from nanojax.bench.roofline import measure_gemm_rate
+    from nanojax.engine.forward import default_forward
     from nanojax.pipeline.executor import PipelineForward
     from nanojax.pipeline.plan import resize
 
@@ -187,8 +196,10 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
         roof = measure_gemm_rate(cfg, b_dense) if on_gpu else None
         sized = resize(plan, b_dense)
         cuts = tuple(a for a, _ in sized["nano_batches"]["attention"][1:])
+        block_q = default_forward(cfg).attention.prefill_block_q
         batches = {w: synthetic_batch(cfg, b_dense, workload_lengths(w, max_model_len),
-                                      page_size, num_pages, max_pages, cuts)
+                                      page_size, num_pages, max_pages, cuts,
+                                      prefill_block_q=block_q)
                    for w in workloads}
         tokens = {}
         for mode in modes:

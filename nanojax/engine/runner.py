@@ -18,7 +18,7 @@ from nanojax.config import ModelConfig
 from nanojax.engine.forward import default_forward
 from nanojax.engine.sampling import sample
 from nanojax.engine.scheduler import ScheduledBatch
-from nanojax.layers.attention import PagedMetadata
+from nanojax.layers.attention import PagedMetadata, prefill_metadata
 
 
 def bucket(n: int, minimum: int, maximum: int | None = None) -> int:
@@ -125,9 +125,15 @@ class ModelRunner:
             seeds[row] = (sp.seed or 0) & 0xFFFFFFFF
             steps[row] = seq.num_generated - (1 if e.samples else 0)
             i += n
+        blocks = slot = None
+        block_q = getattr(getattr(self.forward, "attention", None), "prefill_block_q", None)
+        if block_q:  # query blocks for the chunked-prefill kernel
+            blocks, slot = prefill_metadata(seq_ids, positions, batch.num_decodes, i,
+                                            block_q, r)
         meta = PagedMetadata(positions=positions, slot_mapping=slots, seq_ids=seq_ids,
                              page_table=page_table, context_lens=context_lens,
-                             num_decodes=np.int32(batch.num_decodes))
+                             num_decodes=np.int32(batch.num_decodes),
+                             prefill_blocks=blocks, prefill_slot=slot)
         with self._lock:
             self.kv, out = self._step(self.params, self.kv, self._prev, host_tokens,
                                       token_src, meta, logit_idx, temperature, top_p, top_k,

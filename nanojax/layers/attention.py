@@ -8,6 +8,8 @@ chunked-prefill attention) plug in; the pure-JAX backends below are the referenc
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 from typing import Protocol
 
 import jax
@@ -78,6 +80,41 @@ class PagedMetadata:
     page_table: jax.Array    # [S, P] int32 pages of each sequence of the batch
     context_lens: jax.Array  # [S] int32 tokens in the cache once this step is written
     num_decodes: jax.Array   # [] int32 tokens [0, num_decodes) are single-token decodes
+    # for the chunked-prefill kernel (None without it), see prefill_metadata
+    prefill_blocks: jax.Array | None = None  # [NB, 3] int32 first token, tokens, row
+    prefill_slot: jax.Array | None = None    # [T] int32 block * block_q + offset
+
+
+def prefill_metadata(seq_ids: np.ndarray, positions: np.ndarray, num_decodes: int,
+                     num_tokens: int, block_q: int, max_rows: int):
+    """Query blocks of the prefill tokens [num_decodes, num_tokens) (host side), with a
+    block count fixed by the batch's shape (T // block_q + rows) so shapes stay bucketed."""
+    from pallas_kernels.prefill_attention import query_blocks
+    t = len(seq_ids)
+    blocks, slot = query_blocks(seq_ids[num_decodes:num_tokens],
+                                positions[num_decodes:num_tokens], block_q,
+                                max_blocks=t // block_q + max_rows)
+    blocks[:, 0] += num_decodes
+    full = np.zeros(t, np.int32)
+    full[num_decodes:num_tokens] = slot
+    return blocks, full
+
+
+def slice_metadata(meta: PagedMetadata, a: int, b: int) -> PagedMetadata:
+    """The metadata of tokens [a, b) of the batch (a nano-batch). Query blocks are
+    re-based; blocks outside [a, b) are emptied (a block never straddles a nano-batch
+    boundary: the scheduler ends chunks there)."""
+    blocks = meta.prefill_blocks
+    if blocks is not None:
+        inside = (blocks[:, 0] >= a) & (blocks[:, 0] < b)
+        blocks = jnp.stack([jnp.clip(blocks[:, 0] - a, 0, b - a - 1),
+                            jnp.where(inside, blocks[:, 1], 0), blocks[:, 2]], axis=1)
+    return dataclasses.replace(
+        meta, positions=meta.positions[a:b], slot_mapping=meta.slot_mapping[a:b],
+        seq_ids=meta.seq_ids[a:b],
+        num_decodes=jnp.clip(meta.num_decodes - a, 0, b - a),
+        prefill_blocks=blocks,
+        prefill_slot=None if meta.prefill_slot is None else meta.prefill_slot[a:b])
 
 
 def write_kv_pages(k_pages, v_pages, k, v, slot_mapping):
@@ -122,14 +159,31 @@ def attend_reference(q, kv_layer, meta: PagedMetadata, inv_freq, num_programs=No
     return paged_attention_reference(q, *kv_layer, meta)
 
 
-def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, num_programs=None):
-    """GPU path: the Pallas paged kernel. Every token is a row of the kernel with its own
-    sequence's pages and a context that ends at its own position, which is causal
-    attention for prefill chunks as well. num_programs: the kernel's resource share."""
-    from pallas_kernels.decode_attention import decode_attention_impl as decode_attention
+def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, num_programs=None,
+                  block_q: int = 16, interpret: bool = False):
+    """GPU path: the Pallas paged kernels. num_programs: the decode kernel's resource share.
+
+    Without query blocks every token is a row of the decode kernel with its own sequence's
+    pages and a context that ends at its own position (causal for prefill chunks too, but
+    each prefill token re-reads its whole context). With them (meta.prefill_blocks, made
+    with the same block_q), the decode kernel serves the decode tokens and the
+    chunked-prefill kernel the rest."""
+    from pallas_kernels.decode_attention import decode_attention_impl
     q = apply_rope(q, meta.positions, inv_freq)
-    return decode_attention(q, *kv_layer, meta.page_table[meta.seq_ids], meta.positions + 1,
-                            num_programs=num_programs)
+    k_pages, v_pages = kv_layer
+    rows = meta.page_table[meta.seq_ids]
+    if meta.prefill_blocks is None:
+        return decode_attention_impl(q, k_pages, v_pages, rows, meta.positions + 1,
+                                     num_programs=num_programs, interpret=interpret)
+    from pallas_kernels.prefill_attention import prefill_attention_impl
+    is_decode = jnp.arange(q.shape[0]) < meta.num_decodes
+    dec = decode_attention_impl(q, k_pages, v_pages, rows,
+                                jnp.where(is_decode, meta.positions + 1, 0),
+                                num_programs=num_programs, interpret=interpret)
+    pre = prefill_attention_impl(q, k_pages, v_pages, meta.page_table, meta.positions,
+                                 meta.prefill_blocks, meta.prefill_slot, block_q=block_q,
+                                 interpret=interpret)
+    return jnp.where(is_decode[:, None, None], dec, pre)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +192,7 @@ class PagedAttention:
     the halves itself so that attention nano-ops only read the cache."""
 
     attend: callable
+    prefill_block_q: int | None = None  # query block of the chunked-prefill kernel, if used
 
     def __call__(self, q, k, v, kv_layer, meta: PagedMetadata, inv_freq):
         kv_layer = append_kv(k, v, kv_layer, meta, inv_freq)
@@ -145,4 +200,15 @@ class PagedAttention:
 
 
 paged_attention = PagedAttention(attend_reference)         # CPU
-paged_attention_pallas = PagedAttention(attend_pallas)     # GPU
+# GPU. The chunked-prefill kernel is opt-in (NANOJAX_PREFILL_KERNEL=1) until it is measured
+# on the GPU against prefill-as-decode-rows.
+def pallas_backend(prefill_block_q: int | None = None, interpret: bool = False):
+    """The Pallas backend; with prefill_block_q, prefill tokens go to the chunked-prefill
+    kernel in query blocks of that many tokens (the runner builds them)."""
+    attend = functools.partial(attend_pallas, block_q=prefill_block_q or 16,
+                               interpret=interpret)
+    return PagedAttention(attend, prefill_block_q)
+
+
+paged_attention_pallas = pallas_backend(
+    16 if os.environ.get("NANOJAX_PREFILL_KERNEL", "0") == "1" else None)

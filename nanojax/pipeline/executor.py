@@ -24,7 +24,6 @@ that cover its range.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 
 import jax
@@ -32,7 +31,8 @@ import jax.numpy as jnp
 
 from nanojax.config import ModelConfig
 from nanojax.engine.forward import UnrolledForward, default_forward
-from nanojax.layers.attention import PagedMetadata, append_kv, attend_pallas
+from nanojax.layers.attention import (PagedMetadata, append_kv, attend_pallas,
+                                     slice_metadata)
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
 from nanojax.pipeline.plan import OP_GROUPS, PlanError, ablation, check_model, validate
 from nanojax.pipeline.streams import on_stream, streams_enabled
@@ -121,9 +121,9 @@ class PipelineForward(UnrolledForward):
 
     def _attend_for(self, share: float):
         attend = self.attention.attend
-        if attend is attend_pallas and share < 1.0:
+        if getattr(attend, "func", attend) is attend_pallas and share < 1.0:
             programs = max(1, round(share * self.num_sms * self.ctas_per_sm))
-            return functools.partial(attend_pallas, num_programs=programs)
+            return functools.partial(attend, num_programs=programs)
         return attend
 
     def __call__(self, params, tokens, kv, meta: PagedMetadata, logit_idx):
@@ -168,9 +168,7 @@ class PipelineForward(UnrolledForward):
             out[g][k] = placed(f, stream, lp, x[a:b])
         elif g == "attention":
             q, kk, vv = _gather(out["qkv"], ranges["qkv"], a, b)
-            m = dataclasses.replace(meta, positions=meta.positions[a:b],
-                                    slot_mapping=meta.slot_mapping[a:b],
-                                    seq_ids=meta.seq_ids[a:b])
+            m = slice_metadata(meta, a, b)
             attend = self._attend_for(float(op.get("share", 1.0)))
 
             def f(q, kk, vv, kvl, m):
