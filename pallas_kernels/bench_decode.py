@@ -6,6 +6,12 @@ Measures, in one run: device copy bandwidth; the kernel's achieved bandwidth for
 64..1024, contexts 512..4096 and persistent-grid program counts from 16 to a full grid;
 and jax's own Pallas `decode_attention.gqa` on the same shapes ([B, S, KVH, D] layout).
 Bytes counted: K and V of every sequence's context, read once.
+
+    python -m pallas_kernels.bench_decode --prefill-only --out PATH
+
+times, instead, chunked prefill two ways on the same batch (every token a row of the
+decode kernel, as the engine does by default, against the chunked-prefill kernel) and the
+KV append two ways (RoPE + scatter in XLA against the fused Pallas kernel).
 """
 from __future__ import annotations
 
@@ -71,7 +77,10 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tune-only", action="store_true")
     ap.add_argument("--skip-tuning", action="store_true")
+    ap.add_argument("--prefill-only", action="store_true")
     args = ap.parse_args()
+    if args.prefill_only:
+        return _prefill_and_append(args)
     rng = np.random.default_rng(0)
     dev = jax.devices()[0]
     sms = getattr(dev, "core_count", None) or 132
@@ -173,6 +182,62 @@ def _sweep(args, res, rng, bw, sms, save, ppb, warps, stages):
             res["cases"] = cases
             save()
     print("done", flush=True)
+
+
+def _prefill_and_append(args):
+    from nanojax.bench.timing import device_seconds
+    from nanojax.layers.rotary import inverse_frequencies
+    from pallas_kernels.prefill_attention import prefill_attention_impl, query_blocks
+    from pallas_kernels.rope_append import rope_append_impl
+    rng = np.random.default_rng(0)
+    res = {"command": "python -m pallas_kernels.bench_decode --prefill-only --out "
+                      + args.out, "device": jax.devices()[0].device_kind,
+           "jax": jax.__version__, "prefill": [], "append": []}
+    ps = 16
+    for prefix, chunk, n_chunks in ((0, 512, 4), (1024, 512, 4), (0, 2048, 1)):
+        ctx = prefix + chunk
+        pages = -(-ctx // ps)
+        n = n_chunks * pages + 1
+        k = jax.random.normal(jax.random.PRNGKey(1), (n, KVH, ps, D), jnp.bfloat16)
+        v = jax.random.normal(jax.random.PRNGKey(2), (n, KVH, ps, D), jnp.bfloat16)
+        pt = jnp.asarray(rng.permutation(n)[:n_chunks * pages].reshape(n_chunks, pages)
+                         .astype(np.int32))
+        seq = np.repeat(np.arange(n_chunks), chunk).astype(np.int32)
+        pos = np.tile(np.arange(prefix, ctx), n_chunks).astype(np.int32)
+        q = jax.random.normal(jax.random.PRNGKey(3), (len(seq), H, D), jnp.bfloat16)
+        rows = device_seconds(lambda q, k, v: decode_attention(
+            q, k, v, pt[seq], jnp.asarray(pos + 1)), q, k, v)
+        case = {"prefix": prefix, "chunk": chunk, "chunks": n_chunks,
+                "decode_rows_seconds": rows}
+        for bq in (16, 32):
+            blocks, slot = query_blocks(seq, pos, bq)
+            t = device_seconds(lambda q, k, v, bq=bq, blocks=blocks, slot=slot:
+                               prefill_attention_impl(q, k, v, pt, jnp.asarray(pos),
+                                                      jnp.asarray(blocks), jnp.asarray(slot),
+                                                      block_q=bq), q, k, v)
+            case[f"prefill_kernel_bq{bq}_seconds"] = t
+            case[f"speedup_bq{bq}"] = rows / t
+        res["prefill"].append(case)
+        print(case, flush=True)
+    inv = inverse_frequencies(D, 500000.0)
+    from nanojax.layers.attention import write_kv_pages
+    from nanojax.layers.rotary import apply_rope
+    for t in (1024, 2048, 4096):
+        n = 16384
+        kp = jnp.zeros((n, KVH, ps, D), jnp.bfloat16)
+        vp = jnp.zeros((n, KVH, ps, D), jnp.bfloat16)
+        kk = jax.random.normal(jax.random.PRNGKey(4), (t, KVH, D), jnp.bfloat16)
+        pos = jnp.asarray(rng.integers(0, 4096, t).astype(np.int32))
+        slots = jnp.asarray(rng.permutation(n * ps)[:t].astype(np.int32))
+        xla = device_seconds(lambda k, v, a, b: write_kv_pages(
+            a, b, apply_rope(k, pos, inv), v, slots), kk, kk, kp, vp)
+        fused = device_seconds(lambda k, v, a, b: rope_append_impl(
+            k, v, a, b, pos, slots, inv), kk, kk, kp, vp)
+        res["append"].append({"tokens": t, "xla_seconds": xla, "fused_seconds": fused,
+                              "speedup": xla / fused})
+        print(res["append"][-1], flush=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

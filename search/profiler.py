@@ -21,7 +21,7 @@ import numpy as np
 
 from nanojax.bench.step import build_batch
 from nanojax.bench.timing import device_seconds
-from nanojax.layers.attention import append_kv, attend_pallas
+from nanojax.layers.attention import attend_pallas
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
 from search.milp import SearchError
 
@@ -72,7 +72,8 @@ class _Layer:
                                        num_programs=max(1, round(share * self.num_sms * 4)))
 
         def attention(q, k, v, kv, meta):
-            return attend(q, append_kv(k, v, kv, meta, self.inv_freq), meta, self.inv_freq)
+            kv = self.attention.append(k, v, kv, meta, self.inv_freq)
+            return attend(q, kv, meta, self.inv_freq)
         return attention
 
     def seconds(self, op: str, n: int, share: float = 1.0, iters: int = 10) -> float:

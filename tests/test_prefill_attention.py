@@ -95,8 +95,9 @@ def test_kernel_on_gpu_bf16():
 
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_engine_with_the_pallas_kernels_matches_pure_jax(tiny_bundle, pipeline):
-    """The GPU attention path (decode kernel + chunked-prefill kernel, in interpret mode)
-    inside the engine: chunked prefills, decodes, and the nano-batch executor's slices."""
+    """The GPU attention path (decode, chunked-prefill and fused RoPE + append kernels, in
+    interpret mode) inside the engine: chunked prefills, decodes, and the nano-batch
+    executor's slices."""
     from nanojax.engine.forward import UnrolledForward
     from nanojax.engine.llm_engine import EngineConfig, LLMEngine
     from nanojax.engine.sampling import SamplingParams
@@ -115,7 +116,8 @@ def test_engine_with_the_pallas_kernels_matches_pure_jax(tiny_bundle, pipeline):
     rng = np.random.default_rng(2)
     prompts = [rng.integers(1, cfg.vocab_size, size=int(n)).tolist() for n in (23, 5, 40)]
     outs = []
-    for attention in (paged_attention, pallas_backend(prefill_block_q=4, interpret=True)):
+    for attention in (paged_attention, pallas_backend(prefill_block_q=4, fused_append=True,
+                                                      interpret=True)):
         fwd = (PipelineForward(cfg, plan, "overlap", attention=attention) if pipeline
                else UnrolledForward(cfg, attention))
         eng = LLMEngine(tiny_bundle, EngineConfig(b_dense=32, num_pages=48, page_size=4,

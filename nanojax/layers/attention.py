@@ -147,10 +147,16 @@ def paged_attention_reference(q, k_pages, v_pages, meta: PagedMetadata):
 
 
 def append_kv(k, v, kv_layer, meta: PagedMetadata, inv_freq):
-    """RoPE on the new keys, then write k and v into their pages (the step's KV append).
-    This is where a fused RoPE + append kernel plugs in."""
+    """RoPE on the new keys, then write k and v into their pages (the step's KV append)."""
     k = apply_rope(k, meta.positions, inv_freq)
     return write_kv_pages(*kv_layer, k, v, meta.slot_mapping)
+
+
+def append_kv_pallas(k, v, kv_layer, meta: PagedMetadata, inv_freq, interpret=False):
+    """The same append as one Pallas kernel (pallas_kernels/rope_append.py)."""
+    from pallas_kernels.rope_append import rope_append_impl
+    return rope_append_impl(k, v, *kv_layer, meta.positions, meta.slot_mapping, inv_freq,
+                            interpret=interpret)
 
 
 def attend_reference(q, kv_layer, meta: PagedMetadata, inv_freq, num_programs=None):
@@ -193,22 +199,30 @@ class PagedAttention:
 
     attend: callable
     prefill_block_q: int | None = None  # query block of the chunked-prefill kernel, if used
+    append: callable = append_kv
 
     def __call__(self, q, k, v, kv_layer, meta: PagedMetadata, inv_freq):
-        kv_layer = append_kv(k, v, kv_layer, meta, inv_freq)
+        kv_layer = self.append(k, v, kv_layer, meta, inv_freq)
         return self.attend(q, kv_layer, meta, inv_freq), kv_layer
 
 
-paged_attention = PagedAttention(attend_reference)         # CPU
-# GPU. The chunked-prefill kernel is opt-in (NANOJAX_PREFILL_KERNEL=1) until it is measured
-# on the GPU against prefill-as-decode-rows.
-def pallas_backend(prefill_block_q: int | None = None, interpret: bool = False):
+paged_attention = PagedAttention(attend_reference)  # the pure-JAX backend (CPU)
+
+
+def pallas_backend(prefill_block_q: int | None = None, fused_append: bool = False,
+                   interpret: bool = False):
     """The Pallas backend; with prefill_block_q, prefill tokens go to the chunked-prefill
-    kernel in query blocks of that many tokens (the runner builds them)."""
+    kernel in query blocks of that many tokens (the runner builds them); fused_append
+    writes the cache with the fused RoPE + append kernel."""
     attend = functools.partial(attend_pallas, block_q=prefill_block_q or 16,
                                interpret=interpret)
-    return PagedAttention(attend, prefill_block_q)
+    append = (functools.partial(append_kv_pallas, interpret=interpret) if fused_append
+              else append_kv)
+    return PagedAttention(attend, prefill_block_q, append)
 
 
+# The chunked-prefill and fused-append kernels are opt-in (NANOJAX_PREFILL_KERNEL=1,
+# NANOJAX_FUSED_APPEND=1) until they are measured on the GPU against the plain paths.
 paged_attention_pallas = pallas_backend(
-    16 if os.environ.get("NANOJAX_PREFILL_KERNEL", "0") == "1" else None)
+    16 if os.environ.get("NANOJAX_PREFILL_KERNEL", "0") == "1" else None,
+    os.environ.get("NANOJAX_FUSED_APPEND", "0") == "1")

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from nanojax.config import ModelConfig
 from nanojax.engine.forward import UnrolledForward, default_forward
-from nanojax.layers.attention import (PagedMetadata, append_kv, attend_pallas,
+from nanojax.layers.attention import (PagedMetadata, attend_pallas,
                                      slice_metadata)
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
 from nanojax.pipeline.plan import OP_GROUPS, PlanError, ablation, check_model, validate
@@ -172,7 +172,7 @@ class PipelineForward(UnrolledForward):
             attend = self._attend_for(float(op.get("share", 1.0)))
 
             def f(q, kk, vv, kvl, m):
-                kvl = append_kv(kk, vv, kvl, m, inv_freq)
+                kvl = self.attention.append(kk, vv, kvl, m, inv_freq)
                 return attend(q, kvl, m, inv_freq), kvl
             o, kv_layer = placed(f, stream, q, kk, vv, kv_layer, m)
             out[g][k], kv_layer = jax.lax.optimization_barrier((o, kv_layer))
