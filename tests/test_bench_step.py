@@ -111,3 +111,28 @@ def test_peer_runs_transformers_continuous_batching():
     assert r["requests"] == 3 and r["prompt_tokens"] == 36
     assert r["output_tokens"] == 12  # EOS is off: every request runs to max_new_tokens
     assert r["total_tokens_per_s"] > 0
+
+
+def test_throughput_bench_compares_modes_in_one_run(tmp_path):
+    """`nanojax bench --plan`: every mode's tokens/s, their ratio, identical outputs, and
+    how full the dense batches were."""
+    from nanojax.cli import main
+    cfg = named_shape("tiny")
+    plan = {"version": 1, "model": cfg.signature(), "tp": 1, "b_dense": 32,
+            "nano_batches": {g: [[0, 16], [16, 32]]
+                             for g in ("qkv", "attention", "o_proj", "mlp")},
+            "nano_ops": [{"op": g, "batch": b, "stream": int(g == "attention")}
+                         for b in (0, 1) for g in ("qkv", "attention", "o_proj", "mlp")]}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    out = tmp_path / "r.json"
+    assert main(["bench", "--model", "random:tiny", "--plan", str(tmp_path / "plan.json"),
+                 "--modes", "non-overlap,overlap", "--b-dense", "32", "--constant-batch",
+                 "--num-prompts", "12", "--input-len", "20", "--output-len", "6",
+                 "--max-model-len", "64", "--quiet", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["overlap_over_non_overlap"] > 0
+    for mode in ("non-overlap", "overlap"):
+        m = r["results"][mode]
+        assert m["output_tokens"] == 12 * 6 and m["prompt_tokens"] == 12 * 20
+        assert m["same_outputs_as_non-overlap"] == 1.0
+        assert 0 < m["mean_batch_fill"] <= 1 and m["iterations"] > 0

@@ -20,6 +20,7 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
                                                                  temperature=0))
         engine.run_to_completion()
     compiles_before = engine.runner.num_compiles
+    steps_before, tokens_before = engine.stats.steps, engine.stats.scheduled_tokens
     ids = [engine.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len,
                                                            ignore_eos=True, temperature=0))
            for r in requests]
@@ -38,7 +39,11 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
         "total_tokens_per_s": (prompt_tokens + output_tokens) / wall,
         "output_tokens_per_s": output_tokens / wall,
         "requests_per_s": len(ids) / wall,
-        "iterations": engine.stats.steps,
+        "iterations": engine.stats.steps - steps_before,
+        # how full the dense batches were: NanoFlow's throughput assumes ~1
+        "mean_batch_fill": ((engine.stats.scheduled_tokens - tokens_before)
+                            / max(1, engine.stats.steps - steps_before)
+                            / engine.config.b_dense),
         "preemptions": engine.scheduler.num_preemptions,
         "compiles_during_run": engine.runner.num_compiles - compiles_before,
         "output_digests": digests,  # per request, to compare modes' tokens

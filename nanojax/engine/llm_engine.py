@@ -46,6 +46,7 @@ class EngineStats:
     prompt_tokens: int = 0        # prompt tokens run through the model (incl. recompute)
     generation_tokens: int = 0    # tokens sampled and kept
     steps: int = 0
+    scheduled_tokens: int = 0     # tokens in the launched batches (their fill of B_dense)
     finished: dict = dataclasses.field(default_factory=dict)  # finish_reason -> count
 
 
@@ -163,6 +164,7 @@ class LLMEngine:
         launched = (batch, self.runner.launch(batch)) if batch else None
         if launched:
             self.stats.steps += 1
+            self.stats.scheduled_tokens += batch.num_tokens
             self.stats.prompt_tokens += sum(e.num_tokens
                                             for e in batch.entries[batch.num_decodes:])
         results = [self._finish_output(s) for s in self._aborted]
