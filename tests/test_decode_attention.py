@@ -31,7 +31,7 @@ def _rel(out, ref):
     return np.linalg.norm(out - ref) / np.linalg.norm(ref)
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(b=st.integers(1, 5), kvh=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 4, 8]),
        d=st.sampled_from([16, 32, 64]), ps=st.sampled_from([4, 8, 16]),
        max_pages=st.integers(1, 6), programs=st.integers(1, 12),

@@ -57,7 +57,7 @@ def test_query_blocks_cover_every_token_once():
         query_blocks(seq_ids, positions, block_q=2, max_blocks=3)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kvh=st.sampled_from([1, 2]), group=st.sampled_from([1, 4]),
        d=st.sampled_from([16, 32]), ps=st.sampled_from([4, 16]),
        chunks=st.lists(st.integers(1, 40), min_size=1, max_size=3),
