@@ -38,8 +38,8 @@ def query_blocks(seq_ids: np.ndarray, positions: np.ndarray, block_q: int,
     """
     seq_ids, positions = np.asarray(seq_ids), np.asarray(positions)
     t = len(seq_ids)
-    starts = [0] + [i for i in range(1, t) if seq_ids[i] != seq_ids[i - 1]
-                    or positions[i] != positions[i - 1] + 1]
+    breaks = (seq_ids[1:] != seq_ids[:-1]) | (positions[1:] != positions[:-1] + 1)
+    starts = [0] + (np.flatnonzero(breaks) + 1).tolist() if t else []
     runs = list(zip(starts, starts[1:] + [t]))
     nb = max_blocks or (t // block_q + len(runs))
     blocks = np.zeros((nb, 3), np.int32)

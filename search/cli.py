@@ -90,9 +90,15 @@ def cmd_profile(args) -> int:
     from checkpoints.loader import load_model
     from search.profiler import run_profile
     bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
-    shares = [float(x) for x in args.shares.split(",")]
+    try:
+        shares = [float(x) for x in args.shares.split(",")]
+    except ValueError:
+        shares = [-1.0]
     if any(not 0 < r <= 1 for r in shares):
-        raise SystemExit(f"nanojax: shares must lie in (0, 1], got {args.shares}")
+        raise SystemExit(f"nanojax: --shares must be numbers in (0, 1], got {args.shares}")
+    if args.granularity <= 0 or args.b_dense <= 0 or args.b_dense % args.granularity:
+        raise SystemExit(f"nanojax: --b-dense ({args.b_dense}) must be a positive multiple "
+                         f"of --granularity ({args.granularity})")
     prof = run_profile(bundle, args.b_dense, args.granularity, args.context, shares,
                        iters=args.iters)
     prof["command"] = " ".join(["nanojax"] + sys.argv[1:])

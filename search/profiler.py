@@ -13,7 +13,6 @@ hardware and software it was measured on.
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +20,6 @@ import numpy as np
 
 from nanojax.bench.step import build_batch
 from nanojax.bench.timing import device_seconds
-from nanojax.layers.attention import attend_pallas
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
 from search.milp import SearchError
 
@@ -66,10 +64,7 @@ class _Layer:
             return lambda a, r: layer.apply(lp, a, r, method=DecoderLayer.attn_out)
         if op == "mlp":
             return lambda h: layer.apply(lp, h, method=DecoderLayer.mlp)
-        attend = self.attention.attend
-        if getattr(attend, "func", attend) is attend_pallas and share < 1.0:
-            attend = functools.partial(attend,
-                                       num_programs=max(1, round(share * self.num_sms * 4)))
+        attend = self.attention.attend_at(share, self.num_sms)
 
         def attention(q, k, v, kv, meta):
             kv = self.attention.append(k, v, kv, meta, self.inv_freq)
@@ -88,6 +83,7 @@ def interference_table(lay: _Layer, n: int, shares, progress=None) -> dict:
 
     mlp, mlp_in = lay.fn("mlp"), lay.inputs("mlp", n)
     att_in = lay.inputs("attention", n)
+    gemm_alone = lay.seconds("mlp", n)
     rows = []
     for share in shares:
         att = lay.fn("attention", share)
@@ -96,7 +92,7 @@ def interference_table(lay: _Layer, n: int, shares, progress=None) -> dict:
             return mlp(h), on_stream(att, 1)(*a)
         f = jax.jit(alone_and_together)
         jax.block_until_ready(f(*mlp_in, *att_in))
-        alone = {"gemm": lay.seconds("mlp", n), "attention": lay.seconds("attention", n, share)}
+        alone = {"gemm": gemm_alone, "attention": lay.seconds("attention", n, share)}
         ev = timeline.capture(lambda: jax.block_until_ready(f(*mlp_in, *att_in)))
         s = timeline.summarize(ev)
         together = {k: s["kernel_us"][k] * 1e-6 for k in ("gemm", "attention")}

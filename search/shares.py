@@ -13,9 +13,8 @@ rule "the shares of running ops sum to at most 1" for two resources; with three
 """
 from __future__ import annotations
 
+from nanojax.pipeline.plan import PRODUCER
 from search.milp import Profile, SearchError, _Milp
-
-_PREV = {"attention": "qkv", "o_proj": "attention", "mlp": "o_proj"}
 
 
 def _levels(profile: Profile, group: str) -> list[float]:
@@ -58,8 +57,8 @@ def stage2(profile: Profile, sched: dict, time_limit: float = 60.0) -> dict:
               0, 0)
         m.row({share[o]: 1, **{z[o][r]: -r for r in levels}}, 0, 0)
         m.row({cmax: 1, start[o]: -1, dur[o]: -1}, 0)
-        if g in _PREV:  # data dependency within the nano-batch
-            p = (_PREV[g], o[1])
+        if g in PRODUCER:  # data dependency within the nano-batch
+            p = (PRODUCER[g], o[1])
             m.row({start[o]: 1, start[p]: -1, dur[p]: -1}, 0)
     for res in {profile.resource[g] for g, _ in ops}:  # stage I's order on each resource
         seq = [o for o in ops if profile.resource[o[0]] == res]

@@ -136,3 +136,24 @@ def test_throughput_bench_compares_modes_in_one_run(tmp_path):
         assert m["output_tokens"] == 12 * 6 and m["prompt_tokens"] == 12 * 20
         assert m["same_outputs_as_non-overlap"] == 1.0
         assert 0 < m["mean_batch_fill"] <= 1 and m["iterations"] > 0
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["bench", "step", "--model", "random:tiny", "--plan", "llama3-8b-1gpu",
+      "--modes", "overlap:2"], "bad --b-dense or --modes"),
+    (["bench", "step", "--model", "random:tiny", "--plan", "llama3-8b-1gpu",
+      "--b-dense", "x"], "B_dense values are integers"),
+    (["profile", "--model", "random:tiny", "--granularity", "0", "--out", "p.json"],
+     "positive multiple of --granularity"),
+    (["profile", "--model", "random:tiny", "--shares", "a", "--out", "p.json"],
+     "--shares must be numbers"),
+])
+def test_bench_and_profile_refuse_bad_arguments_before_loading(argv, msg, capsys):
+    from nanojax.cli import main
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc, err = e.code, str(e.code)
+    else:
+        err = capsys.readouterr().err
+    assert rc not in (0, None) and msg in err

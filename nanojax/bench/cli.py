@@ -109,15 +109,15 @@ def cmd_throughput(args) -> int:
             payload["overlap_over_nanobatch_only"] = ok["overlap"] / ok["nanobatch-only"]
     import jax
     if jax.default_backend() == "gpu":
-        from nanojax.bench.roofline import measure_gemm_rate
+        from nanojax.bench.roofline import CARD_TFLOPS, measure_gemm_rate, optimal_tokens_per_s
         roof = measure_gemm_rate(bundle.config, args.b_dense)
         payload["roofline"] = roof
         for m, r in results.items():
             if "error" not in r:
                 r["fraction_of_optimal"] = (r["total_tokens_per_s"]
                                             / roof["optimal_tokens_per_s"])
-                r["fraction_of_optimal_at_790_tflops"] = (
-                    r["total_tokens_per_s"] / (790e12 / (2 * bundle.config.param_count())))
+                r["fraction_of_optimal_at_790_tflops"] = r["total_tokens_per_s"] / (
+                    optimal_tokens_per_s(bundle.config, CARD_TFLOPS * 1e12))
     if len(modes) == 2 and not args.plan:
         payload["async_over_sync"] = (results["async"]["total_tokens_per_s"]
                                       / results["sync"]["total_tokens_per_s"])
@@ -134,10 +134,26 @@ def cmd_step(args) -> int:
     from nanojax.bench.step import run_step_bench
     from nanojax.pipeline.plan import load_plan
 
+    from nanojax.errors import NanojaxError
+    from nanojax.pipeline.plan import MODES
+    try:  # check the arguments before the model loads
+        b_dense = [int(b) for b in args.b_dense.split(",")]
+        modes = args.modes.split(",")
+        for m in modes:
+            base, *opts = m.split(":")
+            if base not in MODES or (opts and opts[0] and not 0 < float(opts[0]) <= 1) \
+                    or any(o != "groups" for o in opts[1:]):
+                raise ValueError(m)
+    except ValueError as e:
+        raise NanojaxError(f"bad --b-dense or --modes ({e}): B_dense values are integers; a "
+                           f"mode is one of {MODES}, optionally ':SHARE' in (0, 1] and "
+                           "':groups'") from None
+    if any(b <= 0 for b in b_dense):
+        raise NanojaxError(f"B_dense must be positive, got {args.b_dense}")
+    plan = load_plan(args.plan)
     bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
-    out = run_step_bench(bundle, load_plan(args.plan),
-                         [int(b) for b in args.b_dense.split(",")], args.workloads.split(","),
-                         args.modes.split(","), page_size=args.page_size,
+    out = run_step_bench(bundle, plan, b_dense, args.workloads.split(","),
+                         modes, page_size=args.page_size,
                          num_pages=args.num_pages, max_model_len=args.max_model_len,
                          repeats=args.repeats, timeline_png=args.timeline,
                          progress=not args.quiet,

@@ -9,6 +9,14 @@ from nanojax.bench.timing import device_seconds
 from nanojax.config import ModelConfig
 
 
+CARD_TFLOPS = 790  # the H200's large-matmul bf16 rate (torch 8192^3, DESIGN.md)
+
+
+def optimal_tokens_per_s(cfg: ModelConfig, flops_per_s: float) -> float:
+    """NanoFlow's optimal throughput: every token costs 2 x parameters FLOPs."""
+    return flops_per_s / (2 * cfg.param_count())
+
+
 def gemm_shapes(cfg: ModelConfig, b: int) -> dict[str, list[tuple[int, int, int]]]:
     """A layer's GEMMs at b tokens, per op, as the model writes them and as XLA may fuse
     them (q/k/v into one, gate/up into one): the faster form is the op's best rate."""
@@ -42,4 +50,4 @@ def measure_gemm_rate(cfg: ModelConfig, b_dense: int, iters: int = 20) -> dict:
         total_t += best
     rate = total_flops / total_t
     return {"gemm_flops_per_s": rate, "per_shape": per,
-            "optimal_tokens_per_s": rate / (2 * cfg.param_count())}
+            "optimal_tokens_per_s": optimal_tokens_per_s(cfg, rate)}

@@ -180,7 +180,7 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
     from tqdm.auto import tqdm
 
     from nanojax.bench import timeline
-    from nanojax.bench.roofline import measure_gemm_rate
+    from nanojax.bench.roofline import CARD_TFLOPS, measure_gemm_rate, optimal_tokens_per_s
     from nanojax.engine.forward import default_forward
     from nanojax.pipeline.executor import PipelineForward
     from nanojax.pipeline.plan import resize
@@ -231,8 +231,8 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
                      "kv_tokens_read_per_layer": b.kv_tokens_read}
                 if roof:
                     r["fraction_of_optimal"] = r["tokens_per_s"] / roof["optimal_tokens_per_s"]
-                    r["fraction_of_optimal_at_790_tflops"] = (
-                        r["tokens_per_s"] / (790e12 / (2 * cfg.param_count())))
+                    r["fraction_of_optimal_at_790_tflops"] = r["tokens_per_s"] / (
+                        optimal_tokens_per_s(cfg, CARD_TFLOPS * 1e12))
                 if timeline_png and b_dense == b_dense_list[0] and w == workloads[0]:
                     args = (b.tokens, b.meta, b.logit_idx)
                     holder = {}

@@ -201,6 +201,14 @@ class PagedAttention:
     prefill_block_q: int | None = None  # query block of the chunked-prefill kernel, if used
     append: callable = append_kv
 
+    def attend_at(self, share: float, num_sms: int = 132, ctas_per_sm: int = 4):
+        """attend limited to a share of the GPU: the Pallas decode kernel gets that share of
+        its persistent grid (share x SMs x programs per SM); other backends ignore it."""
+        if getattr(self.attend, "func", self.attend) is attend_pallas and share < 1.0:
+            programs = max(1, round(share * num_sms * ctas_per_sm))
+            return functools.partial(self.attend, num_programs=programs)
+        return self.attend
+
     def __call__(self, q, k, v, kv_layer, meta: PagedMetadata, inv_freq):
         kv_layer = self.append(k, v, kv_layer, meta, inv_freq)
         return self.attend(q, kv_layer, meta, inv_freq), kv_layer

@@ -24,20 +24,17 @@ that cover its range.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import jax
 import jax.numpy as jnp
 
 from nanojax.config import ModelConfig
 from nanojax.engine.forward import UnrolledForward, default_forward
-from nanojax.layers.attention import (PagedMetadata, attend_pallas,
-                                     slice_metadata)
+from nanojax.layers.attention import PagedMetadata, slice_metadata
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
-from nanojax.pipeline.plan import OP_GROUPS, PlanError, ablation, check_model, validate
+from nanojax.pipeline.plan import (OP_GROUPS, PRODUCER, PlanError, ablation, check_model,
+                                   validate)
 from nanojax.pipeline.streams import on_stream, streams_enabled
-
-_PRODUCER = {"attention": "qkv", "o_proj": "attention", "mlp": "o_proj"}
 
 
 def _check_order(plan: dict) -> None:
@@ -47,8 +44,8 @@ def _check_order(plan: dict) -> None:
     for op in plan["nano_ops"]:
         g, k = op["op"], op["batch"]
         a, b = nb[g][k]
-        if g in _PRODUCER:
-            p = _PRODUCER[g]
+        if g in PRODUCER:
+            p = PRODUCER[g]
             need = {(p, j) for j, (c, d) in enumerate(nb[p]) if c < b and a < d}
             if not need <= done:
                 raise PlanError(f"nano-op {g}[{k}] is ordered before its inputs "
@@ -75,7 +72,7 @@ def overlap_groups(plan: dict) -> dict[tuple[str, int], int]:
         og, ok = open_op
         a, b = nb[g][k]
         c, d = nb[og][ok]
-        if _PRODUCER.get(g) == og and a < d and c < b:  # needs the side op's output
+        if PRODUCER.get(g) == og and a < d and c < b:  # needs the side op's output
             open_op = None
             continue
         groups[(g, k)] = gid
@@ -118,13 +115,6 @@ class PipelineForward(UnrolledForward):
         self.chunk_cuts = tuple(a for a, _ in self.plan["nano_batches"]["attention"][1:])
         self.groups = (overlap_groups(self.plan)
                        if scheduling_groups and streams_enabled() else {})
-
-    def _attend_for(self, share: float):
-        attend = self.attention.attend
-        if getattr(attend, "func", attend) is attend_pallas and share < 1.0:
-            programs = max(1, round(share * self.num_sms * self.ctas_per_sm))
-            return functools.partial(attend, num_programs=programs)
-        return attend
 
     def __call__(self, params, tokens, kv, meta: PagedMetadata, logit_idx):
         t = tokens.shape[0]
@@ -169,7 +159,8 @@ class PipelineForward(UnrolledForward):
         elif g == "attention":
             q, kk, vv = _gather(out["qkv"], ranges["qkv"], a, b)
             m = slice_metadata(meta, a, b)
-            attend = self._attend_for(float(op.get("share", 1.0)))
+            attend = self.attention.attend_at(float(op.get("share", 1.0)), self.num_sms,
+                                              self.ctas_per_sm)
 
             def f(q, kk, vv, kvl, m):
                 kvl = self.attention.append(kk, vv, kvl, m, inv_freq)

@@ -24,6 +24,7 @@ from nanojax.errors import NanojaxError
 
 PLAN_VERSION = 1
 OP_GROUPS = ("qkv", "attention", "o_proj", "mlp")  # the data order within a layer
+PRODUCER = dict(zip(OP_GROUPS[1:], OP_GROUPS))     # op group -> the group it reads
 MODES = ("non-overlap", "nanobatch-only", "overlap")
 
 
