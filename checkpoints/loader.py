@@ -34,17 +34,25 @@ def load_source(src: Path, dtype: str) -> ModelBundle:
                           "+ safetensors) nor a nanojax checkpoint")
 
 
-def load_model(model: str, dtype: str | None = None, cache_dir=None) -> ModelBundle:
-    """`model` is a registered name, `random:<shape>`, or a path."""
+def load_model(model: str, dtype: str | None = None, cache_dir=None,
+               num_layers: int | None = None) -> ModelBundle:
+    """`model` is a registered name, `random:<shape>`, or a path. `num_layers` cuts a random
+    shape to its first layers (quick GPU probes of a large shape)."""
     from checkpoints.embedded import ensure_smollm2
 
     dtype = dtype or default_dtype()
+    if num_layers is not None and not model.startswith(RANDOM_PREFIX):
+        raise CheckpointError("num_layers applies to random:<shape> models only")
     if model in REGISTERED:
         return load_source(ensure_smollm2(cache_dir), dtype)
     if model.startswith(RANDOM_PREFIX):
         from nanojax.config import named_shape
         from nanojax.models import init_params
         cfg = named_shape(model[len(RANDOM_PREFIX):], dtype)
+        if num_layers is not None:
+            if num_layers < 1:
+                raise CheckpointError(f"num_layers must be positive, got {num_layers}")
+            cfg = cfg.replace(num_layers=num_layers)
         return ModelBundle(cfg, init_params(cfg), None)
     if not Path(model).exists():
         raise CheckpointError(f"unknown model {model!r}: not a registered name "

@@ -38,10 +38,12 @@ def _kernel(k_ref, v_ref, pos_ref, slot_ref, freq_ref, kp_in, vp_in, kp_ref, vp_
         half = freq_ref.shape[0]
         angle = pos_ref[t].astype(jnp.float32) * freq_ref[...]     # [D/2]
         cos, sin = jnp.cos(angle)[None, :], jnp.sin(angle)[None, :]
-        k = k_ref[t].astype(jnp.float32)                             # [KVH, D]
-        k1, k2 = k[:, :half], k[:, half:]
-        rotated = jnp.concatenate([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=-1)
-        kp_ref[page, :, off, :] = rotated.astype(kp_ref.dtype)
+        # the halves are read and written through the refs: Triton lowers no value slice
+        # or concatenate
+        k1 = k_ref[t, :, :half].astype(jnp.float32)                  # [KVH, D/2]
+        k2 = k_ref[t, :, half:].astype(jnp.float32)
+        kp_ref[page, :, off, :half] = (k1 * cos - k2 * sin).astype(kp_ref.dtype)
+        kp_ref[page, :, off, half:] = (k2 * cos + k1 * sin).astype(kp_ref.dtype)
         vp_ref[page, :, off, :] = v_ref[t].astype(vp_ref.dtype)
 
 

@@ -99,7 +99,9 @@ def cmd_profile(args) -> int:
     if args.granularity <= 0 or args.b_dense <= 0 or args.b_dense % args.granularity:
         raise SystemExit(f"nanojax: --b-dense ({args.b_dense}) must be a positive multiple "
                          f"of --granularity ({args.granularity})")
-    prof = run_profile(bundle, args.b_dense, args.granularity, args.context, shares,
+    from nanojax.bench.step import workload_lengths
+    workload_lengths(args.workload, 2048)  # a bad workload fails before the profile runs
+    prof = run_profile(bundle, args.b_dense, args.granularity, args.workload, shares,
                        iters=args.iters)
     prof["command"] = " ".join(["nanojax"] + sys.argv[1:])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -168,8 +170,9 @@ def register(sub) -> None:
     pr.add_argument("--cache-dir", default=None)
     pr.add_argument("--b-dense", type=int, default=2048)
     pr.add_argument("--granularity", type=int, default=128)
-    pr.add_argument("--context", type=int, default=1024,
-                    help="context of the decode attention profiled")
+    pr.add_argument("--workload", default="512/512",
+                    help="PROMPT/OUTPUT or a trace: attention of n tokens is profiled on a "
+                         "steady-state batch of n tokens of this workload")
     pr.add_argument("--shares", default="0.25,0.5,1.0",
                     help="resource shares of the attention kernel to profile")
     pr.add_argument("--iters", type=int, default=10)

@@ -223,10 +223,22 @@ def to_plan(profile: Profile, sched: dict, model_signature: dict, tp: int = 1) -
     order = sorted(sched["start"], key=lambda op: (sched["start"][op],
                                                     OP_GROUPS.index(op[0])))
     stream = {"compute": 0, "memory": 1, "network": 3}
+    start, dur = sched["start"], sched["duration"]
+
+    def stream_of(op):
+        """A GEMM that runs beside a memory or network op goes on stream 2: only side-
+        stream regions can join that op's XLA scheduling group (executor.overlap_groups)."""
+        kind = profile.resource[op[0]]
+        if kind != "compute":
+            return stream[kind]
+        beside = any(profile.resource[o[0]] != "compute"
+                     and start[o] < start[op] + dur[op] and start[op] < start[o] + dur[o]
+                     for o in start)
+        return 2 if beside else 0
     plan = {"version": PLAN_VERSION, "name": "searched", "model": model_signature, "tp": tp,
             "b_dense": profile.b_dense, "granularity": profile.granularity,
             "nano_batches": {j: [list(b) for b in bounds] for j in OP_GROUPS},
-            "nano_ops": [{"op": j, "batch": b, "stream": stream[profile.resource[j]],
+            "nano_ops": [{"op": j, "batch": b, "stream": stream_of((j, b)),
                           "share": sched.get("share", {}).get((j, b), 1.0)}
                          for j, b in order],
             "predicted": {"makespan_s": sched["makespan"],

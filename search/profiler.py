@@ -2,11 +2,14 @@
 
 1. Interference-free time of each op group of one layer (qkv, attention, o_proj, mlp) at
    every batch size in multiples of the granularity up to B_dense; attention also at each
-   resource share (the decode kernel's program count). Attention is decode attention at
-   the given context, append included, as the executor runs it.
-2. The interference table (GPU, streams on): a GEMM (the MLP) and decode attention run
-   together on two streams, attention at share R; from the trace, each kernel's time
-   together over its time alone is its normalized performance P (NanoFlow's Table 3).
+   resource share (the decode kernel's program count). Attention of n tokens is the
+   append and attention of a steady-state batch of n tokens of the workload (decodes and
+   prefill chunks in its proportions, bench/step.py), the cache threaded through the
+   timing loop as the executor threads it (no copy of the cache per call).
+2. The interference table (GPU, streams on): the MLP and attention at share R, each on its
+   own side stream in one XLA scheduling group so that they run together (as the
+   executor runs them); from the trace, each kernel's time together over its time alone
+   is its normalized performance P (NanoFlow's Table 3).
 
 The result is the search's input (search/milp.py, Profile), saved as JSON with the
 hardware and software it was measured on.
@@ -16,10 +19,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from nanojax.bench.step import build_batch
-from nanojax.bench.timing import device_seconds
+from nanojax.bench.step import synthetic_batch, workload_lengths
+from nanojax.bench.timing import device_seconds, device_seconds_stateful
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
 from search.milp import SearchError
 
@@ -29,15 +31,19 @@ COMPUTE_OPS = ("qkv", "o_proj", "mlp")
 class _Layer:
     """One decoder layer's ops on random inputs of n tokens."""
 
-    def __init__(self, bundle, context: int, page_size: int = 16, num_sms: int = 132):
+    def __init__(self, bundle, workload: str = "512/512", page_size: int = 16,
+                 num_pages: int = 16384, max_model_len: int = 2048, num_sms: int = 132):
         from nanojax.engine.forward import default_forward
         self.cfg = cfg = bundle.config
         self.layer = DecoderLayer(cfg)
         self.lp = jax.device_put({"params": bundle.params["params"]["layers_0"]})
         self.dtype = jnp.dtype(cfg.dtype)
-        self.context, self.page_size, self.num_sms = context, page_size, num_sms
+        self.lengths = workload_lengths(workload, max_model_len)
+        self.page_size, self.num_pages, self.num_sms = page_size, num_pages, num_sms
+        self.max_pages = -(-max_model_len // page_size)
         self.attention = default_forward(cfg).attention
         self.inv_freq = LlamaForCausalLM(cfg).inv_freq
+        self.mix = {}  # n -> (decodes, prefill tokens) of the attention batch profiled
 
     def inputs(self, op: str, n: int):
         c, key = self.cfg, jax.random.PRNGKey(n)
@@ -46,17 +52,18 @@ class _Layer:
         if op == "o_proj":
             return (jax.random.normal(key, (n, c.num_heads, c.head_dim), self.dtype),
                     jax.random.normal(key, (n, c.hidden_size), self.dtype))
-        pages = -(-self.context // self.page_size)
-        num_pages = 2 * (n * pages + n)
-        b = build_batch(c, [self.context] * n, [], self.page_size, num_pages, pages,
-                        np.random.default_rng(n))
-        shape = (num_pages, c.num_kv_heads, self.page_size, c.head_dim)
+        b = synthetic_batch(c, n, self.lengths, self.page_size, self.num_pages,
+                            self.max_pages, seed=n,
+                            prefill_block_q=self.attention.prefill_block_q)
+        self.mix[n] = (b.num_decodes, b.num_prefill_tokens)
+        shape = (self.num_pages, c.num_kv_heads, self.page_size, c.head_dim)
         kv = (jax.random.normal(key, shape, self.dtype), jax.random.normal(key, shape, self.dtype))
         q = jax.random.normal(key, (n, c.num_heads, c.head_dim), self.dtype)
         k = jax.random.normal(key, (n, c.num_kv_heads, c.head_dim), self.dtype)
         return q, k, k, kv, jax.device_put(b.meta)
 
     def fn(self, op: str, share: float = 1.0):
+        """The op; attention takes the cache first and returns it: (kv, out)."""
         layer, lp = self.layer, self.lp
         if op == "qkv":
             return lambda x: layer.apply(lp, x, method=DecoderLayer.qkv)
@@ -66,54 +73,73 @@ class _Layer:
             return lambda h: layer.apply(lp, h, method=DecoderLayer.mlp)
         attend = self.attention.attend_at(share, self.num_sms)
 
-        def attention(q, k, v, kv, meta):
+        def attention(kv, q, k, v, meta):
             kv = self.attention.append(k, v, kv, meta, self.inv_freq)
-            return attend(q, kv, meta, self.inv_freq)
+            return kv, attend(q, kv, meta, self.inv_freq)
         return attention
 
     def seconds(self, op: str, n: int, share: float = 1.0, iters: int = 10) -> float:
+        if op == "attention":
+            q, k, v, kv, meta = self.inputs(op, n)
+            return device_seconds_stateful(self.fn(op, share), kv, q, k, v, meta,
+                                           iters=iters)
         return device_seconds(self.fn(op, share), *self.inputs(op, n), iters=iters)
 
 
 def interference_table(lay: _Layer, n: int, shares, progress=None) -> dict:
-    """MLP on the main stream beside attention on stream 1 at each share, one call traced
-    per share: P = time alone / time together, for each kernel kind."""
-    from nanojax.bench import timeline
-    from nanojax.pipeline.streams import on_stream
+    """The MLP (stream 2) beside attention (stream 1) at each share, both in one XLA
+    scheduling group so that they run together, one call traced per share:
+    P = time alone / time together, for each kernel kind."""
+    from jax.experimental.xla_metadata import set_xla_metadata
 
+    from nanojax.bench import timeline
+    from nanojax.pipeline.streams import carry_metadata_to_stream_calls, on_stream
+
+    if not carry_metadata_to_stream_calls():
+        return {"measured": False, "reason": "this jax cannot group stream regions"}
     mlp, mlp_in = lay.fn("mlp"), lay.inputs("mlp", n)
-    att_in = lay.inputs("attention", n)
+    q, k, v, kv, meta = lay.inputs("attention", n)
     gemm_alone = lay.seconds("mlp", n)
     rows = []
     for share in shares:
         att = lay.fn("attention", share)
 
-        def alone_and_together(h, *a):
-            return mlp(h), on_stream(att, 1)(*a)
-        f = jax.jit(alone_and_together)
-        jax.block_until_ready(f(*mlp_in, *att_in))
+        def together(h, kv, q, k, v, meta):
+            with set_xla_metadata(_scheduling_group_id="1"):
+                kv, o = on_stream(att, 1)(kv, q, k, v, meta)
+                return on_stream(mlp, 2)(h), o, kv
+        f = jax.jit(together, donate_argnums=(1,))
+        *_, kv = f(*mlp_in, kv, q, k, v, meta)
+        jax.block_until_ready(kv)
         alone = {"gemm": gemm_alone, "attention": lay.seconds("attention", n, share)}
-        ev = timeline.capture(lambda: jax.block_until_ready(f(*mlp_in, *att_in)))
+        holder = {}
+
+        def once(kv=kv):
+            holder["out"] = f(*mlp_in, kv, q, k, v, meta)
+            jax.block_until_ready(holder["out"])
+        ev = timeline.capture(once)
+        kv = holder["out"][-1]
         s = timeline.summarize(ev)
-        together = {k: s["kernel_us"][k] * 1e-6 for k in ("gemm", "attention")}
+        both = {k: s["kernel_us"][k] * 1e-6 for k in ("gemm", "attention")}
         rows.append({"share": share,
-                     "compute": min(1.0, alone["gemm"] / max(together["gemm"], 1e-12)),
-                     "memory": min(1.0, alone["attention"] / max(together["attention"], 1e-12)),
+                     "compute": min(1.0, alone["gemm"] / max(both["gemm"], 1e-12)),
+                     "memory": min(1.0, alone["attention"] / max(both["attention"], 1e-12)),
                      "attention_overlapped_by_gemm": s["attention_overlapped_by_gemm"]})
         if progress:
             progress(rows[-1])
     return {"measured": True, "tokens": n, "rows": rows}
 
 
-def run_profile(bundle, b_dense: int, granularity: int, context: int, shares=(0.25, 0.5, 1.0),
-                iters: int = 10, progress: bool = True) -> dict:
+def run_profile(bundle, b_dense: int, granularity: int, workload: str = "512/512",
+                shares=(0.25, 0.5, 1.0), iters: int = 10, progress: bool = True,
+                num_pages: int = 16384) -> dict:
     from tqdm.auto import tqdm
 
     from nanojax.bench.cli import environment
     from nanojax.pipeline.streams import streams_enabled
     if b_dense % granularity:
         raise SearchError(f"B_dense {b_dense} is not a multiple of the granularity {granularity}")
-    lay = _Layer(bundle, context)
+    lay = _Layer(bundle, workload, num_pages=num_pages)
     sizes = list(range(granularity, b_dense + 1, granularity))
     shares = sorted(set(shares) | {1.0})
     bar = tqdm(total=len(sizes) * (len(COMPUTE_OPS) + len(shares)), desc="profile",
@@ -132,12 +158,13 @@ def run_profile(bundle, b_dense: int, granularity: int, context: int, shares=(0.
             by_share[share][n] = lay.seconds("attention", n, share, iters=iters)
             bar.update(1)
     ops["attention"] = {"resource": "memory", "times": by_share[1.0],
-                        "times_by_share": {str(s): t for s, t in by_share.items()}}
+                        "times_by_share": {str(s): t for s, t in by_share.items()},
+                        "decodes_and_prefill_tokens": {n: list(lay.mix[n]) for n in sizes}}
     bar.close()
     if streams_enabled():
         table = interference_table(lay, b_dense // 2, shares)
     else:  # one stream: nothing runs together, so there is nothing to measure
         table = {"measured": False, "reason": "no concurrent streams on this backend"}
     return {"version": 1, "b_dense": b_dense, "granularity": granularity,
-            "context": context, "model": bundle.config.signature(), "ops": ops,
+            "workload": workload, "model": bundle.config.signature(), "ops": ops,
             "interference": table, "environment": environment()}

@@ -158,6 +158,40 @@ def test_overlap_groups_pair_each_side_op_with_the_gemms_issued_beside_it():
     from nanojax.pipeline.executor import overlap_groups
     groups = overlap_groups(load_plan("llama3-8b-1gpu"))
     # prefill attention beside the decode nano-batch's qkv; decode attention beside the
-    # prefill nano-batch's o_proj and MLP; o_proj[0] needs attention[0] and is left out
+    # prefill nano-batch's o_proj and MLP (all on stream 2); o_proj[0] needs attention[0]
     assert groups == {("attention", 1): 1, ("qkv", 0): 1,
                       ("attention", 0): 2, ("o_proj", 1): 2, ("mlp", 1): 2}
+    # main-stream ops never join (XLA drops their annotation); a group ends where the
+    # anchor's own stream is used again
+    plan = load_plan("llama3-8b-1gpu")
+    for op in plan["nano_ops"]:
+        if op["op"] == "mlp" and op["batch"] == 1:
+            op["stream"] = 0
+        if op["op"] == "o_proj" and op["batch"] == 1:
+            op["stream"] = 1
+    assert overlap_groups(plan) == {("attention", 1): 1, ("qkv", 0): 1}
+
+
+def test_scheduling_group_lands_on_the_stream_call():
+    """XLA builds a side-stream op's async start/done from the call that compute_on lowers
+    to: the scheduling group must be on that call, not only on its output markers."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.xla_metadata import set_xla_metadata
+
+    import nanojax.pipeline.streams as streams
+    assert streams.carry_metadata_to_stream_calls()
+    import jax.experimental.compute_on as co
+    from jax._src import core
+    annotate = getattr(co, "compute_on2", None) or co.compute_on
+
+    def f(x):
+        with set_xla_metadata(_scheduling_group_id="7"):
+            y = annotate(lambda y: y * 2, compute_type="gpu_stream:1",
+                         out_memory_spaces=core.MemorySpace.Device)(x)
+        return y + 1
+    text = jax.jit(f).lower(jnp.zeros(4)).as_text()
+    calls = [ln for ln in text.splitlines() if re.search(r"call @compute_on", ln)]
+    assert calls and all('_scheduling_group_id = "7"' in ln for ln in calls)

@@ -97,10 +97,12 @@ def test_profiler_writes_a_profile_the_search_reads(tmp_path):
     from checkpoints.loader import load_model
     from search.milp import search
     from search.profiler import run_profile
-    prof = run_profile(load_model("random:tiny"), 32, 16, context=40, shares=(0.5,),
-                       iters=2, progress=False)
+    prof = run_profile(load_model("random:tiny"), 32, 16, workload="24/16", shares=(0.5,),
+                       iters=2, progress=False, num_pages=256)
     assert prof["interference"]["measured"] is False
     assert set(prof["ops"]["attention"]["times_by_share"]) == {"0.5", "1.0"}
+    mix = prof["ops"]["attention"]["decodes_and_prefill_tokens"]
+    assert mix[16][0] > 0 and mix[16][1] > 0 and sum(mix[32]) == 32  # decodes + prefill
     assert all(t > 0 for op in prof["ops"].values() for t in op["times"].values())
     path = tmp_path / "p.json"
     path.write_text(json.dumps(prof))

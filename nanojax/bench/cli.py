@@ -142,16 +142,24 @@ def cmd_step(args) -> int:
         for m in modes:
             base, *opts = m.split(":")
             if base not in MODES or (opts and opts[0] and not 0 < float(opts[0]) <= 1) \
-                    or any(o != "groups" for o in opts[1:]):
+                    or any(o != "nogroups" for o in opts[1:]):
                 raise ValueError(m)
     except ValueError as e:
         raise NanojaxError(f"bad --b-dense or --modes ({e}): B_dense values are integers; a "
                            f"mode is one of {MODES}, optionally ':SHARE' in (0, 1] and "
-                           "':groups'") from None
+                           "':nogroups'") from None
     if any(b <= 0 for b in b_dense):
         raise NanojaxError(f"B_dense must be positive, got {args.b_dense}")
     plan = load_plan(args.plan)
-    bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
+    if args.num_layers:  # a probe on the first layers: the plan is per layer, so it still fits
+        plan["model"]["num_layers"] = args.num_layers
+    if args.dump_hlo:  # before the backend starts: XLA reads its flags once
+        import os
+        os.environ["XLA_FLAGS"] = " ".join([
+            os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={args.dump_hlo}",
+            "--xla_dump_hlo_as_text", "--xla_dump_hlo_module_re=.*step.*"]).strip()
+    bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
+                        num_layers=args.num_layers)
     out = run_step_bench(bundle, plan, b_dense, args.workloads.split(","),
                          modes, page_size=args.page_size,
                          num_pages=args.num_pages, max_model_len=args.max_model_len,
@@ -160,7 +168,14 @@ def cmd_step(args) -> int:
                          checkpoint=lambda part: write_json(args.json, {
                              "command": " ".join(["nanojax"] + sys.argv[1:]), **part}))
     payload = {"command": " ".join(["nanojax"] + sys.argv[1:]), "env": environment(),
-               "model": args.model, "plan": args.plan, **out}
+               "model": args.model, "num_layers": bundle.config.num_layers,
+               "plan": args.plan, **out}
+    if args.dump_hlo:
+        payload["schedule"] = _schedules(args.dump_hlo)
+        for name, rep in payload["schedule"].items():
+            print(f"schedule {name}: {rep['side_regions']} side-stream regions, "
+                  f"{rep['regions_with_a_gemm_between']} with a GEMM before their done",
+                  file=sys.stderr)
     for r in out["results"]:
         if "error" in r:
             print(f"B_dense {r['b_dense']:>5} {r['mode']}: failed: {r['error'][:300]}",
@@ -172,6 +187,24 @@ def cmd_step(args) -> int:
               + (f"  {100 * frac:5.1f}% of optimal" if frac else ""), file=sys.stderr)
     print(json.dumps(out["ratios"]))
     write_json(args.json, payload)
+    return 0
+
+
+def _schedules(dump_dir: str) -> dict:
+    """Side-stream schedule report of every optimized step module in a dump directory."""
+    from nanojax.bench.hlo_schedule import report
+    files = sorted(Path(dump_dir).glob("*after_optimizations.txt"))
+    return {f.name: {k: v for k, v in report(f).items() if k != "file"} for f in files}
+
+
+def cmd_hlo_schedule(args) -> int:
+    from nanojax.bench.hlo_schedule import report
+    from nanojax.errors import NanojaxError
+    try:
+        rep = report(args.path)
+    except (ValueError, OSError) as e:
+        raise NanojaxError(f"cannot read a schedule from {args.path}: {e}") from None
+    print(json.dumps(rep, indent=2))
     return 0
 
 
@@ -235,9 +268,19 @@ def register(sub) -> None:
     st.add_argument("--timeline", default=None,
                     help="write a Gantt PNG (and its events JSON) of one iteration per mode, "
                          "for the first B_dense and workload")
+    st.add_argument("--num-layers", type=int, default=None,
+                    help="random shapes only: keep the first N layers (quick probes)")
+    st.add_argument("--dump-hlo", default=None, metavar="DIR",
+                    help="dump the optimized step HLO here and report, per side-stream "
+                         "region, the main-stream work XLA scheduled before its done")
     st.add_argument("--quiet", action="store_true")
     st.add_argument("--json", default=None)
     st.set_defaults(func=cmd_step)
+
+    hs = bsub.add_parser("hlo-schedule", help="side-stream regions of an optimized HLO dump "
+                                              "and the work scheduled beside each")
+    hs.add_argument("path", help="an *after_optimizations.txt file or a dump directory")
+    hs.set_defaults(func=cmd_hlo_schedule)
 
     pt = bsub.add_parser("plot-timeline", help="render a timeline events JSON as a PNG")
     pt.add_argument("events")

@@ -30,3 +30,28 @@ def device_seconds(fn, *args, iters: int = 20, reps: int = 5) -> float:
         jax.block_until_ready(f(args))
         ts.append((time.perf_counter() - t) / iters)
     return float(np.median(ts))
+
+
+def device_seconds_stateful(fn, state, *args, iters: int = 20, reps: int = 5) -> float:
+    """Seconds per call of `state, out = fn(state, *args)` with the state threaded through
+    the loop (and donated), as a KV cache is between steps: an in-place update stays in
+    place instead of copying the whole state every call."""
+    def loop(state, args):
+        def body(i, carry):
+            st, acc = carry
+            a = lax.optimization_barrier(args)
+            st, out = fn(st, *a)
+            leaf = jax.tree_util.tree_leaves(out)[0]
+            return st, acc + leaf.reshape(-1)[0].astype(np.float32)
+        return lax.fori_loop(0, iters, body, (state, np.float32(0)))
+
+    f = jax.jit(loop, donate_argnums=(0,))
+    state, acc = f(state, args)
+    jax.block_until_ready(acc)
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        state, acc = f(state, args)
+        jax.block_until_ready(acc)
+        ts.append((time.perf_counter() - t) / iters)
+    return float(np.median(ts))

@@ -15,11 +15,13 @@ that cover its range.
 - On the GPU, a nano-op on stream N > 0 is placed with `compute_on("gpu_stream:N")` (see
   streams.py); elsewhere streams are ignored, so every mode computes the same function and
   must give the same tokens.
-- Left alone, XLA's scheduler put each side-stream op's done right after its start, so the
-  main stream waited for it (H200 timeline in bench/results: 0% of attention time under a
-  GEMM). `scheduling_groups=True` (experimental, not yet measured on the GPU) puts a side
-  op and the main-stream ops issued after it, up to the first that needs its output, in
-  one XLA scheduling group (`_scheduling_group_id`) to keep them between start and done.
+- XLA (jax 0.11) runs a side-stream region as an async start/done pair on the main thread,
+  so its scheduler sees no latency to hide and puts the done right after the start: the
+  main stream waits (H200: 0% of attention under a GEMM). What keeps regions concurrent
+  is an XLA scheduling group (`_scheduling_group_id`): its starts are scheduled before
+  its dones. Only async pairs keep the annotation through XLA's fusion passes, so the
+  GEMMs that should run beside attention go on a second side stream and join the
+  attention's group (`overlap_groups`; `scheduling_groups=True`).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from nanojax.layers.attention import PagedMetadata, slice_metadata
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
 from nanojax.pipeline.plan import (OP_GROUPS, PRODUCER, PlanError, ablation, check_model,
                                    validate)
-from nanojax.pipeline.streams import on_stream, streams_enabled
+from nanojax.pipeline.streams import carry_metadata_to_stream_calls, on_stream, streams_enabled
 
 
 def _check_order(plan: dict) -> None:
@@ -54,28 +56,29 @@ def _check_order(plan: dict) -> None:
 
 
 def overlap_groups(plan: dict) -> dict[tuple[str, int], int]:
-    """(op, batch) -> scheduling group, for nano-ops that should overlap a side-stream op:
-    the side op itself and the main-stream ops after it in plan order, until one consumes
-    its output or the next side op begins."""
+    """(op, batch) -> XLA scheduling group. A group opens at a side-stream op (the anchor)
+    and takes the ops after it, in plan order, that run on another side stream, until one
+    consumes the anchor's output or the anchor's stream is used again. XLA schedules a
+    group's async starts before all of its dones, so its regions run concurrently.
+    Main-stream ops cannot join: XLA's fusion passes drop their annotation."""
     nb = plan["nano_batches"]
     groups: dict[tuple[str, int], int] = {}
-    open_op, gid = None, 0
+    anchor, gid = None, 0
     for op in plan["nano_ops"]:
-        g, k = op["op"], op["batch"]
-        if op.get("stream", 0) != 0:
+        g, k, stream = op["op"], op["batch"], op.get("stream", 0)
+        if anchor is not None:
+            ag, ak, astream = anchor
+            a, b = nb[g][k]
+            c, d = nb[ag][ak]
+            if (PRODUCER.get(g) == ag and a < d and c < b) or stream == astream:
+                anchor = None  # consumes the anchor's output, or reuses its stream
+            elif stream != 0:
+                groups[(g, k)] = gid
+                continue
+        if anchor is None and stream != 0:
             gid += 1
-            open_op = (g, k)
+            anchor = (g, k, stream)
             groups[(g, k)] = gid
-            continue
-        if open_op is None:
-            continue
-        og, ok = open_op
-        a, b = nb[g][k]
-        c, d = nb[og][ok]
-        if PRODUCER.get(g) == og and a < d and c < b:  # needs the side op's output
-            open_op = None
-            continue
-        groups[(g, k)] = gid
     return {key: v for key, v in groups.items()
             if sum(1 for w in groups.values() if w == v) > 1}
 
@@ -102,7 +105,7 @@ class PipelineForward(UnrolledForward):
     """The Forward interface (see engine/forward.py) driven by a plan."""
 
     def __init__(self, cfg: ModelConfig, plan: dict, mode: str = "overlap", attention=None,
-                 num_sms: int = 132, ctas_per_sm: int = 4, scheduling_groups: bool = False):
+                 num_sms: int = 132, ctas_per_sm: int = 4, scheduling_groups: bool = True):
         validate(plan)
         check_model(plan, cfg)
         self.plan = ablation(plan, mode)
@@ -115,6 +118,11 @@ class PipelineForward(UnrolledForward):
         self.chunk_cuts = tuple(a for a, _ in self.plan["nano_batches"]["attention"][1:])
         self.groups = (overlap_groups(self.plan)
                        if scheduling_groups and streams_enabled() else {})
+        if self.groups and not carry_metadata_to_stream_calls():
+            import warnings
+            warnings.warn("this jax's compute_on lowering could not be extended: "
+                          "running without XLA scheduling groups")
+            self.groups = {}
 
     def __call__(self, params, tokens, kv, meta: PagedMetadata, logit_idx):
         t = tokens.shape[0]

@@ -66,6 +66,52 @@ def inline_calls(fn):
     return flat
 
 
+_METADATA_ON_CALLS = []
+
+
+def carry_metadata_to_stream_calls() -> bool:
+    """Makes XLA metadata (`set_xla_metadata`, here the scheduling group) land on the call
+    that a stream-annotated region lowers to. jax puts it on the region's outputs (device-
+    placement custom calls) instead; XLA builds the async start/done from the call, and
+    its scheduler keeps a group's ops between start and done only when the pair carries
+    the group id. Installed once; False where this jax's internals differ (no groups)."""
+    if _METADATA_ON_CALLS:
+        return _METADATA_ON_CALLS[0]
+    ok = False
+    try:
+        import jax.experimental.compute_on as co
+        from jax._src import core
+        from jax._src.interpreters import mlir
+        annotate = getattr(co, "compute_on2", None) or co.compute_on
+        probe = jax.make_jaxpr(annotate(lambda y: y, compute_type="gpu_stream:1",
+                                        out_memory_spaces=core.MemorySpace.Device))
+        prim = probe(jax.numpy.zeros(2)).eqns[0].primitive
+        entry = mlir._lowerings[prim]
+        rule = getattr(entry, "rule", entry)
+
+        def rule_with_metadata(ctx, *args, **params):
+            outs = rule(ctx, *args, **params)
+            meta = getattr(ctx.jaxpr_eqn_ctx, "xla_metadata", None)
+            if meta:
+                for o in jax.tree_util.tree_leaves(outs):
+                    op = mlir._get_owner(o)
+                    while op.name == "stablehlo.custom_call":  # output placement markers
+                        op = mlir._get_owner(op.operands[0])
+                    if op.name == "func.call":
+                        mlir._update_frontend_attributes(op, {
+                            k: mlir.ir.StringAttr.get(str(v)) for k, v in meta.items()})
+            return outs
+        try:
+            mlir.register_lowering(prim, rule_with_metadata, cacheable=False)
+        except TypeError:  # a jax without the cacheable flag
+            mlir.register_lowering(prim, rule_with_metadata)
+        ok = True
+    except Exception:  # noqa: BLE001 - private API moved: run without groups
+        ok = False
+    _METADATA_ON_CALLS.append(ok)
+    return ok
+
+
 def on_stream(fn, stream: int):
     """Place fn on XLA execution stream `stream` (0: the main stream, left alone). jax 0.10
     spells the function form `compute_on2(f, ...)`, jax 0.11 `compute_on(f, ...)`."""

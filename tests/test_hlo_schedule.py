@@ -1,0 +1,64 @@
+"""The schedule report read from optimized HLO: which main-stream work XLA put between a
+side-stream region's start and done (text modelled on jax 0.11's GPU dumps)."""
+import pytest
+
+from checkpoints.loader import load_model
+from nanojax.bench.hlo_schedule import entry_instructions, report, side_regions
+from nanojax.cli import main
+from nanojax.errors import CheckpointError
+
+HLO = """HloModule jit_step, is_scheduled=true
+
+%async_computation (p: bf16[8]) -> bf16[8] {
+  %p = bf16[8]{0} parameter(0)
+  ROOT %n = bf16[8]{0} negate(%p), frontend_attributes={_scheduling_group_id="9"}
+}
+
+ENTRY %main.30 (a: bf16[8], w: bf16[8,8]) -> (bf16[8], bf16[8,8]) {
+  %a = bf16[8]{0} parameter(0)
+  %w = bf16[8,8]{1,0} parameter(1)
+  %call-start = ((bf16[8]{0}), bf16[8]{0}) async-start(%a), calls=%async_computation, frontend_attributes={_scheduling_group_id="1",_xla_stream_annotation="1",inlineable="false"}
+  %custom-call.3 = (bf16[8,8]{1,0}, s8[0]{0}) custom-call(%w, %w), custom_call_target="__cublas$lt$matmul"
+  %gte = bf16[8,8]{1,0} get-tuple-element(%custom-call.3), index=0
+  %gemm_fusion_dot_general.35 = bf16[8,8]{1,0} fusion(%gte, %w), kind=kCustom, calls=%f
+  %call-done = bf16[8]{0} async-done(%call-start), frontend_attributes={_scheduling_group_id="1",_xla_stream_annotation="1",inlineable="false"}
+  %call-start.1 = ((bf16[8]{0}), bf16[8]{0}) async-start(%call-done), calls=%async_computation, frontend_attributes={_xla_stream_annotation="1",inlineable="false"}
+  %call-done.1 = bf16[8]{0} async-done(%call-start.1), frontend_attributes={_xla_stream_annotation="1",inlineable="false"}
+  %all-gather-start = (bf16[8]{0}, bf16[16]{0}) all-gather-start(%a), dimensions={0}
+  %all-gather-done = bf16[16]{0} all-gather-done(%all-gather-start)
+  ROOT %t = (bf16[8]{0}, bf16[8,8]{1,0}) tuple(%call-done.1, %gemm_fusion_dot_general.35)
+}
+"""
+
+
+def test_side_regions_and_the_work_between_start_and_done():
+    instrs = entry_instructions(HLO)
+    assert [x["name"] for x in instrs][:3] == ["a", "w", "call-start"]
+    regions = side_regions(instrs)
+    assert len(regions) == 2  # the collective is no side-stream region
+    first, second = regions
+    assert first["group"] == first["done_group"] == "1" and first["stream"] == "1"
+    assert first["gemms_between"] == 2 and first["ops_between"] == 2  # GTE is a no-op
+    assert second["gemms_between"] == 0 and second["group"] is None
+
+
+def test_report_reads_a_dump_directory(tmp_path):
+    (tmp_path / "module_1.jit_step.sm_9.0a_gpu_after_optimizations.txt").write_text(HLO)
+    rep = report(tmp_path)
+    assert rep["side_regions"] == 2 and rep["regions_with_a_gemm_between"] == 1
+    assert rep["instructions_in_a_group"] == 2 and rep["gemms_in_a_group"] == 0
+    with pytest.raises(ValueError, match="ENTRY"):
+        entry_instructions("HloModule m\n")
+
+
+def test_hlo_schedule_cli_names_a_bad_path(tmp_path, capsys):
+    assert main(["bench", "hlo-schedule", str(tmp_path)]) == 2
+    assert "after_optimizations" in capsys.readouterr().err
+
+
+def test_random_shape_can_keep_its_first_layers():
+    assert load_model("random:tiny", num_layers=1).config.num_layers == 1
+    with pytest.raises(CheckpointError, match="positive"):
+        load_model("random:tiny", num_layers=0)
+    with pytest.raises(CheckpointError, match="random"):
+        load_model("smollm2-135m", num_layers=1)
