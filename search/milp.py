@@ -38,6 +38,18 @@ class Profile:
         default_factory=dict)
     # share R of the memory op -> (P of the GEMM beside it, P of the memory op)
     interference: dict[float, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    # ops whose times[n] is the time of the dense batch's first n tokens (decodes first,
+    # then prefill): a nano-batch [a, b) takes times[b] - times[a], so where it sits matters
+    prefix: frozenset = frozenset()
+
+    def span_time(self, group: str, a: int, b: int, share: float = 1.0) -> float:
+        """Seconds of `group` on the dense batch's tokens [a, b) at resource share."""
+        table = self.times[group]
+        if share < 1.0 and share in self.share_times.get(group, {}):
+            table = self.share_times[group][share]
+        if group in self.prefix:
+            return table[b] - (table[a] if a else 0.0)
+        return table[b - a]
 
     @classmethod
     def load(cls, path) -> "Profile":
@@ -79,7 +91,8 @@ class Profile:
                 if not 0 < r <= 1 or not set(range(g, b + 1, g)) <= set(ts):
                     raise SearchError(f"profile of '{k}' at share {r} is out of range or "
                                       "lacks sizes")
-        return cls(b, g, resource, times, d.get("model"), share_times, interference)
+        prefix = frozenset(k for k in OP_GROUPS if ops[k].get("position") == "prefix")
+        return cls(b, g, resource, times, d.get("model"), share_times, interference, prefix)
 
 
 class _Milp:
@@ -159,18 +172,38 @@ def stage1(profile: Profile, k: int, time_limit: float = 60.0) -> dict:
     start = {(j, b): m.var() for j in OP_GROUPS for b in range(k)}
     dur = {(j, b): m.var() for j in OP_GROUPS for b in range(k)}
     cmax = m.var(cost=1.0)
-    big = sum(max(profile.times[j].values()) for j in OP_GROUPS) * k
+    big = sum(max(abs(t) for t in profile.times[j].values()) for j in OP_GROUPS) * k * 2
+    # where nano-batch b ends (in units): only needed when some op's time depends on it
+    ends = range(1, units + 1)
+    e = ({(b, u): m.var(0, 1, True) for b in range(k) for u in ends}
+         if profile.prefix else {})
     for b in range(k):
         m.row({x[b, s]: 1 for s in sizes}, 1, 1)
+        if e:
+            m.row({e[b, u]: 1 for u in ends}, 1, 1)
+            link = {e[b, u]: u for u in ends}  # end_b - end_{b-1} = size_b
+            for u in ends:
+                if b:
+                    link[e[b - 1, u]] = link.get(e[b - 1, u], 0) - u
+            for sz in sizes:
+                link[x[b, sz]] = link.get(x[b, sz], 0) - sz
+            m.row(link, 0, 0)
         for j in OP_GROUPS:
-            coeffs = {x[b, s]: -profile.times[j][s * g] for s in sizes}
+            if j in profile.prefix:  # times[end_b] - times[end_{b-1}]
+                coeffs = {e[b, u]: -profile.times[j][u * g] for u in ends}
+                if b:
+                    for u in ends:
+                        coeffs[e[b - 1, u]] = profile.times[j][u * g]
+            else:
+                coeffs = {x[b, s]: -profile.times[j][s * g] for s in sizes}
             coeffs[dur[j, b]] = 1
             m.row(coeffs, 0, 0)
         for prev, nxt in zip(OP_GROUPS, OP_GROUPS[1:]):
             m.row({start[nxt, b]: 1, start[prev, b]: -1, dur[prev, b]: -1}, 0)
         m.row({cmax: 1, start[OP_GROUPS[-1], b]: -1, dur[OP_GROUPS[-1], b]: -1}, 0)
     m.row({x[b, s]: s for b in range(k) for s in sizes}, units, units)
-    for b in range(k - 1):
+    symmetric = not profile.prefix
+    for b in range(k - 1 if symmetric else 0):
         # op times depend on sizes only, so nano-batches are interchangeable: ordering
         # their attention loses nothing and breaks the symmetry between them
         a0, a1 = ("attention", b), ("attention", b + 1)
@@ -180,7 +213,7 @@ def stage1(profile: Profile, k: int, time_limit: float = 60.0) -> dict:
         for c in nano[i + 1:]:
             if profile.resource[a[0]] != profile.resource[c[0]] or a[1] == c[1]:
                 continue  # same batch: already ordered by the chain
-            if a[0] == c[0] == "attention":
+            if symmetric and a[0] == c[0] == "attention":
                 continue  # ordered above
             y = m.var(0, 1, True)
             m.row({start[a]: 1, dur[a]: 1, start[c]: -1, y: big}, hi=big)

@@ -2,10 +2,13 @@
 
 1. Interference-free time of each op group of one layer (qkv, attention, o_proj, mlp) at
    every batch size in multiples of the granularity up to B_dense; attention also at each
-   resource share (the decode kernel's program count). Attention of n tokens is the
-   append and attention of a steady-state batch of n tokens of the workload (decodes and
-   prefill chunks in its proportions, bench/step.py), the cache threaded through the
-   timing loop as the executor threads it (no copy of the cache per call).
+   resource share (the decode kernel's program count). Attention is position-dependent,
+   as in the executor: the dense batch holds decodes first, then prefill chunks, so it is
+   profiled as the append and attention of the first n tokens of one steady-state dense
+   batch of the workload (bench/step.py; chunks end at every multiple of the
+   granularity, as the scheduler ends them at the plan's cuts), `"position": "prefix"`;
+   the search charges a nano-batch [a, b) times[b] - times[a]. The cache is threaded
+   through the timing loop as the executor threads it (no copy of the cache per call).
 2. The interference table (GPU, streams on): the MLP and attention at share R, each on its
    own side stream in one XLA scheduling group so that they run together (as the
    executor runs them); from the trace, each kernel's time together over its time alone
@@ -22,6 +25,7 @@ import jax.numpy as jnp
 
 from nanojax.bench.step import synthetic_batch, workload_lengths
 from nanojax.bench.timing import device_seconds, device_seconds_stateful
+from nanojax.layers.attention import slice_metadata
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
 from search.milp import SearchError
 
@@ -31,8 +35,9 @@ COMPUTE_OPS = ("qkv", "o_proj", "mlp")
 class _Layer:
     """One decoder layer's ops on random inputs of n tokens."""
 
-    def __init__(self, bundle, workload: str = "512/512", page_size: int = 16,
-                 num_pages: int = 16384, max_model_len: int = 2048, num_sms: int = 132):
+    def __init__(self, bundle, b_dense: int, granularity: int, workload: str = "512/512",
+                 page_size: int = 16, num_pages: int = 16384, max_model_len: int = 2048,
+                 num_sms: int = 132):
         from nanojax.engine.forward import default_forward
         self.cfg = cfg = bundle.config
         self.layer = DecoderLayer(cfg)
@@ -43,6 +48,10 @@ class _Layer:
         self.max_pages = -(-max_model_len // page_size)
         self.attention = default_forward(cfg).attention
         self.inv_freq = LlamaForCausalLM(cfg).inv_freq
+        self.dense = synthetic_batch(cfg, b_dense, self.lengths, page_size, num_pages,
+                                     self.max_pages, tuple(range(granularity, b_dense,
+                                                                 granularity)),
+                                     prefill_block_q=self.attention.prefill_block_q)
         self.mix = {}  # n -> (decodes, prefill tokens) of the attention batch profiled
 
     def inputs(self, op: str, n: int):
@@ -52,15 +61,14 @@ class _Layer:
         if op == "o_proj":
             return (jax.random.normal(key, (n, c.num_heads, c.head_dim), self.dtype),
                     jax.random.normal(key, (n, c.hidden_size), self.dtype))
-        b = synthetic_batch(c, n, self.lengths, self.page_size, self.num_pages,
-                            self.max_pages, seed=n,
-                            prefill_block_q=self.attention.prefill_block_q)
-        self.mix[n] = (b.num_decodes, b.num_prefill_tokens)
+        d = min(n, self.dense.num_decodes)
+        self.mix[n] = (d, n - d)
+        meta = slice_metadata(jax.device_put(self.dense.meta), 0, n)
         shape = (self.num_pages, c.num_kv_heads, self.page_size, c.head_dim)
         kv = (jax.random.normal(key, shape, self.dtype), jax.random.normal(key, shape, self.dtype))
         q = jax.random.normal(key, (n, c.num_heads, c.head_dim), self.dtype)
         k = jax.random.normal(key, (n, c.num_kv_heads, c.head_dim), self.dtype)
-        return q, k, k, kv, jax.device_put(b.meta)
+        return q, k, k, kv, meta
 
     def fn(self, op: str, share: float = 1.0):
         """The op; attention takes the cache first and returns it: (kv, out)."""
@@ -139,7 +147,7 @@ def run_profile(bundle, b_dense: int, granularity: int, workload: str = "512/512
     from nanojax.pipeline.streams import streams_enabled
     if b_dense % granularity:
         raise SearchError(f"B_dense {b_dense} is not a multiple of the granularity {granularity}")
-    lay = _Layer(bundle, workload, num_pages=num_pages)
+    lay = _Layer(bundle, b_dense, granularity, workload, num_pages=num_pages)
     sizes = list(range(granularity, b_dense + 1, granularity))
     shares = sorted(set(shares) | {1.0})
     bar = tqdm(total=len(sizes) * (len(COMPUTE_OPS) + len(shares)), desc="profile",
@@ -159,6 +167,7 @@ def run_profile(bundle, b_dense: int, granularity: int, workload: str = "512/512
             bar.update(1)
     ops["attention"] = {"resource": "memory", "times": by_share[1.0],
                         "times_by_share": {str(s): t for s, t in by_share.items()},
+                        "position": "prefix",
                         "decodes_and_prefill_tokens": {n: list(lay.mix[n]) for n in sizes}}
     bar.close()
     if streams_enabled():

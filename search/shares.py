@@ -13,6 +13,8 @@ rule "the shares of running ops sum to at most 1" for two resources; with three
 """
 from __future__ import annotations
 
+import numpy as np
+
 from nanojax.pipeline.plan import PRODUCER
 from search.milp import Profile, SearchError, _Milp
 
@@ -25,14 +27,15 @@ def _levels(profile: Profile, group: str) -> list[float]:
     return sorted(profile.share_times.get(group, {1.0: None}))
 
 
-def _duration(profile: Profile, group: str, n: int, r: float) -> float:
+def _duration(profile: Profile, group: str, span: tuple[int, int], r: float) -> float:
+    """Seconds of `group` on the tokens span = [a, b) at share r."""
     if profile.resource[group] == "compute":
         if r >= 1:
-            return profile.times[group][n]
+            return profile.span_time(group, *span)
         measured = profile.interference.get(round(1 - r, 6))
         p = measured[0] if measured else r  # unmeasured: a GEMM's speed scales with R
-        return profile.times[group][n] / p
-    t = profile.share_times.get(group, {}).get(r, {}).get(n, profile.times[group][n])
+        return profile.span_time(group, *span) / p
+    t = profile.span_time(group, *span, share=r)
     p = profile.interference.get(r, (1.0, 1.0))[1] if r < 1 else 1.0
     return t / p
 
@@ -41,7 +44,8 @@ def stage2(profile: Profile, sched: dict, time_limit: float = 60.0) -> dict:
     """Shares for the nano-ops of a stage-I schedule; returns the schedule with `share`,
     new `start`/`duration` and the predicted `makespan`."""
     ops = sorted(sched["start"], key=lambda o: (sched["start"][o], o))
-    size = {o: sched["sizes"][o[1]] for o in ops}
+    bounds = np.cumsum([0] + list(sched["sizes"])).tolist()
+    size = {o: (bounds[o[1]], bounds[o[1] + 1]) for o in ops}  # token span of each nano-op
     m = _Milp()
     cmax = m.var(cost=1.0)
     horizon = sum(max(_duration(profile, g, size[(g, b)], r) for r in _levels(profile, g))

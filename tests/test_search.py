@@ -24,7 +24,9 @@ def _brute(profile, k):
         if sum(split) != units:
             continue
         ops = [(j, b) for b in range(k) for j in OP_GROUPS]
-        dur = {(j, b): profile.times[j][split[b] * g] for j, b in ops}
+        ends = [g * sum(split[:b + 1]) for b in range(k)]
+        dur = {(j, b): profile.span_time(j, ends[b] - split[b] * g, ends[b])
+               for j, b in ops}
 
         def extend(done, free, finish):
             nonlocal best
@@ -128,3 +130,37 @@ def test_realistic_instance_and_cli(tmp_path):
                           str(tmp_path / "nope.json"), "--out", str(tmp_path / "x.json")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "cannot read profile" in bad.stderr
+
+
+def _prefix_profile(b, g, decodes):
+    """Attention over the dense batch's first n tokens: decodes (first) cost 4x a prefill
+    token; GEMMs depend on size only."""
+    prof = _profile(b, g, {"qkv": 1.0, "attention": 0.0, "o_proj": 0.5, "mlp": 2.0},
+                    {"qkv": 10, "attention": 0, "o_proj": 5, "mlp": 20})
+    prof.times["attention"] = {n: 4.0 * min(n, decodes) + 1.0 * max(0, n - decodes)
+                               for n in range(g, b + 1, g)}
+    prof.prefix = frozenset({"attention"})
+    return prof
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_position_dependent_attention_matches_brute_force(k):
+    prof = _prefix_profile(512, 128, decodes=256)
+    got = stage1(prof, k)
+    assert got["makespan"] == pytest.approx(_brute(prof, k), rel=1e-6)
+    bounds = [0]
+    for sz in got["sizes"]:
+        bounds.append(bounds[-1] + sz)
+    for b in range(k):  # each attention nano-op costs what its token span costs
+        assert got["duration"][("attention", b)] == pytest.approx(
+            prof.span_time("attention", bounds[b], bounds[b + 1]))
+
+
+def test_prefix_profiles_load_from_json():
+    d = {"b_dense": 256, "granularity": 128,
+         "ops": {j: {"resource": "memory" if j == "attention" else "compute",
+                     "times": {"128": 1.0, "256": 3.0}} for j in OP_GROUPS}}
+    d["ops"]["attention"]["position"] = "prefix"
+    p = Profile.from_dict(d)
+    assert p.prefix == {"attention"} and p.span_time("attention", 128, 256) == 2.0
+    assert p.span_time("qkv", 128, 256) == 1.0  # size only

@@ -24,7 +24,7 @@ def _brute(profile, sched):
     """Every share assignment; for each pair of ops that may not run together (shares
     over 1, not ordered already) both orders; earliest starts along the longest path."""
     ops = sorted(sched["start"], key=lambda o: (sched["start"][o], o))
-    size = {o: sched["sizes"][o[1]] for o in ops}
+    size = {o: _span(sched, o[1]) for o in ops}
     prev = {"attention": "qkv", "o_proj": "attention", "mlp": "o_proj"}
     fixed = set()
     for o in ops:
@@ -56,6 +56,12 @@ def _brute(profile, sched):
     return best
 
 
+def _span(sched, b):
+    """Tokens [a, b) of nano-batch b."""
+    a = sum(sched["sizes"][:b])
+    return a, a + sched["sizes"][b]
+
+
 @pytest.mark.parametrize("interference", [None, {0.5: (0.6, 0.9)}])
 def test_stage2_matches_brute_force_and_keeps_its_constraints(interference):
     prof = _profile(interference)
@@ -65,7 +71,7 @@ def test_stage2_matches_brute_force_and_keeps_its_constraints(interference):
     ops = list(out["start"])
     for o in ops:  # durations follow the chosen share
         assert out["duration"][o] == pytest.approx(
-            _duration(prof, o[0], sched["sizes"][o[1]], out["share"][o]))
+            _duration(prof, o[0], _span(sched, o[1]), out["share"][o]))
     for i, a in enumerate(ops):  # ops that run together share at most the whole GPU
         for b in ops[i + 1:]:
             sa, ea = out["start"][a], out["start"][a] + out["duration"][a]
@@ -107,5 +113,6 @@ def test_profiler_writes_a_profile_the_search_reads(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(prof))
     p = Profile.load(path)
+    assert p.prefix == {"attention"}  # the first n tokens of one dense batch
     out = stage2(p, search(p, max_k=2, time_limit=20), time_limit=20)
     assert out["makespan"] > 0
