@@ -45,6 +45,44 @@ def test_chunked_prefill_and_preemption_match_reference(smollm2, smol_reference,
         assert done[rid].finish_reason == "length"
 
 
+def test_predicted_admission_avoids_preemption(tiny_bundle):
+    """A workload that greedy admission preempts; admitted by NanoFlow's memory prediction
+    no request is preempted, the tokens are the same, every page comes back."""
+    rng = np.random.default_rng(3)
+    prompts, outs = _random_workload(rng, 12, 500, 40, 60)
+    runs = {}
+    for admission in ("greedy", "predicted"):
+        eng = _engine(tiny_bundle, b_dense=32, num_pages=24, page_size=8, max_model_len=128,
+                      max_num_seqs=8, admission=admission)
+        ids = [eng.add_request(p, SamplingParams(max_tokens=o, temperature=0, ignore_eos=True))
+               for p, o in zip(prompts, outs)]
+        done = eng.run_to_completion()
+        assert eng.allocator.num_free == eng.allocator.num_pages
+        runs[admission] = (eng.scheduler.num_preemptions, [done[i].token_ids for i in ids])
+    assert runs["greedy"][0] > 0 and runs["predicted"][0] == 0
+    assert runs["greedy"][1] == runs["predicted"][1]
+
+
+def test_expected_length_follows_finished_requests(tiny_bundle):
+    from nanojax.engine.sequence import Sequence
+    from nanojax.errors import ConfigError
+    eng = _engine(tiny_bundle, b_dense=16, num_pages=64, page_size=4, max_model_len=64,
+                  admission="predicted")
+    sched = eng.scheduler
+    seq = Sequence("a", [1] * 10, SamplingParams(max_tokens=40))
+    assert sched.expected_length(seq) == 50  # nothing finished yet: max_tokens
+    done = Sequence("b", [1] * 3, SamplingParams(max_tokens=40))
+    done.output_ids = [2] * 6
+    done.finish("stop")
+    sched.remove(done)
+    assert sched.expected_length(seq) == 16  # prompt + the mean finished output
+    exact = Sequence("c", [1] * 10, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert sched.expected_length(exact) == 50  # nothing can stop it early
+    with pytest.raises(ConfigError, match="admission"):
+        _engine(tiny_bundle, b_dense=16, num_pages=64, page_size=4, max_model_len=64,
+                admission="eager")
+
+
 def test_llm_generate_64_requests_match_reference(smollm2, smol_reference):
     """The issue's acceptance check: 64 chat prompts through LLM.generate, greedy."""
     from checkpoints.bundle import ModelBundle

@@ -62,7 +62,8 @@ def cmd_throughput(args) -> int:
             eng = LLMEngine(bundle, EngineConfig(
                 b_dense=args.b_dense, num_pages=args.num_pages, page_size=args.page_size,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                async_scheduling=(mode != "sync"), constant_batch=args.constant_batch),
+                async_scheduling=(mode != "sync"), constant_batch=args.constant_batch,
+                admission=args.admission),
                 forward=forward)
             results[mode] = run_offline(eng, reqs, progress=not args.quiet)
         except Exception as e:  # record the failure of one mode, measure the others
@@ -88,6 +89,7 @@ def cmd_throughput(args) -> int:
                                                   "output_len": args.output_len,
                                                   "trace": args.trace, "seed": args.seed},
                "engine": {"b_dense": args.b_dense, "page_size": args.page_size,
+                          "admission": args.admission,
                           "num_pages": args.num_pages, "max_model_len": args.max_model_len},
                "results": results}
     if peer is not None:
@@ -240,6 +242,10 @@ def register(sub) -> None:
     t.add_argument("--constant-batch", action="store_true",
                    help="pad every iteration to B_dense tokens (NanoFlow's dense batch)")
     t.add_argument("--scheduling", choices=["async", "sync", "both"], default="async")
+    t.add_argument("--admission", choices=["greedy", "predicted"], default="greedy",
+                   help="predicted: admit only while everyone's expected final length fits "
+                        "the KV cache (NanoFlow's memory prediction; no preemption storms "
+                        "when all requests arrive at once)")
     t.add_argument("--plan", default=None,
                    help="run the nano-batch executor with this plan (name or JSON path)")
     t.add_argument("--modes", default="non-overlap,nanobatch-only,overlap",

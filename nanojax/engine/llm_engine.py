@@ -38,6 +38,7 @@ class EngineConfig:
     async_scheduling: bool = True
     constant_batch: bool = False      # pad every iteration to B_dense (NanoFlow, GPU)
     memory_utilization: float = 0.9
+    admission: str = "greedy"         # "predicted": NanoFlow's memory-usage prediction
     seed: int = 0
 
 
@@ -70,7 +71,8 @@ class LLMEngine:
         self.allocator = PageAllocator(self.sizing.num_pages)
         self.scheduler = Scheduler(self.allocator, cfg.page_size, cfg.b_dense, max_seqs,
                                    self.max_model_len,
-                                   chunk_cuts=getattr(forward, "chunk_cuts", ()))
+                                   chunk_cuts=getattr(forward, "chunk_cuts", ()),
+                                   admission=cfg.admission)
         self.runner = ModelRunner(self.model_config, bundle.params, self.sizing.num_pages,
                                   cfg.page_size, self.scheduler.max_num_seqs, cfg.b_dense,
                                   forward=forward, constant_batch=cfg.constant_batch,

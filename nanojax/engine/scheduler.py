@@ -5,6 +5,14 @@ prefill chunks from a FIFO queue fill the rest. Admission only takes a request w
 pages for its whole prompt (plus one for growth) are free after what running requests
 still need; when a decode needs a page and none is free, the newest running request is
 preempted (recompute: its pages are freed and it re-enters the queue at the front).
+
+`admission="predicted"` is NanoFlow's memory-usage prediction on top: a request is also
+admitted only if every running request plus it, each grown to its expected final length,
+fits the cache. The expected output is max_tokens where nothing can stop a request
+earlier, else the mean of finished requests' outputs (max_tokens until one finishes). With every request arriving at once, greedy
+admission fills the cache with prompts and then preempts decodes by the hundred (H200,
+1,024 requests: 227 preemptions, batches 43% full); predicted admission runs fewer
+requests at a time and keeps them.
 """
 from __future__ import annotations
 
@@ -12,6 +20,9 @@ import collections
 import dataclasses
 
 from nanojax.engine.kv_cache import OutOfPages, PageAllocator, pages_needed
+from nanojax.errors import ConfigError
+
+ADMISSION = ("greedy", "predicted")
 from nanojax.engine.sequence import Sequence, Status
 
 
@@ -39,10 +50,16 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, b_dense: int,
-                 max_num_seqs: int, max_model_len: int, chunk_cuts: tuple[int, ...] = ()):
+                 max_num_seqs: int, max_model_len: int, chunk_cuts: tuple[int, ...] = (),
+                 admission: str = "greedy"):
         """chunk_cuts: positions in the dense batch that no prefill chunk may straddle (the
         forward's attention nano-batch boundaries: a nano-batch then holds whole chunks,
-        so the nano-batches' attention can run in any order)."""
+        so the nano-batches' attention can run in any order). admission: "greedy" or
+        "predicted" (see the module docstring)."""
+        if admission not in ADMISSION:
+            raise ConfigError(f"admission must be one of {ADMISSION}, got {admission!r}")
+        self.admission = admission
+        self.finished_outputs, self.finished_count = 0, 0  # for the expected output length
         self.allocator = allocator
         self.chunk_cuts = sorted(c for c in chunk_cuts if 0 < c < b_dense)
         self.page_size = page_size
@@ -59,6 +76,9 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted request and free its pages."""
+        if seq.finish_reason in ("stop", "length"):
+            self.finished_outputs += len(seq.output_ids)
+            self.finished_count += 1
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -177,8 +197,27 @@ class Scheduler:
 
     def _admissible(self, seq: Sequence) -> bool:
         """Pages for its whole known context plus one, after what running requests still
-        need to finish their prompts and one page of growth per running decode."""
+        need to finish their prompts and one page of growth per running decode; with
+        predicted admission, also room for everyone's expected final length."""
         owed = sum(pages_needed(s.num_known + 1, self.page_size) - len(s.pages)
                    for s in self.running)
         need = pages_needed(seq.num_known + 1, self.page_size)
-        return need + owed + len(self.running) <= self.allocator.num_free
+        if need + owed + len(self.running) > self.allocator.num_free:
+            return False
+        if self.admission == "predicted" and self.running:
+            peak = sum(pages_needed(self.expected_length(s), self.page_size)
+                       for s in (*self.running, seq))
+            return peak <= self.allocator.num_pages
+        return True
+
+    def expected_length(self, seq: Sequence) -> int:
+        """Tokens seq will hold when it finishes: prompt + max_tokens when nothing can stop
+        it earlier (ignore_eos, no stop strings), else prompt + the mean finished output
+        (max_tokens before any finished); never beyond max_model_len, never below what it
+        already holds."""
+        prompt = len(seq.prompt_ids)
+        out = seq.params.max_tokens
+        can_stop = not seq.params.ignore_eos or seq.params.stop or seq.params.stop_token_ids
+        if can_stop and self.finished_count:
+            out = min(out, -(-self.finished_outputs // self.finished_count))
+        return max(seq.num_total + 1, min(prompt + out, self.max_model_len))

@@ -19,7 +19,8 @@ def cmd_serve(args) -> int:
     bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
     engine = LLMEngine(bundle, EngineConfig(
         b_dense=args.b_dense, num_pages=args.num_pages, page_size=args.page_size,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs))
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        admission=args.admission))
     aeng = AsyncLLMEngine(engine)
     name = args.served_model_name or args.model
     app = build_app(aeng, name, api_key=args.api_key, max_body=args.max_body,
@@ -53,6 +54,8 @@ def register(sub) -> None:
     s.add_argument("--page-size", type=int, default=16)
     s.add_argument("--num-pages", type=int, default=None)
     s.add_argument("--max-num-seqs", type=int, default=None)
+    s.add_argument("--admission", choices=["greedy", "predicted"], default="greedy",
+                   help="predicted: NanoFlow's memory-usage prediction at admission")
     s.add_argument("--max-model-len", type=int, default=2048)
     s.add_argument("--max-waiting", type=int, default=256,
                    help="requests allowed to wait; beyond it: 503")
