@@ -40,6 +40,7 @@ class ReferenceGenerator:
         self.cfg, self.params = cfg, params
         self.max_len = max_len or min(cfg.max_position_embeddings, 2048)
         self.step = _step_fn(cfg)
+        self._memo: dict = {}  # generation is deterministic: repeated checks reuse it
 
     def logits(self, prompt_ids) -> np.ndarray:
         """f32 logits at every prompt position: [len(prompt), vocab]."""
@@ -53,6 +54,15 @@ class ReferenceGenerator:
 
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0,
                  seed: int = 0, stop_ids=(), ignore_eos: bool = False) -> list[int]:
+        key = (tuple(int(t) for t in prompt_ids), max_new_tokens, temperature, seed,
+               tuple(stop_ids), ignore_eos)
+        if key not in self._memo:
+            self._memo[key] = self._generate(prompt_ids, max_new_tokens, temperature, seed,
+                                             stop_ids, ignore_eos)
+        return list(self._memo[key])
+
+    def _generate(self, prompt_ids, max_new_tokens, temperature, seed, stop_ids,
+                  ignore_eos) -> list[int]:
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("empty prompt")
