@@ -98,10 +98,9 @@ def interference_table(lay: _Layer, n: int, shares, progress=None) -> dict:
     """The MLP (stream 2) beside attention (stream 1) at each share, both in one XLA
     scheduling group so that they run together, one call traced per share:
     P = time alone / time together, for each kernel kind."""
-    from jax.experimental.xla_metadata import set_xla_metadata
-
     from nanojax.bench import timeline
-    from nanojax.pipeline.streams import carry_metadata_to_stream_calls, on_stream
+    from nanojax.pipeline.streams import (carry_metadata_to_stream_calls, on_stream,
+                                          scheduling_group)
 
     if not carry_metadata_to_stream_calls():
         return {"measured": False, "reason": "this jax cannot group stream regions"}
@@ -113,7 +112,7 @@ def interference_table(lay: _Layer, n: int, shares, progress=None) -> dict:
         att = lay.fn("attention", share)
 
         def together(h, kv, q, k, v, meta):
-            with set_xla_metadata(_scheduling_group_id="1"):
+            with scheduling_group(1):
                 kv, o = on_stream(att, 1)(kv, q, k, v, meta)
                 return on_stream(mlp, 2)(h), o, kv
         f = jax.jit(together, donate_argnums=(1,))

@@ -22,14 +22,7 @@ def device_seconds(fn, *args, iters: int = 20, reps: int = 5) -> float:
         zeros = jax.tree_util.tree_map(lambda s: jax.numpy.zeros(s.shape, s.dtype), out0)
         return lax.fori_loop(0, iters, body, (args, zeros))[1]
 
-    f = jax.jit(loop)
-    jax.block_until_ready(f(args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(args))
-        ts.append((time.perf_counter() - t) / iters)
-    return float(np.median(ts))
+    return _median_per_call(jax.jit(loop), lambda f: f(args), iters, reps)
 
 
 def device_seconds_stateful(fn, state, *args, iters: int = 20, reps: int = 5) -> float:
@@ -45,13 +38,20 @@ def device_seconds_stateful(fn, state, *args, iters: int = 20, reps: int = 5) ->
             return st, acc + leaf.reshape(-1)[0].astype(np.float32)
         return lax.fori_loop(0, iters, body, (state, np.float32(0)))
 
-    f = jax.jit(loop, donate_argnums=(0,))
-    state, acc = f(state, args)
-    jax.block_until_ready(acc)
+    box = [state]
+
+    def call(f):  # the state goes in donated and comes back for the next call
+        box[0], acc = f(box[0], args)
+        return acc
+    return _median_per_call(jax.jit(loop, donate_argnums=(0,)), call, iters, reps)
+
+
+def _median_per_call(f, call, iters: int, reps: int) -> float:
+    """Warm up (compile), then the median over reps of call(f)'s time / iters."""
+    jax.block_until_ready(call(f))
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
-        state, acc = f(state, args)
-        jax.block_until_ready(acc)
+        jax.block_until_ready(call(f))
         ts.append((time.perf_counter() - t) / iters)
     return float(np.median(ts))

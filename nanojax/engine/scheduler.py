@@ -9,10 +9,10 @@ preempted (recompute: its pages are freed and it re-enters the queue at the fron
 `admission="predicted"` is NanoFlow's memory-usage prediction on top: a request is also
 admitted only if every running request plus it, each grown to its expected final length,
 fits the cache. The expected output is max_tokens where nothing can stop a request
-earlier, else the mean of finished requests' outputs (max_tokens until one finishes). With every request arriving at once, greedy
-admission fills the cache with prompts and then preempts decodes by the hundred (H200,
-1,024 requests: 227 preemptions, batches 43% full); predicted admission runs fewer
-requests at a time and keeps them.
+earlier, else the mean of finished requests' outputs (max_tokens until one finishes).
+With every request arriving at once, greedy admission fills the cache with prompts and
+then preempts decodes by the hundred (H200, 1,024 requests: 227 preemptions, batches 43%
+full); predicted admission runs fewer requests at a time and keeps them.
 """
 from __future__ import annotations
 

@@ -25,8 +25,6 @@ that cover its range.
 """
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 
@@ -36,7 +34,8 @@ from nanojax.layers.attention import PagedMetadata, slice_metadata
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
 from nanojax.pipeline.plan import (OP_GROUPS, PRODUCER, PlanError, ablation, check_model,
                                    validate)
-from nanojax.pipeline.streams import carry_metadata_to_stream_calls, on_stream, streams_enabled
+from nanojax.pipeline.streams import (carry_metadata_to_stream_calls, on_stream,
+                                      scheduling_group, streams_enabled)
 
 
 def _check_order(plan: dict) -> None:
@@ -149,7 +148,7 @@ class PipelineForward(UnrolledForward):
             for op in ops:
                 g, k = op["op"], op["batch"]
                 gid = self.groups.get((g, k))
-                with _group(None if gid is None else li * 1000 + gid):
+                with scheduling_group(None if gid is None else li * 1000 + gid):
                     kv_layer = self._nano_op(op, lp, x, meta, ranges, out, kv_layer, placed)
             x = _gather(out["mlp"], ranges["mlp"], 0, t)
             new_kv.append(kv_layer)
@@ -184,14 +183,3 @@ class PipelineForward(UnrolledForward):
             f = lambda lp, h: layer.apply(lp, h, method=DecoderLayer.mlp)  # noqa: E731
             out[g][k] = placed(f, stream, lp, h)
         return kv_layer
-
-
-@contextlib.contextmanager
-def _group(group_id):
-    """Tags the ops traced inside with an XLA scheduling group (nothing when None)."""
-    if group_id is None:
-        yield
-        return
-    from jax.experimental.xla_metadata import set_xla_metadata
-    with set_xla_metadata(_scheduling_group_id=str(group_id)):
-        yield

@@ -7,6 +7,7 @@ in it is inlined, and the flat result is what gets annotated.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import jax
@@ -64,6 +65,18 @@ def inline_calls(fn):
         outs = _eval_inlined(closed.jaxpr, closed.consts, leaves)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
     return flat
+
+
+@contextlib.contextmanager
+def scheduling_group(group_id):
+    """Tags the ops traced inside with an XLA scheduling group (nothing when None); the
+    stream regions among them carry it to their async start/done (see below)."""
+    if group_id is None:
+        yield
+        return
+    from jax.experimental.xla_metadata import set_xla_metadata
+    with set_xla_metadata(_scheduling_group_id=str(group_id)):
+        yield
 
 
 _METADATA_ON_CALLS = []
