@@ -9,6 +9,13 @@ Bytes counted: K and V of every sequence's context, read once.
 
     python -m pallas_kernels.bench_decode --prefill-only --out PATH
 
+    python -m pallas_kernels.bench_decode --variants --out PATH
+
+compares launch variants (keys per step, warps, pipelining stages, hand prefetch) at the
+target shape (batch 512, context 1024) for bounded and full grids.
+
+    python -m pallas_kernels.bench_decode --prefill-only --out PATH
+
 times, instead, chunked prefill two ways on the same batch (every token a row of the
 decode kernel, as the engine does by default, against the chunked-prefill kernel) and the
 KV append two ways (RoPE + scatter in XLA against the fused Pallas kernel).
@@ -78,9 +85,12 @@ def main():
     ap.add_argument("--tune-only", action="store_true")
     ap.add_argument("--skip-tuning", action="store_true")
     ap.add_argument("--prefill-only", action="store_true")
+    ap.add_argument("--variants", action="store_true")
     args = ap.parse_args()
     if args.prefill_only:
         return _prefill_and_append(args)
+    if args.variants:
+        return _variants(args)
     rng = np.random.default_rng(0)
     dev = jax.devices()[0]
     sms = getattr(dev, "core_count", None) or 132
@@ -181,6 +191,49 @@ def _sweep(args, res, rng, bw, sms, save, ppb, warps, stages):
             del kc, vc
             res["cases"] = cases
             save()
+    print("done", flush=True)
+
+
+# (keys per step, warps, pipelining stages, hand prefetch of the next block)
+VARIANTS = ((64, 4, 2, False), (128, 4, 2, False), (256, 4, 2, False),
+            (32, 4, 2, True), (64, 4, 2, True), (64, 8, 2, True), (128, 4, 2, True),
+            (128, 8, 2, True), (256, 8, 2, True), (64, 4, 1, True), (128, 8, 1, True))
+
+
+def _variants(args):
+    """Launch variants at the target shape, every grid size, one process."""
+    rng = np.random.default_rng(0)
+    dev = jax.devices()[0]
+    sms = getattr(dev, "core_count", None) or 132
+    bw = copy_bandwidth()
+    res = {"command": "python -m pallas_kernels.bench_decode --variants --out " + args.out,
+           "device": dev.device_kind, "jax": jax.__version__, "num_sms": sms,
+           "copy_bandwidth_GBps": bw / 1e9, "batch": 512, "context": 1024, "page_size": 16,
+           "variants": []}
+    b, ctx, ps = 512, 1024, 16
+    q, k, v, pt, lens = make_case(b, ctx, ps, rng)
+    ref = decode_attention(q, k, v, pt, lens)
+    nbytes = 2 * b * ctx * KVH * D * 2
+    for block_k, warps, stages, prefetch in VARIANTS:
+        for nprog in (sms // 2, sms, 2 * sms, 4 * sms, b * KVH):
+            row = {"block_k": block_k, "num_warps": warps, "num_stages": stages,
+                   "prefetch": prefetch, "programs": nprog}
+            try:
+                def fn(*a):
+                    return decode_attention(*a, num_programs=nprog,
+                                            pages_per_block=block_k // ps, num_warps=warps,
+                                            num_stages=stages, prefetch=prefetch)
+                out = fn(q, k, v, pt, lens)
+                row["max_abs_diff_vs_default"] = float(jnp.max(jnp.abs(
+                    out.astype(jnp.float32) - ref.astype(jnp.float32))))
+                t = timed(fn, q, k, v, pt, lens)
+                row.update(seconds=t, GBps=nbytes / t / 1e9, fraction_of_copy=nbytes / t / bw)
+            except Exception as e:  # a variant that does not compile is a result too
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            res["variants"].append(row)
+            print(row, flush=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
     print("done", flush=True)
 
 

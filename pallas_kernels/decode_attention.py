@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,7 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, context_lens):
 
 
 def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, rowpos_ref, o_ref, *, kvh, num_work,
-            num_programs, pages_per_block, page_size, scale):
+            num_programs, pages_per_block, page_size, scale, prefetch):
     pid = pl.program_id(0)
     rows, d = q_ref.shape[2], q_ref.shape[3]
     block_k = pages_per_block * page_size
@@ -52,13 +53,17 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, rowpos_ref, o_ref, *, kvh, num
         ctx = len_ref[b]
         last = rowpos_ref[b]  # [rows]: the last key position each row may see
         q = q_ref[b, h] * scale  # [rows, D]
+        n_blocks = (ctx + block_k - 1) // block_k
 
-        def block(j, carry):
-            o, m, l = carry
-            pages = pt_ref[b, pl.ds(j * pages_per_block, pages_per_block)]
+        def pages_of(j):  # clamped: a look-ahead past the last block rereads it (cached)
+            j = jnp.maximum(jnp.minimum(j, n_blocks - 1), 0)
+            return pt_ref[b, pl.ds(j * pages_per_block, pages_per_block)]
+
+        def kv_of(pages):
             idx = pages * kvh + h  # rows of the [N * KVH, ps, D] view
-            k = k_ref[idx].reshape(block_k, d)
-            v = v_ref[idx].reshape(block_k, d)
+            return k_ref[idx].reshape(block_k, d), v_ref[idx].reshape(block_k, d)
+
+        def attend(j, k, v, o, m, l):
             s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # [rows, block_k]
             key_pos = j * block_k + jnp.arange(block_k)
             s = jnp.where(key_pos[None, :] <= last[:, None], s, _NEG)
@@ -74,27 +79,55 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, rowpos_ref, o_ref, *, kvh, num
 
         init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
                 jnp.zeros((rows,), jnp.float32))
-        n_blocks = (ctx + block_k - 1) // block_k
-        o, m, l = lax.fori_loop(0, n_blocks, block, init)
+        if prefetch:
+            # Software pipelining by hand: block j+1's keys and values, and block j+2's
+            # page numbers, are loaded before block j is computed, so one program keeps
+            # two blocks of bytes in flight and no page-table load sits on the data path.
+            def block(j, carry):
+                o, m, l, k, v, nxt = carry
+                k_next, v_next = kv_of(nxt)
+                nxt2 = pages_of(j + 2)
+                o, m, l = attend(j, k, v, o, m, l)
+                return o, m, l, k_next, v_next, nxt2
+
+            k0, v0 = kv_of(pages_of(0))
+            o, m, l, *_ = lax.fori_loop(0, n_blocks, block, (*init, k0, v0, pages_of(1)))
+        else:
+            def block(j, carry):
+                return attend(j, *kv_of(pages_of(j)), *carry)
+
+            o, m, l = lax.fori_loop(0, n_blocks, block, init)
         o_ref[b, h] = (o / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
         return carry
 
     lax.fori_loop(0, n_units, unit, ())
 
 
-def _block_keys(programs: int) -> int:
-    """Keys per inner step for a grid of `programs` (tuning at batch 512, context 1024)."""
+BLOCK_KEYS = 64  # keys per inner step, whatever the grid (see _use_prefetch)
+
+
+def _use_prefetch(programs: int) -> bool:
+    """Hand prefetch at two programs per SM or fewer. Measured at batch 512, context 1024
+    (bench/results/decode_attention_variants_h200.json): with 64-key blocks it lifts 66,
+    132 and 264 programs from 26/48/68% to 34/61/75% of copy bandwidth (as much as 128- or
+    256-key blocks gave) and costs 84 -> 76% on a full grid. The block stays 64 keys for
+    every grid so that every share sums in the same order: the pipeline's ablation modes
+    and plans with different shares give bitwise the same attention output.
+    NANOJAX_DECODE_PREFETCH=0|1 forces it off or on (A/B runs)."""
+    forced = os.environ.get("NANOJAX_DECODE_PREFETCH")
+    if forced in ("0", "1"):
+        return forced == "1"
     try:
         sms = jax.devices()[0].core_count or 132
     except AttributeError:  # CPU devices have no core_count
         sms = 132
-    per_sm = programs / sms
-    return 64 if per_sm > 2 else (128 if per_sm > 1 else 256)
+    return programs <= 2 * sms
 
 
 def paged_attention_call(qg, k_pages, v_pages, page_table, context_lens, row_last, *,
                          num_programs: int | None = None, pages_per_block: int | None = None,
-                         num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
+                         num_warps: int | None = None, num_stages: int = 2,
+                         prefetch: bool | None = None, interpret: bool = False):
     """The kernel over units of (query group, kv head), shared by decode and prefill.
 
     qg [B, KVH, rows, D]: the query rows of unit b for kv head h; page_table [B, P];
@@ -105,7 +138,10 @@ def paged_attention_call(qg, k_pages, v_pages, page_table, context_lens, row_las
     n, _, ps, _ = k_pages.shape
     num_work = b * kvh
     nprog = num_work if num_programs is None else max(1, min(num_programs, num_work))
-    pages_per_block = pages_per_block or max(1, _block_keys(nprog) // ps)
+    if prefetch is None:
+        prefetch = _use_prefetch(nprog)
+    pages_per_block = pages_per_block or max(1, BLOCK_KEYS // ps)
+    num_warps = num_warps or 4
     pw = page_table.shape[1]
     pad = -pw % pages_per_block
     if pad:  # lax.pad, not jnp.pad (a nested jit, refused inside stream-annotated regions)
@@ -113,7 +149,7 @@ def paged_attention_call(qg, k_pages, v_pages, page_table, context_lens, row_las
                              [(0, 0, 0), (0, pad, 0)])
     kern = functools.partial(_kernel, kvh=kvh, num_work=num_work, num_programs=nprog,
                              pages_per_block=pages_per_block, page_size=ps,
-                             scale=1.0 / math.sqrt(d))
+                             scale=1.0 / math.sqrt(d), prefetch=prefetch)
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
@@ -130,13 +166,15 @@ def paged_attention_call(qg, k_pages, v_pages, page_table, context_lens, row_las
 
 def decode_attention_impl(q, k_pages, v_pages, page_table, context_lens, *,
                           num_programs: int | None = None, pages_per_block: int | None = None,
-                          num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
+                          num_warps: int | None = None, num_stages: int = 2,
+                          prefetch: bool | None = None, interpret: bool = False):
     """Pallas paged decode attention; same contract as decode_attention_reference.
 
     num_programs: programs in the persistent grid (None: one per unit of work).
-    pages_per_block: pages loaded per inner step (None: by programs per SM, the best on an
-        H200 in bench/results/decode_attention_tuning_h200.json: a program with fewer
-        siblings on its SM needs more bytes in flight, so larger blocks).
+    pages_per_block, num_warps: pages loaded per inner step (None: BLOCK_KEYS of keys) and
+        warps per program (None: 4).
+    prefetch: load block j+1 (and block j+2's page numbers) before computing block j
+        (None: on for bounded grids, see _use_prefetch). The result does not depend on it.
     """
     b, h, d = q.shape
     kvh = k_pages.shape[1]
@@ -150,11 +188,11 @@ def decode_attention_impl(q, k_pages, v_pages, page_table, context_lens, *,
     out = paged_attention_call(qg, k_pages, v_pages, page_table, context_lens, row_last,
                                num_programs=num_programs, pages_per_block=pages_per_block,
                                num_warps=num_warps, num_stages=num_stages,
-                               interpret=interpret)
+                               prefetch=prefetch, interpret=interpret)
     return out[:, :, :g].reshape(b, h, d)
 
 
 # Jitted entry point. Inside a larger jitted step (and inside stream-annotated regions,
 # which refuse nested jits) call decode_attention_impl instead.
 decode_attention = jax.jit(decode_attention_impl, static_argnames=(
-    "num_programs", "pages_per_block", "num_warps", "num_stages", "interpret"))
+    "num_programs", "pages_per_block", "num_warps", "num_stages", "prefetch", "interpret"))

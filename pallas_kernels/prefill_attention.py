@@ -58,7 +58,7 @@ def query_blocks(seq_ids: np.ndarray, positions: np.ndarray, block_q: int,
 
 def prefill_attention_impl(q, k_pages, v_pages, page_table, positions, blocks, token_slot,
                            *, block_q: int = 16, num_programs: int | None = None,
-                           pages_per_block: int | None = None, num_warps: int = 4,
+                           pages_per_block: int | None = None, num_warps: int | None = None,
                            num_stages: int = 2, interpret: bool = False):
     """Same result as prefill_attention_reference, for tokens grouped by query_blocks."""
     t, h, d = q.shape

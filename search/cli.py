@@ -71,7 +71,10 @@ def cmd_search(args) -> int:
             bar.update(1)
             bar.set_postfix(k=k, makespan=f"{s['makespan']:.4g}")
         best = search(prof, max_k=args.max_k, time_limit=args.time_limit, progress=progress)
-    if prof.share_times or prof.interference:  # stage II: resource shares
+    if not prof.concurrent:
+        print("nanojax: the profile's GEMM + attention pair never ran together on this "
+              "device: planning without overlap", file=sys.stderr)
+    elif prof.share_times or prof.interference:  # stage II: resource shares
         from search.shares import stage2
         best = stage2(prof, best, time_limit=args.time_limit)
         shared = {f"{j}[{b}]": r for (j, b), r in best["share"].items() if r < 1}

@@ -5,7 +5,8 @@ nano-batches (sizes are decision variables, multiples of g summing to B_dense) a
 times for every nano-op so the layer's makespan is smallest, where
   * a nano-op starts after its nano-batch's previous op finishes (qkv -> attention ->
     o_proj -> mlp; all groups share the split, so ranges intersect only within a batch),
-  * two nano-ops bound by the same resource (compute, memory, network) never overlap.
+  * two nano-ops bound by the same resource (compute, memory, network) never overlap
+    (no two overlap where the profile found that nothing runs together: Profile.concurrent).
 K grows from 2 while the compute resource still idles inside the makespan and the
 makespan improves. Solved with HiGHS (highspy), or scipy.optimize.milp as a fallback.
 Stage II (resource shares with the interference table) is in search/shares.py.
@@ -26,6 +27,11 @@ class SearchError(NanojaxError):
     pass
 
 
+# A measured pair whose attention ran under the GEMM for less than this share of its time
+# did not run together (the H200 trace of a serialized pair shows 0.0)
+MIN_OVERLAP = 0.05
+
+
 @dataclasses.dataclass
 class Profile:
     b_dense: int
@@ -41,6 +47,10 @@ class Profile:
     # ops whose times[n] is the time of the dense batch's first n tokens (decodes first,
     # then prefill): a nano-batch [a, b) takes times[b] - times[a], so where it sits matters
     prefix: frozenset = frozenset()
+    # False when the profiler's pair (a GEMM beside attention, one scheduling group) never
+    # ran together on this device and software: then nothing overlaps, every nano-op
+    # waits for the one before it, and the search models exactly that
+    concurrent: bool = True
 
     def span_time(self, group: str, a: int, b: int, share: float = 1.0) -> float:
         """Seconds of `group` on the dense batch's tokens [a, b) at resource share."""
@@ -76,6 +86,10 @@ class Profile:
             table = d.get("interference") or {}
             interference = ({float(r["share"]): (float(r["compute"]), float(r["memory"]))
                              for r in table["rows"]} if table.get("measured") else {})
+            concurrent = not (table.get("measured") and table["rows"] and all(
+                not r.get("schedule", {}).get("issued_together", True)
+                or r.get("attention_overlapped_by_gemm", 1.0) < MIN_OVERLAP
+                for r in table["rows"]))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise SearchError(f"malformed profile: bad share or interference data {e}") from None
         if b % g:
@@ -92,7 +106,10 @@ class Profile:
                     raise SearchError(f"profile of '{k}' at share {r} is out of range or "
                                       "lacks sizes")
         prefix = frozenset(k for k in OP_GROUPS if ops[k].get("position") == "prefix")
-        return cls(b, g, resource, times, d.get("model"), share_times, interference, prefix)
+        if not concurrent:  # the table's P values are then times of kernels run apart
+            interference = {}
+        return cls(b, g, resource, times, d.get("model"), share_times, interference, prefix,
+                   concurrent)
 
 
 class _Milp:
@@ -211,7 +228,8 @@ def stage1(profile: Profile, k: int, time_limit: float = 60.0) -> dict:
     nano = [(j, b) for j in OP_GROUPS for b in range(k)]
     for i, a in enumerate(nano):
         for c in nano[i + 1:]:
-            if profile.resource[a[0]] != profile.resource[c[0]] or a[1] == c[1]:
+            if a[1] == c[1] or (profile.concurrent
+                                and profile.resource[a[0]] != profile.resource[c[0]]):
                 continue  # same batch: already ordered by the chain
             if symmetric and a[0] == c[0] == "attention":
                 continue  # ordered above
@@ -262,6 +280,8 @@ def to_plan(profile: Profile, sched: dict, model_signature: dict, tp: int = 1) -
         """A GEMM that runs beside a memory or network op goes on stream 2: only side-
         stream regions can join that op's XLA scheduling group (executor.overlap_groups)."""
         kind = profile.resource[op[0]]
+        if not profile.concurrent or len(sched["sizes"]) == 1:
+            return 0  # nothing runs beside it: a side stream would only add a sync
         if kind != "compute":
             return stream[kind]
         beside = any(profile.resource[o[0]] != "compute"

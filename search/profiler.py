@@ -94,10 +94,11 @@ class _Layer:
         return device_seconds(self.fn(op, share), *self.inputs(op, n), iters=iters)
 
 
-def interference_table(lay: _Layer, n: int, shares, progress=None) -> dict:
+def interference_table(lay: _Layer, n: int, shares, alone=None, progress=None) -> dict:
     """The MLP (stream 2) beside attention (stream 1) at each share, both in one XLA
     scheduling group so that they run together, one call traced per share:
-    P = time alone / time together, for each kernel kind."""
+    P = time alone / time together, for each kernel kind. alone: {"gemm": seconds,
+    "attention": {share: seconds}} already measured at n tokens (else measured here)."""
     from nanojax.bench import timeline
     from nanojax.pipeline.streams import (carry_metadata_to_stream_calls, on_stream,
                                           scheduling_group)
@@ -106,7 +107,8 @@ def interference_table(lay: _Layer, n: int, shares, progress=None) -> dict:
         return {"measured": False, "reason": "this jax cannot group stream regions"}
     mlp, mlp_in = lay.fn("mlp"), lay.inputs("mlp", n)
     q, k, v, kv, meta = lay.inputs("attention", n)
-    gemm_alone = lay.seconds("mlp", n)
+    alone = alone or {"gemm": lay.seconds("mlp", n),
+                      "attention": {r: lay.seconds("attention", n, r) for r in shares}}
     rows = []
     for share in shares:
         att = lay.fn("attention", share)
@@ -116,9 +118,9 @@ def interference_table(lay: _Layer, n: int, shares, progress=None) -> dict:
                 kv, o = on_stream(att, 1)(kv, q, k, v, meta)
                 return on_stream(mlp, 2)(h), o, kv
         f = jax.jit(together, donate_argnums=(1,))
+        sched = _pair_schedule(f.lower(*mlp_in, kv, q, k, v, meta).compile().as_text())
         *_, kv = f(*mlp_in, kv, q, k, v, meta)
         jax.block_until_ready(kv)
-        alone = {"gemm": gemm_alone, "attention": lay.seconds("attention", n, share)}
         holder = {}
 
         def once(kv=kv):
@@ -128,13 +130,25 @@ def interference_table(lay: _Layer, n: int, shares, progress=None) -> dict:
         kv = holder["out"][-1]
         s = timeline.summarize(ev)
         both = {k: s["kernel_us"][k] * 1e-6 for k in ("gemm", "attention")}
+        att_alone = alone["attention"][share]
         rows.append({"share": share,
                      "compute": min(1.0, alone["gemm"] / max(both["gemm"], 1e-12)),
-                     "memory": min(1.0, alone["attention"] / max(both["attention"], 1e-12)),
-                     "attention_overlapped_by_gemm": s["attention_overlapped_by_gemm"]})
+                     "memory": min(1.0, att_alone / max(both["attention"], 1e-12)),
+                     "attention_overlapped_by_gemm": s["attention_overlapped_by_gemm"],
+                     "schedule": sched})
         if progress:
             progress(rows[-1])
     return {"measured": True, "tokens": n, "rows": rows}
+
+
+def _pair_schedule(hlo_text: str) -> dict:
+    """Did XLA issue the two side regions together? (Both starts before the first done.)"""
+    from nanojax.bench.hlo_schedule import entry_instructions, side_regions
+    regions = sorted(side_regions(entry_instructions(hlo_text)), key=lambda r: r["position"])
+    return {"side_regions": len(regions),
+            "issued_together": len(regions) >= 2
+            and regions[1]["position"] < regions[0]["done_at"],
+            "groups": [r["group"] for r in regions]}
 
 
 def run_profile(bundle, b_dense: int, granularity: int, workload: str = "512/512",
@@ -170,7 +184,10 @@ def run_profile(bundle, b_dense: int, granularity: int, workload: str = "512/512
                         "decodes_and_prefill_tokens": {n: list(lay.mix[n]) for n in sizes}}
     bar.close()
     if streams_enabled():
-        table = interference_table(lay, b_dense // 2, shares)
+        n = sizes[(len(sizes) - 1) // 2]  # about half the dense batch, a profiled size
+        table = interference_table(lay, n, shares, alone={
+            "gemm": ops["mlp"]["times"][n],
+            "attention": {r: by_share[r][n] for r in shares}})
     else:  # one stream: nothing runs together, so there is nothing to measure
         table = {"measured": False, "reason": "no concurrent streams on this backend"}
     return {"version": 1, "b_dense": b_dense, "granularity": granularity,

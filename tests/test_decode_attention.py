@@ -35,20 +35,21 @@ def _rel(out, ref):
 @given(b=st.integers(1, 5), kvh=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2, 4, 8]),
        d=st.sampled_from([16, 32, 64]), ps=st.sampled_from([4, 8, 16]),
        max_pages=st.integers(1, 6), programs=st.integers(1, 12),
-       ppb=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**16))
+       ppb=st.sampled_from([1, 2, 4]), prefetch=st.booleans(), seed=st.integers(0, 2**16))
 def test_kernel_matches_reference_interpret(b, kvh, group, d, ps, max_pages, programs, ppb,
-                                            seed):
+                                            prefetch, seed):
     rng = np.random.default_rng(seed)
     q, k, v, pt, lens = _case(rng, b, kvh * group, kvh, d, ps, max_pages, jnp.float32)
     with jax.default_matmul_precision("float32"):  # no TF32 when this runs on a GPU
         out = decode_attention(q, k, v, pt, lens, num_programs=programs,
-                               pages_per_block=ppb, interpret=True)
+                               pages_per_block=ppb, prefetch=prefetch, interpret=True)
         ref = decode_attention_reference(q, k, v, pt, lens)
     assert out.shape == ref.shape
     assert _rel(out, ref) < REL_TOL_F32
 
 
-def test_every_output_row_is_written():
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_every_output_row_is_written(prefetch):
     """Output starts as garbage nowhere: a NaN poison in unused pages never leaks, and
     contexts of one token attend to exactly that token."""
     rng = np.random.default_rng(0)
@@ -59,19 +60,35 @@ def test_every_output_row_is_written():
     k = k.at[~used].set(jnp.nan)
     v = v.at[~used].set(jnp.nan)
     lens = lens.at[0].set(1)
-    out = decode_attention(q, k, v, pt, lens, num_programs=2, interpret=True)
+    out = decode_attention(q, k, v, pt, lens, num_programs=2, prefetch=prefetch,
+                           interpret=True)
     assert np.isfinite(np.asarray(out)).all()
     first = v[pt[0, 0], :, 0]  # one key: the output is its value, per kv head
     np.testing.assert_allclose(np.asarray(out[0]).reshape(2, 4, 32),
                                np.repeat(np.asarray(first)[:, None], 4, 1), rtol=1e-6)
 
 
+def test_result_does_not_depend_on_the_grid():
+    """Every share (program count) and the prefetch setting sum in the same order, so the
+    pipeline's modes and plans with different shares give bitwise the same output."""
+    rng = np.random.default_rng(3)
+    q, k, v, pt, lens = _case(rng, 5, 8, 2, 32, 16, 9, jnp.float32)
+    outs = [np.asarray(decode_attention(q, k, v, pt, lens, num_programs=n, prefetch=p,
+                                        interpret=True))
+            for n, p in ((None, False), (3, True), (1, False), (7, None))]
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("b,ctx,ps,programs", [(64, 1024, 16, 66), (7, 300, 16, None),
                                                (33, 777, 64, 132)])
-def test_kernel_on_gpu_bf16(b, ctx, ps, programs):
+def test_kernel_on_gpu_bf16(b, ctx, ps, programs, prefetch):
     rng = np.random.default_rng(1)
     q, k, v, pt, lens = _case(rng, b, 32, 8, 128, ps, -(-ctx // ps), jnp.bfloat16)
-    out = decode_attention(q, k, v, pt, lens, num_programs=programs)
+    out = decode_attention(q, k, v, pt, lens, num_programs=programs, prefetch=prefetch)
+    full = decode_attention(q, k, v, pt, lens, num_programs=None, prefetch=False)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(full))  # any grid, same sum
     ref = decode_attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), pt, lens)
     assert _rel(out, ref) < REL_TOL_BF16

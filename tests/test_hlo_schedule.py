@@ -62,3 +62,15 @@ def test_random_shape_can_keep_its_first_layers():
         load_model("random:tiny", num_layers=0)
     with pytest.raises(CheckpointError, match="random"):
         load_model("smollm2-135m", num_layers=1)
+
+
+def test_the_interference_pair_schedule_says_whether_both_regions_were_issued_together():
+    from search.profiler import _pair_schedule
+    serial = _pair_schedule(HLO)  # the second region starts after the first is done
+    assert serial["side_regions"] == 2 and not serial["issued_together"]
+    lines = HLO.splitlines()
+    i = next(n for n, ln in enumerate(lines) if ln.strip().startswith("%call-done ="))
+    j = next(n for n, ln in enumerate(lines) if ln.strip().startswith("%call-start.1 ="))
+    lines[i], lines[j] = lines[j].replace("async-start(%call-done)", "async-start(%a)"), lines[i]
+    together = _pair_schedule("\n".join(lines))
+    assert together["issued_together"] and together["groups"] == ["1", None]

@@ -164,3 +164,38 @@ def test_prefix_profiles_load_from_json():
     p = Profile.from_dict(d)
     assert p.prefix == {"attention"} and p.span_time("attention", 128, 256) == 2.0
     assert p.span_time("qkv", 128, 256) == 1.0  # size only
+
+
+def _with_table(prof, overlapped: float, together: bool) -> Profile:
+    """prof as JSON with a measured interference table (the profiler's format)."""
+    d = {"b_dense": prof.b_dense, "granularity": prof.granularity,
+         "ops": {j: {"resource": prof.resource[j],
+                     "times": {str(n): t for n, t in prof.times[j].items()}}
+                 for j in OP_GROUPS},
+         "interference": {"measured": True, "tokens": prof.granularity, "rows": [
+             {"share": r, "compute": 1.0, "memory": 1.0,
+              "attention_overlapped_by_gemm": overlapped,
+              "schedule": {"side_regions": 2, "issued_together": together}}
+             for r in (0.5, 1.0)]}}
+    return Profile.from_dict(d)
+
+
+def test_a_device_that_ran_nothing_together_gets_a_plan_without_overlap():
+    """The H200 profile's pair never overlapped (0.0 of attention under the GEMM): the
+    search must then price every nano-op one after another, so splitting cannot pay."""
+    base = _profile(*CASES[0])
+    serial = _with_table(base, overlapped=0.0, together=True)
+    assert not serial.concurrent and serial.interference == {}
+    best = search(serial, max_k=3)
+    total = sum(serial.times[j][serial.b_dense] for j in OP_GROUPS)
+    assert best["k"] == 1 and best["makespan"] == pytest.approx(total)
+    plan = to_plan(serial, best, {"num_layers": 1})
+    assert {op["stream"] for op in plan["nano_ops"]} == {0}
+    for k in (2, 3):  # with any split, no two nano-ops overlap in time
+        s = stage1(serial, k)
+        spans = sorted((s["start"][o], s["start"][o] + s["duration"][o]) for o in s["start"])
+        tol = 1e-6 * s["makespan"]  # the solver's feasibility tolerance
+        assert all(a_end <= b_start + tol for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    assert not _with_table(base, overlapped=0.4, together=False).concurrent
+    overlapping = _with_table(base, overlapped=0.4, together=True)
+    assert overlapping.concurrent and search(overlapping, max_k=3)["k"] >= 2

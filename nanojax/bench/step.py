@@ -258,6 +258,8 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
                 if r["b_dense"] == b_dense and r.get("workload") == w:
                     tok, logits = tokens[w][r["mode"]]
                     r["same_tokens_as_" + ref_mode] = float(np.mean(tok == ref_tok))
+                    # which sequences differ (decodes come first): where to look next
+                    r["differing_sequences"] = np.flatnonzero(tok != ref_tok)[:32].tolist()
                     r["logits_max_diff_over_std"] = float(
                         np.max(np.abs(logits - ref_logits)) / scale)
         if roof:
