@@ -106,10 +106,22 @@ class Profile:
                     raise SearchError(f"profile of '{k}' at share {r} is out of range or "
                                       "lacks sizes")
         prefix = frozenset(k for k in OP_GROUPS if ops[k].get("position") == "prefix")
+        for k in prefix:  # more tokens never take less time: clamp timing noise, or a
+            times[k] = _running_max(times[k])  # nano-batch's span could cost < 0
+            for r in share_times.get(k, {}):
+                share_times[k][r] = _running_max(share_times[k][r])
         if not concurrent:  # the table's P values are then times of kernels run apart
             interference = {}
         return cls(b, g, resource, times, d.get("model"), share_times, interference, prefix,
                    concurrent)
+
+
+def _running_max(table: dict[int, float]) -> dict[int, float]:
+    out, top = {}, float("-inf")
+    for n in sorted(table):
+        top = max(top, table[n])
+        out[n] = top
+    return out
 
 
 class _Milp:
