@@ -12,7 +12,8 @@ Bytes counted: K and V of every sequence's context, read once.
     python -m pallas_kernels.bench_decode --variants --out PATH
 
 compares launch variants (keys per step, warps, pipelining stages, hand prefetch) at the
-target shape (batch 512, context 1024) for bounded and full grids.
+target shape (batch 512, context 1024) for bounded and full grids, then the Mosaic GPU
+kernel (decode_attention_mgpu.py) at the same grids.
 
     python -m pallas_kernels.bench_decode --prefill-only --out PATH
 
@@ -200,6 +201,10 @@ VARIANTS = ((64, 4, 2, False), (128, 4, 2, False), (256, 4, 2, False),
             (128, 8, 2, True), (256, 8, 2, True), (64, 4, 1, True), (128, 8, 1, True))
 
 
+# the Mosaic GPU kernel (decode_attention_mgpu.py): (keys per step, steps in flight)
+MOSAIC_VARIANTS = ((64, 2), (64, 4), (128, 2), (128, 4))
+
+
 def _variants(args):
     """Launch variants at the target shape, every grid size, one process."""
     rng = np.random.default_rng(0)
@@ -234,6 +239,27 @@ def _variants(args):
             print(row, flush=True)
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
+    from pallas_kernels.decode_attention_mgpu import decode_attention_mgpu
+    ref32 = decode_attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), pt, lens)
+    for block_k, stages in MOSAIC_VARIANTS:
+        for nprog in (sms // 2, sms, 2 * sms, 4 * sms):
+            row = {"kernel": "mosaic_gpu", "block_k": block_k, "stages": stages,
+                   "programs": nprog}
+            try:
+                def fn(*a):
+                    return decode_attention_mgpu(*a, num_programs=nprog, block_k=block_k,
+                                                 stages=stages)
+                out = fn(q, k, v, pt, lens).astype(jnp.float32)
+                row["rel_error_vs_f32_reference"] = float(
+                    jnp.linalg.norm(out - ref32) / jnp.linalg.norm(ref32))
+                t = timed(fn, q, k, v, pt, lens)
+                row.update(seconds=t, GBps=nbytes / t / 1e9, fraction_of_copy=nbytes / t / bw)
+            except Exception as e:  # a variant that does not compile is a result too
+                row["error"] = f"{type(e).__name__}: {e}"[:600]
+            res["variants"].append(row)
+            print(row, flush=True)
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
     print("done", flush=True)
 
 

@@ -111,14 +111,9 @@ def mosaic_contiguous(x, nprog, block, stages):
         plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pid])
         plgpu.wait_smem_to_gmem(0)
 
-    out = jax.ShapeDtypeStruct((nprog, block, d), jnp.float32)
-    scratch = [plgpu.SMEM((block, d), jnp.float32)]
-    import inspect  # jax 0.11 renamed out_shape / scratch_shapes to out_type / scratch_types
-    if "out_type" in inspect.signature(plgpu.kernel).parameters:
-        kw = {"out_type": out, "scratch_types": scratch}
-    else:
-        kw = {"out_shape": out, "scratch_shapes": scratch}
-    return plgpu.kernel(body, grid=(nprog,), grid_names=("p",), **kw)(x)
+    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((nprog, block, d), jnp.float32),
+                        scratch_types=[plgpu.SMEM((block, d), jnp.float32)],
+                        grid=(nprog,), grid_names=("p",))(x)
 
 
 def main():

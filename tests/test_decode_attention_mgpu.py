@@ -1,0 +1,61 @@
+"""The Mosaic GPU paged decode-attention kernel against the shared pure-JAX reference, in
+Mosaic GPU's interpret mode on the CPU (TMA copies, barriers and the slot ring simulated;
+the matmuls there are jnp.dot, since the interpreter's wgmma takes no transposed operand),
+and compiled on a Hopper GPU when there is one."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.decode_attention import decode_attention_reference
+from pallas_kernels.decode_attention_mgpu import decode_attention_mgpu
+
+REL_TOL_BF16 = 1e-2  # bf16 inputs and output, f32 accumulation
+
+
+def _case(seed, b, kvh, g, d, ps, max_pages):
+    rng = np.random.default_rng(seed)
+    n = b * max_pages + 2
+    pt = jnp.asarray(rng.permutation(n)[: b * max_pages].reshape(b, max_pages).astype(np.int32))
+    lens = jnp.asarray(rng.integers(1, max_pages * ps + 1, b).astype(np.int32))
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+               for s in ((b, kvh * g, d), (n, kvh, ps, d), (n, kvh, ps, d)))
+    return q, k, v, pt, lens
+
+
+def _rel(out, q, k, v, pt, lens):
+    ref = decode_attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), pt, lens)
+    o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(o).all(), "NaN or inf in the kernel output"
+    return np.linalg.norm(o - r) / np.linalg.norm(r)
+
+
+@pytest.mark.parametrize("b,kvh,g,d,ps,max_pages,programs,block_k,stages", [
+    (5, 2, 8, 128, 16, 5, 3, 32, 3),  # a full group of 8, units spread unevenly
+    (4, 1, 1, 64, 32, 3, 7, 64, 1),   # more programs than units; no pipelining
+    (2, 4, 4, 64, 16, 6, 1, 16, 4),   # one program walks every unit; one page per step
+])
+def test_kernel_matches_reference_interpret(b, kvh, g, d, ps, max_pages, programs, block_k,
+                                            stages):
+    q, k, v, pt, lens = _case(b + stages, b, kvh, g, d, ps, max_pages)
+    out = decode_attention_mgpu(q, k, v, pt, lens, num_programs=programs, block_k=block_k,
+                                stages=stages, interpret=True)
+    assert out.shape == q.shape
+    assert _rel(out, q, k, v, pt, lens) < REL_TOL_BF16
+
+
+def test_bad_block_is_refused():
+    q, k, v, pt, lens = _case(0, 1, 1, 4, 64, 16, 2)
+    with pytest.raises(ValueError, match="multiple of the page size"):
+        decode_attention_mgpu(q, k, v, pt, lens, block_k=24, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs,block_k,stages", [(66, 64, 4), (132, 128, 2)])
+def test_kernel_on_gpu(programs, block_k, stages):
+    if float(getattr(jax.devices()[0], "compute_capability", "0")) < 9.0:
+        pytest.skip("Mosaic GPU needs a Hopper (sm_90) or newer GPU")
+    q, k, v, pt, lens = _case(1, 64, 8, 4, 128, 16, 64)
+    out = decode_attention_mgpu(q, k, v, pt, lens, num_programs=programs, block_k=block_k,
+                                stages=stages)
+    assert _rel(out, q, k, v, pt, lens) < REL_TOL_BF16
