@@ -41,11 +41,12 @@ def _interpret_params():
 
 
 def decode_attention_mgpu(q, k_pages, v_pages, page_table, context_lens, *,
-                          num_programs: int = 66, block_k: int = 64, stages: int = 4,
-                          interpret: bool = False):
+                          num_programs: int | None = None, block_k: int = 64,
+                          stages: int = 4, interpret: bool = False):
     """q [B, H, D]; pages [N, KVH, ps, D]; page_table [B, P]; context_lens [B] -> [B, H, D].
 
-    block_k keys per pipeline step (a multiple of the page size); stages steps in flight.
+    num_programs: the persistent grid, one program per SM (None: every SM). block_k keys
+    per pipeline step (a multiple of the page size); stages steps in flight.
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
     b, h, d = q.shape
@@ -53,8 +54,12 @@ def decode_attention_mgpu(q, k_pages, v_pages, page_table, context_lens, *,
     g = h // kvh
     if g > _QROWS:
         raise ValueError(f"query group of {g} heads exceeds {_QROWS} rows")
+    if d % 64 or ps % 8:  # 128-byte swizzled WGMMA tiles, 8-row TMA tiles
+        raise ValueError(f"head dim {d} must be a multiple of 64 and page size {ps} of 8")
     if block_k % ps:
         raise ValueError(f"block_k {block_k} is not a multiple of the page size {ps}")
+    if num_programs is None:
+        num_programs = getattr(jax.devices()[0], "core_count", None) or 132
     ppb = block_k // ps
     pw = page_table.shape[1]
     if pw % ppb:  # whole blocks of page numbers (the tail, page 0, is never attended)

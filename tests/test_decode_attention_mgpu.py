@@ -44,10 +44,13 @@ def test_kernel_matches_reference_interpret(b, kvh, g, d, ps, max_pages, program
     assert _rel(out, q, k, v, pt, lens) < REL_TOL_BF16
 
 
-def test_bad_block_is_refused():
+def test_shapes_it_cannot_tile_are_refused():
     q, k, v, pt, lens = _case(0, 1, 1, 4, 64, 16, 2)
     with pytest.raises(ValueError, match="multiple of the page size"):
         decode_attention_mgpu(q, k, v, pt, lens, block_k=24, interpret=True)
+    q, k, v, pt, lens = _case(0, 1, 2, 2, 16, 4, 2)  # the tiny test model's head dim
+    with pytest.raises(ValueError, match="multiple of 64"):
+        decode_attention_mgpu(q, k, v, pt, lens, interpret=True)
 
 
 @pytest.mark.gpu
@@ -59,3 +62,33 @@ def test_kernel_on_gpu(programs, block_k, stages):
     out = decode_attention_mgpu(q, k, v, pt, lens, num_programs=programs, block_k=block_k,
                                 stages=stages)
     assert _rel(out, q, k, v, pt, lens) < REL_TOL_BF16
+
+
+def test_the_attention_backend_can_route_decode_rows_to_it():
+    """pallas_backend(decode_kernel="mosaic"): a dense batch of decodes and a prefill chunk
+    (each token a decode row at its own position) against the pure-JAX backend, and a
+    share maps to whole SMs (one program per SM)."""
+    from nanojax.bench.step import build_batch
+    from nanojax.config import named_shape
+    from nanojax.layers.attention import attend_reference, pallas_backend
+    from nanojax.layers.rotary import inverse_frequencies
+
+    cfg = named_shape("tiny").replace(head_dim=64)
+    rng = np.random.default_rng(0)
+    batch = build_batch(cfg, [5, 17, 30], [6], page_size=8, num_pages=64, max_pages=4,
+                        rng=rng)
+    meta = jax.tree_util.tree_map(jnp.asarray, batch.meta)
+    t = len(batch.tokens)
+    q = jnp.asarray(rng.standard_normal((t, cfg.num_heads, 64)), jnp.bfloat16)
+    kv = tuple(jnp.asarray(rng.standard_normal((64, cfg.num_kv_heads, 8, 64)), jnp.bfloat16)
+               for _ in range(2))
+    inv = inverse_frequencies(64, cfg.rope_theta)
+    backend = pallas_backend(decode_kernel="mosaic", interpret=True)
+    out = backend.attend(q, kv, meta, inv)
+    ref = attend_reference(q.astype(jnp.float32), tuple(x.astype(jnp.float32) for x in kv),
+                           meta, inv)
+    o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(o).all() and np.linalg.norm(o - r) / np.linalg.norm(r) < REL_TOL_BF16
+    assert backend.attend_at(0.5, num_sms=132).keywords["num_programs"] == 66
+    with pytest.raises(ValueError, match="unknown decode kernel"):
+        pallas_backend(decode_kernel="cuda")

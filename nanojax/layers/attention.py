@@ -165,8 +165,24 @@ def attend_reference(q, kv_layer, meta: PagedMetadata, inv_freq, num_programs=No
     return paged_attention_reference(q, *kv_layer, meta)
 
 
+DECODE_KERNELS = ("triton", "mosaic")
+
+
+def _decode_kernel(name: str):
+    """The paged decode kernel: Triton (pallas_kernels/decode_attention.py, any GPU) or
+    Mosaic GPU (decode_attention_mgpu.py, Hopper; a TMA ring that keeps its bandwidth on
+    a bounded grid)."""
+    if name == "mosaic":
+        from pallas_kernels.decode_attention_mgpu import decode_attention_mgpu
+        return decode_attention_mgpu
+    if name == "triton":
+        from pallas_kernels.decode_attention import decode_attention_impl
+        return decode_attention_impl
+    raise ValueError(f"unknown decode kernel {name!r}; known: {', '.join(DECODE_KERNELS)}")
+
+
 def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, num_programs=None,
-                  block_q: int = 16, interpret: bool = False):
+                  block_q: int = 16, decode_kernel: str = "triton", interpret: bool = False):
     """GPU path: the Pallas paged kernels. num_programs: the decode kernel's resource share.
 
     Without query blocks every token is a row of the decode kernel with its own sequence's
@@ -174,18 +190,17 @@ def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, num_programs=None,
     each prefill token re-reads its whole context). With them (meta.prefill_blocks, made
     with the same block_q), the decode kernel serves the decode tokens and the
     chunked-prefill kernel the rest."""
-    from pallas_kernels.decode_attention import decode_attention_impl
+    decode = _decode_kernel(decode_kernel)
     q = apply_rope(q, meta.positions, inv_freq)
     k_pages, v_pages = kv_layer
     rows = meta.page_table[meta.seq_ids]
     if meta.prefill_blocks is None:
-        return decode_attention_impl(q, k_pages, v_pages, rows, meta.positions + 1,
-                                     num_programs=num_programs, interpret=interpret)
+        return decode(q, k_pages, v_pages, rows, meta.positions + 1,
+                      num_programs=num_programs, interpret=interpret)
     from pallas_kernels.prefill_attention import prefill_attention_impl
     is_decode = jnp.arange(q.shape[0]) < meta.num_decodes
-    dec = decode_attention_impl(q, k_pages, v_pages, rows,
-                                jnp.where(is_decode, meta.positions + 1, 0),
-                                num_programs=num_programs, interpret=interpret)
+    dec = decode(q, k_pages, v_pages, rows, jnp.where(is_decode, meta.positions + 1, 0),
+                 num_programs=num_programs, interpret=interpret)
     pre = prefill_attention_impl(q, k_pages, v_pages, meta.page_table, meta.positions,
                                  meta.prefill_blocks, meta.prefill_slot, block_q=block_q,
                                  interpret=interpret)
@@ -203,9 +218,12 @@ class PagedAttention:
 
     def attend_at(self, share: float, num_sms: int = 132, ctas_per_sm: int = 4):
         """attend limited to a share of the GPU: the Pallas decode kernel gets that share of
-        its persistent grid (share x SMs x programs per SM); other backends ignore it."""
+        its persistent grid (Triton: share x SMs x programs per SM; Mosaic GPU, one
+        program per SM: share x SMs, so a share leaves whole SMs free); other backends
+        ignore it."""
         if getattr(self.attend, "func", self.attend) is attend_pallas and share < 1.0:
-            programs = max(1, round(share * num_sms * ctas_per_sm))
+            per_sm = 1 if self.attend.keywords.get("decode_kernel") == "mosaic" else ctas_per_sm
+            programs = max(1, round(share * num_sms * per_sm))
             return functools.partial(self.attend, num_programs=programs)
         return self.attend
 
@@ -218,19 +236,23 @@ paged_attention = PagedAttention(attend_reference)  # the pure-JAX backend (CPU)
 
 
 def pallas_backend(prefill_block_q: int | None = None, fused_append: bool = False,
-                   interpret: bool = False):
+                   decode_kernel: str = "triton", interpret: bool = False):
     """The Pallas backend; with prefill_block_q, prefill tokens go to the chunked-prefill
     kernel in query blocks of that many tokens (the runner builds them); fused_append
-    writes the cache with the fused RoPE + append kernel."""
+    writes the cache with the fused RoPE + append kernel; decode_kernel picks the decode
+    kernel (DECODE_KERNELS)."""
+    _decode_kernel(decode_kernel)  # an unknown name fails here, not at the first step
     attend = functools.partial(attend_pallas, block_q=prefill_block_q or 16,
-                               interpret=interpret)
+                               decode_kernel=decode_kernel, interpret=interpret)
     append = (functools.partial(append_kv_pallas, interpret=interpret) if fused_append
               else append_kv)
     return PagedAttention(attend, prefill_block_q, append)
 
 
-# The chunked-prefill and fused-append kernels are opt-in (NANOJAX_PREFILL_KERNEL=1,
-# NANOJAX_FUSED_APPEND=1) until they are measured on the GPU against the plain paths.
+# The chunked-prefill and fused-append kernels and the Mosaic GPU decode kernel are opt-in
+# (NANOJAX_PREFILL_KERNEL=1, NANOJAX_FUSED_APPEND=1, NANOJAX_DECODE_KERNEL=mosaic) until
+# they are measured on the GPU against the plain paths.
 paged_attention_pallas = pallas_backend(
     16 if os.environ.get("NANOJAX_PREFILL_KERNEL", "0") == "1" else None,
-    os.environ.get("NANOJAX_FUSED_APPEND", "0") == "1")
+    os.environ.get("NANOJAX_FUSED_APPEND", "0") == "1",
+    os.environ.get("NANOJAX_DECODE_KERNEL", "triton"))
