@@ -142,13 +142,16 @@ def interference_table(lay: _Layer, n: int, shares, alone=None, progress=None) -
 
 
 def _pair_schedule(hlo_text: str) -> dict:
-    """Did XLA issue the two side regions together? (Both starts before the first done.)"""
+    """Did XLA issue regions of the two streams together? (A region of one stream starts
+    between the start and done of a region of the other; a kernel's own regions, e.g.
+    the append then the attention, are data-dependent and never overlap.)"""
     from nanojax.bench.hlo_schedule import entry_instructions, side_regions
     regions = sorted(side_regions(entry_instructions(hlo_text)), key=lambda r: r["position"])
-    return {"side_regions": len(regions),
-            "issued_together": len(regions) >= 2
-            and regions[1]["position"] < regions[0]["done_at"],
-            "groups": [r["group"] for r in regions]}
+    together = any(a["stream"] != b["stream"] and a["position"] < b["position"] < a["done_at"]
+                   for a in regions for b in regions)
+    return {"side_regions": len(regions), "issued_together": together,
+            "regions": [{"stream": r["stream"], "start": r["position"], "done": r["done_at"],
+                         "group": r["group"]} for r in regions]}
 
 
 def run_profile(bundle, b_dense: int, granularity: int, workload: str = "512/512",

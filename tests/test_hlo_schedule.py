@@ -72,5 +72,13 @@ def test_the_interference_pair_schedule_says_whether_both_regions_were_issued_to
     i = next(n for n, ln in enumerate(lines) if ln.strip().startswith("%call-done ="))
     j = next(n for n, ln in enumerate(lines) if ln.strip().startswith("%call-start.1 ="))
     lines[i], lines[j] = lines[j].replace("async-start(%call-done)", "async-start(%a)"), lines[i]
-    together = _pair_schedule("\n".join(lines))
-    assert together["issued_together"] and together["groups"] == ["1", None]
+    same_stream = _pair_schedule("\n".join(lines))  # overlapping, but both on stream 1
+    assert not same_stream["issued_together"]
+    other = "\n".join(lines).replace(
+        '%call-start.1 = ((bf16[8]{0}), bf16[8]{0}) async-start(%a), calls=%async_computation, '
+        'frontend_attributes={_xla_stream_annotation="1"',
+        '%call-start.1 = ((bf16[8]{0}), bf16[8]{0}) async-start(%a), calls=%async_computation, '
+        'frontend_attributes={_xla_stream_annotation="2"')
+    together = _pair_schedule(other)
+    assert together["issued_together"]
+    assert [r["stream"] for r in together["regions"]] == ["1", "2"]
