@@ -195,6 +195,21 @@ def _sweep(args, res, rng, bw, sms, save, ppb, warps, stages):
     print("done", flush=True)
 
 
+def measure(row: dict, fn, inputs, nbytes: int, bw: float, check=None, timer=timed) -> dict:
+    """One benchmark row: run fn(*inputs) once (check(out) -> fields to record), time it,
+    add GB/s and the fraction of copy bandwidth. A variant that fails to compile or run is
+    a result too: its error is recorded and the sweep goes on."""
+    try:
+        out = fn(*inputs)
+        if check is not None:
+            row.update(check(out))
+        t = timer(fn, *inputs)
+        row.update(seconds=t, GBps=nbytes / t / 1e9, fraction_of_copy=nbytes / t / bw)
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"[:600]
+    return row
+
+
 # (keys per step, warps, pipelining stages, hand prefetch of the next block)
 VARIANTS = ((64, 4, 2, False), (128, 4, 2, False), (256, 4, 2, False),
             (32, 4, 2, True), (64, 4, 2, True), (64, 8, 2, True), (128, 4, 2, True),
@@ -221,20 +236,15 @@ def _variants(args):
     nbytes = 2 * b * ctx * KVH * D * 2
     for block_k, warps, stages, prefetch in VARIANTS:
         for nprog in (sms // 2, sms, 2 * sms, 4 * sms, b * KVH):
-            row = {"block_k": block_k, "num_warps": warps, "num_stages": stages,
-                   "prefetch": prefetch, "programs": nprog}
-            try:
-                def fn(*a):
-                    return decode_attention(*a, num_programs=nprog,
-                                            pages_per_block=block_k // ps, num_warps=warps,
-                                            num_stages=stages, prefetch=prefetch)
-                out = fn(q, k, v, pt, lens)
-                row["max_abs_diff_vs_default"] = float(jnp.max(jnp.abs(
-                    out.astype(jnp.float32) - ref.astype(jnp.float32))))
-                t = timed(fn, q, k, v, pt, lens)
-                row.update(seconds=t, GBps=nbytes / t / 1e9, fraction_of_copy=nbytes / t / bw)
-            except Exception as e:  # a variant that does not compile is a result too
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            def fn(*a, nprog=nprog, block_k=block_k, warps=warps, stages=stages,
+                   prefetch=prefetch):
+                return decode_attention(*a, num_programs=nprog, pages_per_block=block_k // ps,
+                                        num_warps=warps, num_stages=stages, prefetch=prefetch)
+            row = measure({"block_k": block_k, "num_warps": warps, "num_stages": stages,
+                           "prefetch": prefetch, "programs": nprog},
+                          fn, (q, k, v, pt, lens), nbytes, bw,
+                          check=lambda out: {"max_abs_diff_vs_default": float(jnp.max(jnp.abs(
+                              out.astype(jnp.float32) - ref.astype(jnp.float32))))})
             res["variants"].append(row)
             print(row, flush=True)
         with open(args.out, "w") as f:
@@ -243,19 +253,14 @@ def _variants(args):
     ref32 = decode_attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), pt, lens)
     for block_k, stages in MOSAIC_VARIANTS:
         for nprog in (sms // 2, sms, 2 * sms, 4 * sms):
-            row = {"kernel": "mosaic_gpu", "block_k": block_k, "stages": stages,
-                   "programs": nprog}
-            try:
-                def fn(*a):
-                    return decode_attention_mgpu(*a, num_programs=nprog, block_k=block_k,
-                                                 stages=stages)
-                out = fn(q, k, v, pt, lens).astype(jnp.float32)
-                row["rel_error_vs_f32_reference"] = float(
-                    jnp.linalg.norm(out - ref32) / jnp.linalg.norm(ref32))
-                t = timed(fn, q, k, v, pt, lens)
-                row.update(seconds=t, GBps=nbytes / t / 1e9, fraction_of_copy=nbytes / t / bw)
-            except Exception as e:  # a variant that does not compile is a result too
-                row["error"] = f"{type(e).__name__}: {e}"[:600]
+            def fn(*a, nprog=nprog, block_k=block_k, stages=stages):
+                return decode_attention_mgpu(*a, num_programs=nprog, block_k=block_k,
+                                             stages=stages)
+            row = measure({"kernel": "mosaic_gpu", "block_k": block_k, "stages": stages,
+                           "programs": nprog}, fn, (q, k, v, pt, lens), nbytes, bw,
+                          check=lambda out: {"rel_error_vs_f32_reference": float(
+                              jnp.linalg.norm(out.astype(jnp.float32) - ref32)
+                              / jnp.linalg.norm(ref32))})
             res["variants"].append(row)
             print(row, flush=True)
             with open(args.out, "w") as f:

@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from nanojax.bench.timing import device_seconds
-from pallas_kernels.bench_decode import D, KVH, copy_bandwidth, make_case
+from pallas_kernels.bench_decode import D, KVH, copy_bandwidth, make_case, measure
 
 
 def _triton_params(warps):
@@ -134,14 +134,10 @@ def main():
     ref = x.astype(jnp.float32).sum()
 
     def record(name, fn, inputs, **kw):
-        row = {"probe": name, **kw}
-        try:
-            out = fn(*inputs)
-            row["sum_rel_error"] = float(abs(out.sum() - ref) / abs(ref))
-            t = device_seconds(fn, *inputs, iters=10)
-            row.update(seconds=t, GBps=nbytes / t / 1e9, fraction_of_copy=nbytes / t / bw)
-        except Exception as e:  # a probe that does not compile is a result too
-            row["error"] = f"{type(e).__name__}: {e}"[:400]
+        row = measure({"probe": name, **kw}, fn, inputs, nbytes, bw,
+                      check=lambda out: {"sum_rel_error": float(abs(out.sum() - ref)
+                                                                / abs(ref))},
+                      timer=lambda f, *a: device_seconds(f, *a, iters=10))
         res["rows"].append(row)
         print(row, flush=True)
         with open(args.out, "w") as f:

@@ -20,10 +20,10 @@ import collections
 import dataclasses
 
 from nanojax.engine.kv_cache import OutOfPages, PageAllocator, pages_needed
+from nanojax.engine.sequence import Sequence, Status
 from nanojax.errors import ConfigError
 
 ADMISSION = ("greedy", "predicted")
-from nanojax.engine.sequence import Sequence, Status
 
 
 @dataclasses.dataclass
