@@ -87,6 +87,8 @@ def main():
     ap.add_argument("--skip-tuning", action="store_true")
     ap.add_argument("--prefill-only", action="store_true")
     ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--kernels", default="triton,mosaic",
+                    help="with --variants: which kernels' variants to time")
     args = ap.parse_args()
     if args.prefill_only:
         return _prefill_and_append(args)
@@ -216,8 +218,10 @@ VARIANTS = ((64, 4, 2, False), (128, 4, 2, False), (256, 4, 2, False),
             (128, 8, 2, True), (256, 8, 2, True), (64, 4, 1, True), (128, 8, 1, True))
 
 
-# the Mosaic GPU kernel (decode_attention_mgpu.py): (keys per step, steps in flight)
-MOSAIC_VARIANTS = ((64, 2), (64, 4), (128, 2), (128, 4))
+# the Mosaic GPU kernel (decode_attention_mgpu.py): (workers per program, keys per step,
+# steps in flight per worker, hardware exp2); SMEM holds 227 KB
+MOSAIC_VARIANTS = ((2, 64, 2, True), (3, 64, 2, True), (2, 64, 3, True), (4, 64, 1, True),
+                   (3, 128, 1, True))
 
 
 def _variants(args):
@@ -226,7 +230,9 @@ def _variants(args):
     dev = jax.devices()[0]
     sms = getattr(dev, "core_count", None) or 132
     bw = copy_bandwidth()
-    res = {"command": "python -m pallas_kernels.bench_decode --variants --out " + args.out,
+    kernels = args.kernels.split(",")
+    res = {"command": f"python -m pallas_kernels.bench_decode --variants --kernels "
+                      f"{args.kernels} --out {args.out}",
            "device": dev.device_kind, "jax": jax.__version__, "num_sms": sms,
            "copy_bandwidth_GBps": bw / 1e9, "batch": 512, "context": 1024, "page_size": 16,
            "variants": []}
@@ -234,7 +240,7 @@ def _variants(args):
     q, k, v, pt, lens = make_case(b, ctx, ps, rng)
     ref = decode_attention(q, k, v, pt, lens)
     nbytes = 2 * b * ctx * KVH * D * 2
-    for block_k, warps, stages, prefetch in VARIANTS:
+    for block_k, warps, stages, prefetch in VARIANTS * ("triton" in kernels):
         for nprog in (sms // 2, sms, 2 * sms, 4 * sms, b * KVH):
             def fn(*a, nprog=nprog, block_k=block_k, warps=warps, stages=stages,
                    prefetch=prefetch):
@@ -251,13 +257,14 @@ def _variants(args):
             json.dump(res, f, indent=1)
     from pallas_kernels.decode_attention_mgpu import decode_attention_mgpu
     ref32 = decode_attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), pt, lens)
-    for block_k, stages in MOSAIC_VARIANTS:
-        for nprog in (sms // 2, sms, 2 * sms, 4 * sms):
-            def fn(*a, nprog=nprog, block_k=block_k, stages=stages):
+    for wgs, block_k, stages, approx in MOSAIC_VARIANTS * ("mosaic" in kernels):
+        for nprog in (sms // 4, sms // 2, sms, 2 * sms):
+            def fn(*a, nprog=nprog, block_k=block_k, stages=stages, wgs=wgs, approx=approx):
                 return decode_attention_mgpu(*a, num_programs=nprog, block_k=block_k,
-                                             stages=stages)
-            row = measure({"kernel": "mosaic_gpu", "block_k": block_k, "stages": stages,
-                           "programs": nprog}, fn, (q, k, v, pt, lens), nbytes, bw,
+                                             stages=stages, warpgroups=wgs,
+                                             approx_math=approx)
+            row = measure({"kernel": "mosaic_gpu", "warpgroups": wgs, "block_k": block_k,
+                           "stages": stages, "approx_math": approx, "programs": nprog}, fn, (q, k, v, pt, lens), nbytes, bw,
                           check=lambda out: {"rel_error_vs_f32_reference": float(
                               jnp.linalg.norm(out.astype(jnp.float32) - ref32)
                               / jnp.linalg.norm(ref32))})

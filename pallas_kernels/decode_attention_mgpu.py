@@ -14,8 +14,8 @@ stay zero. Precondition: key/value slots past a sequence's length inside its las
 hold finite values (they get zero weight, but 0 x NaN is NaN); the engine's cache is
 zero-initialised and only ever holds written keys and values.
 
-Status: checked against the reference in Mosaic GPU's interpret mode on the CPU; not yet
-compiled or measured on a GPU (issue 5).
+Checked against the reference in Mosaic GPU's interpret mode on the CPU and compiled on
+the H200 (tests/test_decode_attention_mgpu.py); timings in bench/results/.
 """
 from __future__ import annotations
 
@@ -42,11 +42,15 @@ def _interpret_params():
 
 def decode_attention_mgpu(q, k_pages, v_pages, page_table, context_lens, *,
                           num_programs: int | None = None, block_k: int = 64,
-                          stages: int = 4, interpret: bool = False):
+                          stages: int = 2, warpgroups: int = 2, approx_math: bool = True,
+                          interpret: bool = False):
     """q [B, H, D]; pages [N, KVH, ps, D]; page_table [B, P]; context_lens [B] -> [B, H, D].
 
-    num_programs: the persistent grid, one program per SM (None: every SM). block_k keys
-    per pipeline step (a multiple of the page size); stages steps in flight.
+    num_programs: the persistent grid, one program per SM (None: every SM). Each program
+    runs `warpgroups` independent workers (each its own units, ring and barriers): while
+    one waits on a copy or a page number, the other computes. block_k keys per pipeline
+    step (a multiple of the page size); stages steps in flight per worker. approx_math:
+    the hardware exp2 (ex2.approx), as jax's own Mosaic GPU attention uses.
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
     b, h, d = q.shape
@@ -56,8 +60,9 @@ def decode_attention_mgpu(q, k_pages, v_pages, page_table, context_lens, *,
         raise ValueError(f"query group of {g} heads exceeds {_QROWS} rows")
     if d % 64 or ps % 8:  # 128-byte swizzled WGMMA tiles, 8-row TMA tiles
         raise ValueError(f"head dim {d} must be a multiple of 64 and page size {ps} of 8")
-    if block_k % ps:
-        raise ValueError(f"block_k {block_k} is not a multiple of the page size {ps}")
+    if block_k % ps or block_k % 64:  # whole pages; 64: the P x V matmul's K tile
+        raise ValueError(f"block_k {block_k} must be a multiple of 64 and of the page "
+                         f"size {ps}")
     if num_programs is None:
         num_programs = getattr(jax.devices()[0], "core_count", None) or 132
     ppb = block_k // ps
@@ -65,12 +70,14 @@ def decode_attention_mgpu(q, k_pages, v_pages, page_table, context_lens, *,
     if pw % ppb:  # whole blocks of page numbers (the tail, page 0, is never attended)
         page_table = lax.pad(page_table.astype(jnp.int32), jnp.int32(0),
                              [(0, 0, 0), (0, ppb - pw % ppb, 0)])
+    table_blocks = page_table.shape[1] // ppb
     num_work = b * kvh
-    nprog = max(1, min(num_programs, num_work))
+    nprog = max(1, min(num_programs, -(-num_work // warpgroups)))
+    workers = nprog * warpgroups
     dtype = q.dtype
     qg = lax.pad(q.reshape(b, kvh, g, d), jnp.zeros((), dtype),  # lax.pad: no nested jit
                  [(0, 0, 0), (0, 0, 0), (0, _QROWS - g, 0), (0, 0, 0)])
-    scale = 1.0 / math.sqrt(d)
+    log2_scale = math.log2(math.e) / math.sqrt(d)  # exp(x / sqrt(d)) = exp2(x * this)
 
     def wgmma_layout(x, reduced=False):  # register layouts; the CPU interpreter has none
         if interpret:
@@ -83,12 +90,12 @@ def decode_attention_mgpu(q, k_pages, v_pages, page_table, context_lens, *,
             return lax.broadcasted_iota(jnp.int32, shape, 1)
         return plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
 
-    def matmul_qk(q_smem, k_tile):  # [ROWS, D] x [block_k, D]^T on the tensor cores
+    def matmul_qk(q16, k_tile):  # [ROWS, D] (registers) x [block_k, D]^T on the tensor cores
         if interpret:  # the interpreter's wgmma takes no transposed operand
-            return jnp.dot(q_smem[...], k_tile[...].T, preferred_element_type=jnp.float32)
+            return jnp.dot(q16, k_tile[...].T, preferred_element_type=jnp.float32)
 
         def body(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
+            plgpu.wgmma(acc_ref, q16, k_tile.transpose((1, 0)))
             return acc_ref[...]
         return pl.run_scoped(body, plgpu.ACC((_ROWS, block_k), jnp.float32))
 
@@ -101,79 +108,107 @@ def decode_attention_mgpu(q, k_pages, v_pages, page_table, context_lens, *,
             return acc_ref[...]
         return pl.run_scoped(body, plgpu.ACC((_ROWS, d), jnp.float32))
 
-    def kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, q_smem, o_smem, k_smem, v_smem,
-               q_bar, k_bars, v_bars):
-        pid = lax.axis_index("p")
-        q_smem[...] = wgmma_layout(jnp.zeros((_ROWS, d), dtype))
-        plgpu.commit_smem()
+    def load_rows(slot_ref):  # the first ROWS rows of a slot into registers
+        tile = slot_ref.at[pl.ds(0, _ROWS)]
+        return tile[...] if interpret else plgpu.load(tile, (), layout=plgpu.Layout.WGMMA)
 
-        def unit(i, carry):
-            w = pid + i * nprog
+    def kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, k_smems, v_smems, q_bars,
+               k_bars, v_bars):
+        wg = lax.axis_index("wg") if warpgroups > 1 else 0
+        worker = lax.axis_index("p") * warpgroups + wg
+        k_smem, v_smem = k_smems.at[wg], v_smems.at[wg]
+        q_bar = q_bars.at[wg]
+        bar0 = wg * stages  # this worker's copy barriers: one per slot
+        # The query group and the output pass through K slot 0 (no copy of this worker is
+        # in flight between units): the SMEM saved holds a third worker's ring.
+        stage = k_smem.at[0]
+        row_iota = (lax.broadcasted_iota(jnp.int32, (_ROWS, d), 0) if interpret else
+                    plgpu.broadcasted_iota(jnp.int32, (_ROWS, d), 0,
+                                           layout=plgpu.Layout.WGMMA))
+
+        def unit(i, ctx):
+            w = worker + i * workers
             bb, hh = w // kvh, w % kvh
-            ctx = len_ref[bb]
             nb = (ctx + block_k - 1) // block_k
-            plgpu.copy_gmem_to_smem(q_ref.at[bb, hh], q_smem.at[pl.ds(0, _QROWS)], q_bar)
+            # the next unit's length, loaded now so its latency hides behind this unit
+            ctx_next = len_ref[jnp.minimum(w + workers, num_work - 1) // kvh]
+            plgpu.copy_gmem_to_smem(q_ref.at[bb, hh], stage.at[pl.ds(0, _QROWS)], q_bar)
+            plgpu.barrier_wait(q_bar)
+            # rows past the group hold stale keys: zero them (their scores are then 0)
+            q16 = jnp.where(row_iota < _QROWS, load_rows(stage), jnp.zeros((), dtype))
+            plgpu.commit_smem()  # every thread has read the slot before TMA rewrites it
 
-            def issue(j):  # the copies of block j into its slot, one per page
+            def pages(j):  # block j's page numbers (a block past the table: any valid one)
+                jj = jnp.minimum(j, table_blocks - 1)
+                return tuple(pt_ref[bb, jj * ppb + p] for p in range(ppb))
+
+            def issue(j, pgs):  # the copies of block j into its slot, one per page
                 slot = lax.rem(j, stages)
-                for p in range(ppb):
-                    row = pt_ref[bb, j * ppb + p] * kvh + hh
+                for p, page in enumerate(pgs):
+                    row = page * kvh + hh
                     dst = pl.ds(p * ps, ps)
+                    # a slot's ppb copies arrive on one barrier (it expects ppb arrivals)
                     plgpu.copy_gmem_to_smem(k_ref.at[row], k_smem.at[slot, dst],
-                                            k_bars.at[slot * ppb + p])
+                                            k_bars.at[bar0 + slot])
                     plgpu.copy_gmem_to_smem(v_ref.at[row], v_smem.at[slot, dst],
-                                            v_bars.at[slot * ppb + p])
+                                            v_bars.at[bar0 + slot])
 
             for s in range(stages - 1):
-                pl.when(s < nb)(functools.partial(issue, s))
-            plgpu.barrier_wait(q_bar)
+                pl.when(s < nb)(functools.partial(lambda s: issue(s, pages(s)), s))
 
-            def step(j, carry):
-                acc, m, l = carry
+            def step(j, carry, masked):
+                acc, m, l, pgs = carry
                 slot = lax.rem(j, stages)
-                # block j + stages - 1 reuses the slot of block j - 1, finished last step
-                pl.when(j + stages - 1 < nb)(lambda: issue(j + stages - 1))
-                for p in range(ppb):
-                    plgpu.barrier_wait(k_bars.at[slot * ppb + p])
-
-                s = matmul_qk(q_smem, k_smem.at[slot]) * scale
-                key = key_iota((_ROWS, block_k)) + j * block_k
-                s = jnp.where(key < ctx, s, -jnp.inf)
+                # block j + stages - 1 reuses the slot of block j - 1, finished last step;
+                # its page numbers were loaded one step ago, the next ones load now
+                pl.when(j + stages - 1 < nb)(lambda: issue(j + stages - 1, pgs))
+                pgs = pages(j + stages)
+                plgpu.barrier_wait(k_bars.at[bar0 + slot])
+                s = matmul_qk(q16, k_smem.at[slot])
+                if masked:  # only the last block holds keys past the context
+                    key = key_iota((_ROWS, block_k)) + j * block_k
+                    s = jnp.where(key < ctx, s, -jnp.inf)
+                # m is the running max of raw scores; the scale rides in the exp2's FMA
                 m_new = jnp.maximum(m, s.max(axis=1))
-                alpha = jnp.exp(m - m_new)
-                p_ = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                alpha = jnp.exp2((m - m_new) * log2_scale)
+                p_ = jnp.exp2(s * log2_scale
+                              - lax.broadcast_in_dim(m_new * log2_scale, s.shape, [0]))
                 l = l * alpha + p_.sum(axis=1)
-                for p in range(ppb):
-                    plgpu.barrier_wait(v_bars.at[slot * ppb + p])
-
+                plgpu.barrier_wait(v_bars.at[bar0 + slot])
                 pv = matmul_pv(p_.astype(dtype), v_smem.at[slot])
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
-                return acc, m_new, l
+                return acc, m_new, l, pgs
 
-            init = (wgmma_layout(jnp.zeros((_ROWS, d), jnp.float32)),
-                    wgmma_layout(jnp.full((_ROWS,), -jnp.inf, jnp.float32), reduced=True),
-                    wgmma_layout(jnp.zeros((_ROWS,), jnp.float32), reduced=True))
-            acc, m, l = lax.fori_loop(0, nb, step, init)
+            carry = (wgmma_layout(jnp.zeros((_ROWS, d), jnp.float32)),
+                     wgmma_layout(jnp.full((_ROWS,), -jnp.inf, jnp.float32), reduced=True),
+                     wgmma_layout(jnp.zeros((_ROWS,), jnp.float32), reduced=True),
+                     pages(stages - 1))
+            last = jnp.maximum(nb - 1, 0)
+            carry = lax.fori_loop(0, last, functools.partial(step, masked=False), carry)
+            acc, m, l, _ = lax.fori_loop(last, nb, functools.partial(step, masked=True), carry)
             l = jnp.where(l > 0, l, 1.0)
-            o_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
+            stage.at[pl.ds(0, _ROWS)][...] = (
+                acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, _QROWS)], o_ref.at[bb, hh])
-            plgpu.wait_smem_to_gmem(0)  # o_smem is rewritten by the next unit
-            return carry
+            plgpu.copy_smem_to_gmem(stage.at[pl.ds(0, _QROWS)], o_ref.at[bb, hh])
+            plgpu.wait_smem_to_gmem(0)  # the slot is rewritten by the next unit
+            return ctx_next
 
-        lax.fori_loop(0, (num_work - pid + nprog - 1) // nprog, unit, ())
+        first = len_ref[jnp.minimum(worker, num_work - 1) // kvh]
+        lax.fori_loop(0, (num_work - worker + workers - 1) // workers, unit, first)
 
     tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    scratch = [plgpu.SMEM((_ROWS, d), dtype, transforms=tiles),
-               plgpu.SMEM((_ROWS, d), dtype, transforms=tiles),
-               plgpu.SMEM((stages, block_k, d), dtype, transforms=tiles),
-               plgpu.SMEM((stages, block_k, d), dtype, transforms=tiles),
-               plgpu.Barrier(num_barriers=1),
-               plgpu.Barrier(num_barriers=stages * ppb),
-               plgpu.Barrier(num_barriers=stages * ppb)]
+    wgs = warpgroups
+    scratch = [plgpu.SMEM((wgs, stages, block_k, d), dtype, transforms=tiles),
+               plgpu.SMEM((wgs, stages, block_k, d), dtype, transforms=tiles),
+               plgpu.Barrier(num_barriers=wgs),
+               plgpu.Barrier(num_arrivals=ppb, num_barriers=wgs * stages),
+               plgpu.Barrier(num_arrivals=ppb, num_barriers=wgs * stages)]
+    threads = dict(num_threads=wgs, thread_name="wg") if wgs > 1 else {}
     out = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((b, kvh, _QROWS, d), dtype),
-        scratch_types=scratch, grid=(nprog,), grid_names=("p",),
+        scratch_types=scratch, grid=(nprog,), grid_names=("p",), **threads,
+        compiler_params=None if interpret else plgpu.CompilerParams(approx_math=approx_math),
         interpret=_interpret_params() if interpret else None,
     )(qg, k_pages.reshape(n * kvh, ps, d), v_pages.reshape(n * kvh, ps, d),
       page_table.astype(jnp.int32), context_lens.astype(jnp.int32))

@@ -30,37 +30,38 @@ def _rel(out, q, k, v, pt, lens):
     return np.linalg.norm(o - r) / np.linalg.norm(r)
 
 
-@pytest.mark.parametrize("b,kvh,g,d,ps,max_pages,programs,block_k,stages", [
-    (5, 2, 8, 128, 16, 5, 3, 32, 3),  # a full group of 8, units spread unevenly
-    (4, 1, 1, 64, 32, 3, 7, 64, 1),   # more programs than units; no pipelining
-    (2, 4, 4, 64, 16, 6, 1, 16, 4),   # one program walks every unit; one page per step
+@pytest.mark.parametrize("b,kvh,g,d,ps,max_pages,programs,block_k,stages,wgs", [
+    (5, 2, 8, 128, 16, 9, 3, 64, 3, 1),  # a full group of 8, units spread unevenly
+    (4, 1, 1, 64, 32, 5, 7, 64, 1, 2),   # more workers than units; no pipelining
+    (3, 4, 4, 64, 8, 26, 1, 64, 4, 2),   # one program, two workers walk every unit
 ])
 def test_kernel_matches_reference_interpret(b, kvh, g, d, ps, max_pages, programs, block_k,
-                                            stages):
+                                            stages, wgs):
     q, k, v, pt, lens = _case(b + stages, b, kvh, g, d, ps, max_pages)
     out = decode_attention_mgpu(q, k, v, pt, lens, num_programs=programs, block_k=block_k,
-                                stages=stages, interpret=True)
+                                stages=stages, warpgroups=wgs, interpret=True)
     assert out.shape == q.shape
     assert _rel(out, q, k, v, pt, lens) < REL_TOL_BF16
 
 
 def test_shapes_it_cannot_tile_are_refused():
     q, k, v, pt, lens = _case(0, 1, 1, 4, 64, 16, 2)
-    with pytest.raises(ValueError, match="multiple of the page size"):
-        decode_attention_mgpu(q, k, v, pt, lens, block_k=24, interpret=True)
+    with pytest.raises(ValueError, match="block_k 48 must be a multiple of 64"):
+        decode_attention_mgpu(q, k, v, pt, lens, block_k=48, interpret=True)
     q, k, v, pt, lens = _case(0, 1, 2, 2, 16, 4, 2)  # the tiny test model's head dim
     with pytest.raises(ValueError, match="multiple of 64"):
         decode_attention_mgpu(q, k, v, pt, lens, interpret=True)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("programs,block_k,stages", [(66, 64, 4), (132, 128, 2)])
-def test_kernel_on_gpu(programs, block_k, stages):
+@pytest.mark.parametrize("programs,block_k,stages,wgs", [(66, 64, 4, 1), (132, 128, 2, 1),
+                                                        (66, 64, 2, 2), (66, 64, 2, 3)])
+def test_kernel_on_gpu(programs, block_k, stages, wgs):
     if float(getattr(jax.devices()[0], "compute_capability", "0")) < 9.0:
         pytest.skip("Mosaic GPU needs a Hopper (sm_90) or newer GPU")
     q, k, v, pt, lens = _case(1, 64, 8, 4, 128, 16, 64)
     out = decode_attention_mgpu(q, k, v, pt, lens, num_programs=programs, block_k=block_k,
-                                stages=stages)
+                                stages=stages, warpgroups=wgs)
     assert _rel(out, q, k, v, pt, lens) < REL_TOL_BF16
 
 

@@ -212,7 +212,10 @@ def cmd_hlo_schedule(args) -> int:
 
 def cmd_plot_timeline(args) -> int:
     from nanojax.bench import timeline
-    timeline.plot(json.loads(Path(args.events).read_text()), args.out, args.title)
+    timelines = timeline.reclassify(json.loads(Path(args.events).read_text()))
+    timeline.plot(timelines, args.out, args.title)
+    print(json.dumps({mode: timeline.summarize(ev) for mode, ev in timelines.items()},
+                     indent=1))
     print(f"nanojax: wrote {args.out}", file=sys.stderr)
     return 0
 

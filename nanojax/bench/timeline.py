@@ -16,7 +16,10 @@ import jax
 
 KINDS = ("gemm", "attention", "collective", "other")
 _PATTERNS = {
-    "attention": re.compile(r"paged_decode_attention|decode_attention|pallas", re.I),
+    # Triton-lowered Pallas kernels carry the kernel's name; Mosaic GPU ones are all
+    # "kernel_mosaic_gpu_kernel" (the only Mosaic GPU kernel of a step is the decode one)
+    "attention": re.compile(r"paged_decode_attention|decode_attention|pallas|mosaic_gpu",
+                            re.I),
     "collective": re.compile(r"nccl|all-reduce|all-gather|reduce-scatter", re.I),
     "gemm": re.compile(r"gemm|cutlass|nvjet|xmma|cublas|matmul|^dot|triton_gemm", re.I),
 }
@@ -54,6 +57,12 @@ def parse_trace(path: str) -> list[dict]:
         for e in out:
             e["start_us"] -= t0
     return sorted(out, key=lambda e: e["start_us"])
+
+
+def reclassify(timelines: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """A saved events file read with today's kernel patterns (kinds come from the names)."""
+    return {mode: [dict(e, kind=classify(e["name"], e.get("hlo_op", ""))) for e in ev]
+            for mode, ev in timelines.items()}
 
 
 def capture(fn, log_dir: str | None = None) -> list[dict]:
