@@ -220,8 +220,8 @@ VARIANTS = ((64, 4, 2, False), (128, 4, 2, False), (256, 4, 2, False),
 
 # the Mosaic GPU kernel (decode_attention_mgpu.py): (workers per program, keys per step,
 # steps in flight per worker, hardware exp2); SMEM holds 227 KB
-MOSAIC_VARIANTS = ((2, 64, 2, True), (3, 64, 2, True), (2, 64, 3, True), (4, 64, 1, True),
-                   (3, 128, 1, True))
+MOSAIC_VARIANTS = ((1, 64, 2, True), (1, 64, 4, True), (2, 64, 2, True), (2, 64, 2, False),
+                   (2, 128, 1, True))
 
 
 def _variants(args):

@@ -40,6 +40,19 @@ def _interpret_params():
     return InterpretGPUParams()
 
 
+def unsupported(q, k_pages) -> str | None:
+    """Why this kernel cannot take these operands, or None when it can."""
+    h, d = q.shape[1:]
+    kvh, ps = k_pages.shape[1:3]
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype {jnp.dtype(q.dtype).name}: the WGMMA tiles here are 16-bit"
+    if h // kvh > _QROWS:
+        return f"query group of {h // kvh} heads exceeds {_QROWS} rows"
+    if d % 64 or ps % 8:  # 128-byte swizzled WGMMA tiles, 8-row TMA tiles
+        return f"head dim {d} must be a multiple of 64 and page size {ps} of 8"
+    return None
+
+
 def decode_attention_mgpu(q, k_pages, v_pages, page_table, context_lens, *,
                           num_programs: int | None = None, block_k: int = 64,
                           stages: int = 2, warpgroups: int = 2, approx_math: bool = True,
@@ -53,13 +66,11 @@ def decode_attention_mgpu(q, k_pages, v_pages, page_table, context_lens, *,
     the hardware exp2 (ex2.approx), as jax's own Mosaic GPU attention uses.
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
+    if (why := unsupported(q, k_pages)) is not None:
+        raise ValueError(why)
     b, h, d = q.shape
     n, kvh, ps, _ = k_pages.shape
     g = h // kvh
-    if g > _QROWS:
-        raise ValueError(f"query group of {g} heads exceeds {_QROWS} rows")
-    if d % 64 or ps % 8:  # 128-byte swizzled WGMMA tiles, 8-row TMA tiles
-        raise ValueError(f"head dim {d} must be a multiple of 64 and page size {ps} of 8")
     if block_k % ps or block_k % 64:  # whole pages; 64: the P x V matmul's K tile
         raise ValueError(f"block_k {block_k} must be a multiple of 64 and of the page "
                          f"size {ps}")
@@ -90,12 +101,12 @@ def decode_attention_mgpu(q, k_pages, v_pages, page_table, context_lens, *,
             return lax.broadcasted_iota(jnp.int32, shape, 1)
         return plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
 
-    def matmul_qk(q16, k_tile):  # [ROWS, D] (registers) x [block_k, D]^T on the tensor cores
+    def matmul_qk(q_smem, k_tile):  # [ROWS, D] x [block_k, D]^T on the tensor cores
         if interpret:  # the interpreter's wgmma takes no transposed operand
-            return jnp.dot(q16, k_tile[...].T, preferred_element_type=jnp.float32)
+            return jnp.dot(q_smem[...], k_tile[...].T, preferred_element_type=jnp.float32)
 
         def body(acc_ref):
-            plgpu.wgmma(acc_ref, q16, k_tile.transpose((1, 0)))
+            plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
             return acc_ref[...]
         return pl.run_scoped(body, plgpu.ACC((_ROWS, block_k), jnp.float32))
 
@@ -108,23 +119,16 @@ def decode_attention_mgpu(q, k_pages, v_pages, page_table, context_lens, *,
             return acc_ref[...]
         return pl.run_scoped(body, plgpu.ACC((_ROWS, d), jnp.float32))
 
-    def load_rows(slot_ref):  # the first ROWS rows of a slot into registers
-        tile = slot_ref.at[pl.ds(0, _ROWS)]
-        return tile[...] if interpret else plgpu.load(tile, (), layout=plgpu.Layout.WGMMA)
-
-    def kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, k_smems, v_smems, q_bars,
-               k_bars, v_bars):
+    def kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, q_smems, o_smems, k_smems,
+               v_smems, q_bars, k_bars, v_bars):
         wg = lax.axis_index("wg") if warpgroups > 1 else 0
         worker = lax.axis_index("p") * warpgroups + wg
-        k_smem, v_smem = k_smems.at[wg], v_smems.at[wg]
+        q_smem, o_smem, k_smem, v_smem = (r.at[wg] for r in (q_smems, o_smems, k_smems,
+                                                             v_smems))
         q_bar = q_bars.at[wg]
         bar0 = wg * stages  # this worker's copy barriers: one per slot
-        # The query group and the output pass through K slot 0 (no copy of this worker is
-        # in flight between units): the SMEM saved holds a third worker's ring.
-        stage = k_smem.at[0]
-        row_iota = (lax.broadcasted_iota(jnp.int32, (_ROWS, d), 0) if interpret else
-                    plgpu.broadcasted_iota(jnp.int32, (_ROWS, d), 0,
-                                           layout=plgpu.Layout.WGMMA))
+        q_smem[...] = wgmma_layout(jnp.zeros((_ROWS, d), dtype))
+        plgpu.commit_smem()
 
         def unit(i, ctx):
             w = worker + i * workers
@@ -132,11 +136,7 @@ def decode_attention_mgpu(q, k_pages, v_pages, page_table, context_lens, *,
             nb = (ctx + block_k - 1) // block_k
             # the next unit's length, loaded now so its latency hides behind this unit
             ctx_next = len_ref[jnp.minimum(w + workers, num_work - 1) // kvh]
-            plgpu.copy_gmem_to_smem(q_ref.at[bb, hh], stage.at[pl.ds(0, _QROWS)], q_bar)
-            plgpu.barrier_wait(q_bar)
-            # rows past the group hold stale keys: zero them (their scores are then 0)
-            q16 = jnp.where(row_iota < _QROWS, load_rows(stage), jnp.zeros((), dtype))
-            plgpu.commit_smem()  # every thread has read the slot before TMA rewrites it
+            plgpu.copy_gmem_to_smem(q_ref.at[bb, hh], q_smem.at[pl.ds(0, _QROWS)], q_bar)
 
             def pages(j):  # block j's page numbers (a block past the table: any valid one)
                 jj = jnp.minimum(j, table_blocks - 1)
@@ -155,6 +155,7 @@ def decode_attention_mgpu(q, k_pages, v_pages, page_table, context_lens, *,
 
             for s in range(stages - 1):
                 pl.when(s < nb)(functools.partial(lambda s: issue(s, pages(s)), s))
+            plgpu.barrier_wait(q_bar)
 
             def step(j, carry, masked):
                 acc, m, l, pgs = carry
@@ -164,7 +165,7 @@ def decode_attention_mgpu(q, k_pages, v_pages, page_table, context_lens, *,
                 pl.when(j + stages - 1 < nb)(lambda: issue(j + stages - 1, pgs))
                 pgs = pages(j + stages)
                 plgpu.barrier_wait(k_bars.at[bar0 + slot])
-                s = matmul_qk(q16, k_smem.at[slot])
+                s = matmul_qk(q_smem, k_smem.at[slot])
                 if masked:  # only the last block holds keys past the context
                     key = key_iota((_ROWS, block_k)) + j * block_k
                     s = jnp.where(key < ctx, s, -jnp.inf)
@@ -187,11 +188,10 @@ def decode_attention_mgpu(q, k_pages, v_pages, page_table, context_lens, *,
             carry = lax.fori_loop(0, last, functools.partial(step, masked=False), carry)
             acc, m, l, _ = lax.fori_loop(last, nb, functools.partial(step, masked=True), carry)
             l = jnp.where(l > 0, l, 1.0)
-            stage.at[pl.ds(0, _ROWS)][...] = (
-                acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
+            o_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(stage.at[pl.ds(0, _QROWS)], o_ref.at[bb, hh])
-            plgpu.wait_smem_to_gmem(0)  # the slot is rewritten by the next unit
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, _QROWS)], o_ref.at[bb, hh])
+            plgpu.wait_smem_to_gmem(0)  # o_smem is rewritten by the next unit
             return ctx_next
 
         first = len_ref[jnp.minimum(worker, num_work - 1) // kvh]
@@ -199,7 +199,9 @@ def decode_attention_mgpu(q, k_pages, v_pages, page_table, context_lens, *,
 
     tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     wgs = warpgroups
-    scratch = [plgpu.SMEM((wgs, stages, block_k, d), dtype, transforms=tiles),
+    scratch = [plgpu.SMEM((wgs, _ROWS, d), dtype, transforms=tiles),
+               plgpu.SMEM((wgs, _ROWS, d), dtype, transforms=tiles),
+               plgpu.SMEM((wgs, stages, block_k, d), dtype, transforms=tiles),
                plgpu.SMEM((wgs, stages, block_k, d), dtype, transforms=tiles),
                plgpu.Barrier(num_barriers=wgs),
                plgpu.Barrier(num_arrivals=ppb, num_barriers=wgs * stages),

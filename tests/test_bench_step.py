@@ -157,3 +157,24 @@ def test_bench_and_profile_refuse_bad_arguments_before_loading(argv, msg, capsys
     else:
         err = capsys.readouterr().err
     assert rc not in (0, None) and msg in err
+
+
+def test_prediction_check_takes_the_layer_time_from_two_layer_counts(tmp_path):
+    """bench/scripts/prediction_check.py: (t[8] - t[4]) / 4 per layer, the rest non-layer."""
+    import json
+    import subprocess
+    import sys
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"predicted": {"makespan_s": 0.0025}}))
+    for layers, secs in ((4, 0.0145), (8, 0.0255)):  # 2.75 ms per layer, 3.5 ms outside
+        (tmp_path / f"s{layers}.json").write_text(json.dumps(
+            {"num_layers": layers, "results": [{"mode": "overlap", "step_s": secs}]}))
+    out = tmp_path / "check.json"
+    subprocess.run([sys.executable, "bench/scripts/prediction_check.py", str(plan),
+                    str(tmp_path / "s8.json"), str(tmp_path / "s4.json"), "--out", str(out)],
+                   check=True, capture_output=True)
+    res = json.loads(out.read_text())
+    assert abs(res["measured_layer_s"] - 0.00275) < 1e-12
+    assert abs(res["non_layer_s"] - 0.0035) < 1e-12
+    assert abs(res["predicted_over_measured_minus_1"] - (0.0025 / 0.00275 - 1)) < 1e-12
+    assert res["within_tolerance"]

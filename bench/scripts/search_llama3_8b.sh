@@ -1,6 +1,7 @@
 #!/bin/bash
 # Issue 7 on the GPU: profile the LLaMA-3-8B shape, search a plan, and time the searched
-# plan beside the hand-written one (the first LAYERS layers; ratios from one process each).
+# plan beside the hand-written one (the first LAYERS layers; ratios from one process each),
+# and check the plan's predicted layer makespan against the measured one.
 # Usage: OUT=dir [LAYERS=8] [PLAN=searched.json: skip profile and search] \
 #        bash bench/scripts/search_llama3_8b.sh
 set -u
@@ -22,4 +23,12 @@ for plan in llama3-8b-1gpu "$PLAN"; do
     --plan "$plan" --b-dense 2048 --workloads 512/512 --modes non-overlap,overlap --quiet \
     --json "$OUT/step_${name}.json" 2>&1 | quiet 4
 done
+# the searched plan's predicted layer makespan against the measured one: the step at half
+# the layers too, and the difference per layer (no embedding, LM head or sampling in it)
+half=$(( ${LAYERS:-8} / 2 ))
+timeout 120 python3 -m nanojax bench step --model random:llama3-8b --num-layers "$half" \
+  --plan "$PLAN" --b-dense 2048 --workloads 512/512 --modes overlap --quiet \
+  --json "$OUT/step_${half}layers_searched.json" 2>&1 | quiet 2
+python3 bench/scripts/prediction_check.py "$PLAN" "$OUT/step_${half}layers_searched.json" \
+  "$OUT/step_$(basename "$PLAN" .json).json" --out "$OUT/prediction_check.json" | quiet 6
 ls -la "$OUT"

@@ -165,7 +165,7 @@ def attend_reference(q, kv_layer, meta: PagedMetadata, inv_freq, num_programs=No
     return paged_attention_reference(q, *kv_layer, meta)
 
 
-DECODE_KERNELS = ("triton", "mosaic")
+DECODE_KERNELS = ("auto", "triton", "mosaic")
 
 
 def _decode_kernel(name: str):
@@ -178,19 +178,44 @@ def _decode_kernel(name: str):
     if name == "triton":
         from pallas_kernels.decode_attention import decode_attention_impl
         return decode_attention_impl
-    raise ValueError(f"unknown decode kernel {name!r}; known: {', '.join(DECODE_KERNELS)}")
+    raise ValueError(f"no decode kernel {name!r}")
 
 
-def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, num_programs=None,
-                  block_q: int = 16, decode_kernel: str = "triton", interpret: bool = False):
-    """GPU path: the Pallas paged kernels. num_programs: the decode kernel's resource share.
+def choose_decode_kernel(name: str, q, k_pages) -> str:
+    """"auto": Mosaic GPU on a Hopper or newer GPU when it takes the operands (16-bit, head
+    dim % 64, page size % 8, group <= 8; at least as fast as Triton at every measured grid),
+    else Triton. Interpret mode (no GPU) gets Triton."""
+    if name != "auto":
+        return name
+    from pallas_kernels.decode_attention_mgpu import unsupported
+    dev = jax.devices()[0]
+    hopper = dev.platform == "gpu" and float(getattr(dev, "compute_capability", 0)) >= 9.0
+    return "mosaic" if hopper and unsupported(q, k_pages) is None else "triton"
+
+
+def decode_programs(kernel: str, share: float | None, num_sms: int, ctas_per_sm: int = 4):
+    """A resource share as the decode kernel's persistent grid (None: its full grid).
+    Triton: share x SMs x programs per SM; Mosaic GPU runs one program per SM, so a share
+    is whole SMs and leaves the others free."""
+    if share is None or share >= 1.0:
+        return None
+    per_sm = 1 if kernel == "mosaic" else ctas_per_sm
+    return max(1, round(share * num_sms * per_sm))
+
+
+def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, share: float | None = None,
+                  num_sms: int = 132, ctas_per_sm: int = 4, block_q: int = 16,
+                  decode_kernel: str = "auto", interpret: bool = False):
+    """GPU path: the Pallas paged kernels. share: the decode kernel's resource share.
 
     Without query blocks every token is a row of the decode kernel with its own sequence's
     pages and a context that ends at its own position (causal for prefill chunks too, but
     each prefill token re-reads its whole context). With them (meta.prefill_blocks, made
     with the same block_q), the decode kernel serves the decode tokens and the
     chunked-prefill kernel the rest."""
-    decode = _decode_kernel(decode_kernel)
+    kernel = choose_decode_kernel(decode_kernel, q, kv_layer[0])
+    decode = _decode_kernel(kernel)
+    num_programs = decode_programs(kernel, share, num_sms, ctas_per_sm)
     q = apply_rope(q, meta.positions, inv_freq)
     k_pages, v_pages = kv_layer
     rows = meta.page_table[meta.seq_ids]
@@ -218,13 +243,10 @@ class PagedAttention:
 
     def attend_at(self, share: float, num_sms: int = 132, ctas_per_sm: int = 4):
         """attend limited to a share of the GPU: the Pallas decode kernel gets that share of
-        its persistent grid (Triton: share x SMs x programs per SM; Mosaic GPU, one
-        program per SM: share x SMs, so a share leaves whole SMs free); other backends
-        ignore it."""
+        its persistent grid (decode_programs); other backends ignore it."""
         if getattr(self.attend, "func", self.attend) is attend_pallas and share < 1.0:
-            per_sm = 1 if self.attend.keywords.get("decode_kernel") == "mosaic" else ctas_per_sm
-            programs = max(1, round(share * num_sms * per_sm))
-            return functools.partial(self.attend, num_programs=programs)
+            return functools.partial(self.attend, share=share, num_sms=num_sms,
+                                     ctas_per_sm=ctas_per_sm)
         return self.attend
 
     def __call__(self, q, k, v, kv_layer, meta: PagedMetadata, inv_freq):
@@ -236,12 +258,14 @@ paged_attention = PagedAttention(attend_reference)  # the pure-JAX backend (CPU)
 
 
 def pallas_backend(prefill_block_q: int | None = None, fused_append: bool = False,
-                   decode_kernel: str = "triton", interpret: bool = False):
+                   decode_kernel: str = "auto", interpret: bool = False):
     """The Pallas backend; with prefill_block_q, prefill tokens go to the chunked-prefill
     kernel in query blocks of that many tokens (the runner builds them); fused_append
     writes the cache with the fused RoPE + append kernel; decode_kernel picks the decode
     kernel (DECODE_KERNELS)."""
-    _decode_kernel(decode_kernel)  # an unknown name fails here, not at the first step
+    if decode_kernel not in DECODE_KERNELS:  # fail here, not at the first step
+        raise ValueError(f"unknown decode kernel {decode_kernel!r}; known: "
+                         f"{', '.join(DECODE_KERNELS)}")
     attend = functools.partial(attend_pallas, block_q=prefill_block_q or 16,
                                decode_kernel=decode_kernel, interpret=interpret)
     append = (functools.partial(append_kv_pallas, interpret=interpret) if fused_append
@@ -249,9 +273,11 @@ def pallas_backend(prefill_block_q: int | None = None, fused_append: bool = Fals
     return PagedAttention(attend, prefill_block_q, append)
 
 
-# The chunked-prefill and fused-append kernels and the Mosaic GPU decode kernel are opt-in
-# (NANOJAX_PREFILL_KERNEL=1, NANOJAX_FUSED_APPEND=1, NANOJAX_DECODE_KERNEL=mosaic) until
-# they are measured on the GPU against the plain paths.
+# The chunked-prefill and fused-append kernels are opt-in (NANOJAX_PREFILL_KERNEL=1,
+# NANOJAX_FUSED_APPEND=1) until they win in the step on the GPU. The Mosaic GPU decode
+# kernel (NANOJAX_DECODE_KERNEL=mosaic, or auto: Mosaic where it fits) is faster in the
+# step but stays opt-in until the engine's GPU test (tests/test_engine_gpu.py, bf16) has
+# passed with it.
 paged_attention_pallas = pallas_backend(
     16 if os.environ.get("NANOJAX_PREFILL_KERNEL", "0") == "1" else None,
     os.environ.get("NANOJAX_FUSED_APPEND", "0") == "1",
