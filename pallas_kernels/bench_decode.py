@@ -2,9 +2,10 @@
 
     python -m pallas_kernels.bench_decode --out bench/results/decode_attention_h200.json
 
-Measures, in one run: device copy bandwidth; the kernel's achieved bandwidth for batches
-64..1024, contexts 512..4096 and persistent-grid program counts from 16 to a full grid;
-and jax's own Pallas `decode_attention.gqa` on the same shapes ([B, S, KVH, D] layout).
+Measures, in one run: device copy bandwidth; the Triton and the Mosaic GPU kernels'
+achieved bandwidth for batches 64..1024, contexts 512..4096 and persistent-grid program
+counts from 16 to a full grid; and jax's own Pallas `decode_attention.gqa` on the same
+shapes ([B, S, KVH, D] layout).
 Bytes counted: K and V of every sequence's context, read once.
 
     python -m pallas_kernels.bench_decode --prefill-only --out PATH
@@ -121,6 +122,17 @@ def main():
         checks.append({"batch": b, "max_context": ctx, "page_size": ps, "rel_error": rel,
                        "finite": bool(jnp.isfinite(o).all())})
         print("check", checks[-1], flush=True)
+        from pallas_kernels.decode_attention_mgpu import decode_attention_mgpu
+        try:  # the Mosaic GPU kernel on the same case (Hopper only)
+            o = decode_attention_mgpu(q, k, v, pt, lens, num_programs=66)
+            checks.append({"kernel": "mosaic_gpu", "batch": b, "max_context": ctx,
+                           "page_size": ps, "finite": bool(jnp.isfinite(o).all()),
+                           "rel_error": float(jnp.linalg.norm(o.astype(jnp.float32) - r)
+                                              / jnp.linalg.norm(r))})
+        except Exception as e:
+            checks.append({"kernel": "mosaic_gpu", "batch": b, "page_size": ps,
+                           "error": f"{type(e).__name__}: {e}"[:300]})
+        print("check", checks[-1], flush=True)
     res["correctness"] = checks
     save()
 
@@ -178,6 +190,15 @@ def _sweep(args, res, rng, bw, sms, save, ppb, warps, stages):
                 cases.append({"kernel": "nanojax_paged", "batch": b, "context": ctx,
                               "programs": nprog, "seconds": t, "GBps": nbytes / t / 1e9,
                               "fraction_of_copy": nbytes / t / bw})
+                print(cases[-1], flush=True)
+            # the Mosaic GPU kernel: one program per SM, so its full grid is the SM count
+            from pallas_kernels.decode_attention_mgpu import decode_attention_mgpu
+            for nprog in sorted({16, sms // 4, sms // 2, sms}):
+                cases.append(measure(
+                    {"kernel": "nanojax_paged_mosaic_gpu", "batch": b, "context": ctx,
+                     "programs": nprog},
+                    lambda *a, n=nprog: decode_attention_mgpu(*a, num_programs=n),
+                    (q, k, v, pt, lens), nbytes, bw))
                 print(cases[-1], flush=True)
             # jax's gqa on contiguous [B, S, KVH, D] caches of the same contents
             kc = k[pt].transpose(0, 1, 3, 2, 4).reshape(b, ctx, KVH, D)

@@ -4,10 +4,12 @@ Why a second kernel: at a bounded grid (the resource share NanoFlow gives attent
 Triton kernel stops near 34% of copy bandwidth at half the SMs, because Triton issues the
 gathered page loads too slowly; a TMA pipeline into shared memory streamed 96% there
 (bench/results/load_probe_h200.json). This kernel keeps `stages` blocks of keys and
-values in flight per program with one TMA copy per (page, kv head) tile.
+values in flight per worker with one TMA copy per (page, kv head) tile, two workers (warp
+groups) per program: on the H200 71% of copy at half the SMs, 103% at all of them
+(bench/results/decode_attention_mgpu_h200.json; pallas_kernels/README.md says why).
 
-Same contract and unit of work as decode_attention.py: a persistent grid of
-`num_programs` programs strides over the B x KVH (sequence, kv head) units; each unit
+Same contract and unit of work as decode_attention.py: the workers of a persistent grid
+of `num_programs` programs stride over the B x KVH (sequence, kv head) units; each unit
 serves its query group in one pass over the sequence's pages. The group's query rows
 (padded to 8, a TMA tile) sit in the first rows of a 64-row WGMMA tile whose other rows
 stay zero. Precondition: key/value slots past a sequence's length inside its last page
