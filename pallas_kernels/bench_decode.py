@@ -34,6 +34,7 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
+from pallas_kernels.decode_attention_mgpu import decode_attention_mgpu
 
 H, KVH, D = 32, 8, 128
 
@@ -122,7 +123,6 @@ def main():
         checks.append({"batch": b, "max_context": ctx, "page_size": ps, "rel_error": rel,
                        "finite": bool(jnp.isfinite(o).all())})
         print("check", checks[-1], flush=True)
-        from pallas_kernels.decode_attention_mgpu import decode_attention_mgpu
         try:  # the Mosaic GPU kernel on the same case (Hopper only)
             o = decode_attention_mgpu(q, k, v, pt, lens, num_programs=66)
             checks.append({"kernel": "mosaic_gpu", "batch": b, "max_context": ctx,
@@ -192,7 +192,6 @@ def _sweep(args, res, rng, bw, sms, save, ppb, warps, stages):
                               "fraction_of_copy": nbytes / t / bw})
                 print(cases[-1], flush=True)
             # the Mosaic GPU kernel: one program per SM, so its full grid is the SM count
-            from pallas_kernels.decode_attention_mgpu import decode_attention_mgpu
             for nprog in sorted({16, sms // 4, sms // 2, sms}):
                 cases.append(measure(
                     {"kernel": "nanojax_paged_mosaic_gpu", "batch": b, "context": ctx,
@@ -276,7 +275,6 @@ def _variants(args):
             print(row, flush=True)
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
-    from pallas_kernels.decode_attention_mgpu import decode_attention_mgpu
     ref32 = decode_attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), pt, lens)
     for wgs, block_k, stages, approx in MOSAIC_VARIANTS * ("mosaic" in kernels):
         for nprog in (sms // 4, sms // 2, sms, 2 * sms):

@@ -14,8 +14,11 @@ TOLERANCE = 0.15  # issue 7: predicted within 15% of measured
 
 def step_seconds(path: str, mode: str) -> tuple[int, float]:
     d = json.loads(Path(path).read_text())
-    [r] = [r for r in d["results"] if r["mode"] == mode]
-    return d["num_layers"], r["step_s"]
+    rows = [r for r in d["results"] if r.get("mode") == mode and "step_s" in r]
+    if len(rows) != 1 or not d.get("num_layers"):
+        raise SystemExit(f"{path}: expected one timed '{mode}' row and num_layers "
+                         f"(found {len(rows)} rows, num_layers={d.get('num_layers')})")
+    return d["num_layers"], rows[0]["step_s"]
 
 
 def main() -> None:

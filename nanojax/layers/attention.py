@@ -159,7 +159,7 @@ def append_kv_pallas(k, v, kv_layer, meta: PagedMetadata, inv_freq, interpret=Fa
                             interpret=interpret)
 
 
-def attend_reference(q, kv_layer, meta: PagedMetadata, inv_freq, num_programs=None):
+def attend_reference(q, kv_layer, meta: PagedMetadata, inv_freq):
     """Pure-JAX attention over pages that already hold this step's keys (CPU path)."""
     q = apply_rope(q, meta.positions, inv_freq)
     return paged_attention_reference(q, *kv_layer, meta)
