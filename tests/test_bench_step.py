@@ -60,6 +60,7 @@ def test_step_bench_modes_agree_on_the_cpu(tmp_path):
     for r in out["results"]:
         assert r["same_tokens_as_non-overlap"] == 1.0
         assert r["logits_max_diff_over_std"] < 1e-4
+        assert r["repeat_same_tokens"] == 1.0 and r["repeat_logits_max_abs_diff"] == 0.0
         assert r["timeline"]["span_us"] > 0
     assert "overlap_over_non_overlap" in out["ratios"][0]
     assert (tmp_path / "t.png").stat().st_size > 10_000
@@ -178,3 +179,31 @@ def test_prediction_check_takes_the_layer_time_from_two_layer_counts(tmp_path):
     assert abs(res["non_layer_s"] - 0.0035) < 1e-12
     assert abs(res["predicted_over_measured_minus_1"] - (0.0025 / 0.00275 - 1)) < 1e-12
     assert res["within_tolerance"]
+
+
+def test_merge_throughput_takes_ratios_from_rows_of_one_process(tmp_path):
+    """bench/scripts/merge_throughput.py: a step file cut short by its time limit has rows
+    but no ratios; the merge computes them per run, never across runs."""
+    import json
+    import subprocess
+    import sys
+
+    def row(b, mode, tps):
+        return {"b_dense": b, "workload": "512/512", "mode": mode, "step_s": b / tps,
+                "tokens_per_s": tps, "fraction_of_optimal": tps / 40000}
+    for run, rows in (("a", [row(2048, "non-overlap", 20000), row(2048, "overlap", 25000)]),
+                      ("b", [row(2048, "non-overlap", 30000)])):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "step_2048.json").write_text(json.dumps(
+            {"command": f"nanojax bench step {run}", "partial": run == "b", "results": rows}))
+    (tmp_path / "a" / "peer_128.json").write_text(json.dumps({"total_tokens_per_s": 1000.0}))
+    out = tmp_path / "m.json"
+    subprocess.run([sys.executable, "bench/scripts/merge_throughput.py", str(tmp_path / "a"),
+                    str(tmp_path / "b"), "--out", str(out), "--png", str(tmp_path / "m.png")],
+                   check=True, capture_output=True)
+    res = json.loads(out.read_text())
+    assert res["step_ratios"] == [{"run": "a", "b_dense": 2048, "workload": "512/512",
+                                   "overlap_over_non_overlap": 1.25}]
+    assert res["partial"] == ["nanojax bench step b"] and len(res["step"]) == 3
+    assert res["peer_separate_call"]["total_tokens_per_s"] == 1000.0
+    assert (tmp_path / "m.png").stat().st_size > 10_000

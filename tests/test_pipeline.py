@@ -195,3 +195,27 @@ def test_scheduling_group_lands_on_the_stream_call():
     text = jax.jit(f).lower(jnp.zeros(4)).as_text()
     calls = [ln for ln in text.splitlines() if re.search(r"call @compute_on", ln)]
     assert calls and all('_scheduling_group_id = "7"' in ln for ln in calls)
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=False, reason="open: on the H200 the overlap mode differed from "
+                   "non-overlap on 3-79% of sequences at B_dense 512 (32 layers; "
+                   "bench/results/throughput_triton/step_bdense_sweep.json); nanobatch-only "
+                   "is identical, so suspect a race between stream regions")
+def test_overlap_on_the_gpu_gives_the_non_overlap_tokens():
+    """The ablation modes on real streams: the step benchmark's steady-state batches at the
+    B_dense and workloads where the 32-layer run saw the overlap mode's tokens differ."""
+    from checkpoints.loader import load_model
+    from nanojax.bench.step import run_step_bench
+    bundle = load_model("random:llama3-8b", dtype="bfloat16", num_layers=4)
+    plan = load_plan("llama3-8b-1gpu")
+    plan["model"]["num_layers"] = 4
+    out = run_step_bench(bundle, plan, [512], ["splitwise", "sharegpt"],
+                         ["non-overlap", "nanobatch-only", "overlap"], num_pages=4096,
+                         repeats=1, progress=False)
+    for r in out["results"]:
+        assert "error" not in r, r
+        # run twice on the same inputs, a mode must repeat itself (a race would not)
+        assert r["repeat_same_tokens"] == 1.0, (r["mode"], r["workload"])
+        assert r["same_tokens_as_non-overlap"] == 1.0, (r["mode"], r["workload"],
+                                                        r["differing_sequences"])

@@ -41,7 +41,7 @@ def cmd_throughput(args) -> int:
             peer_args += ["--trace", args.trace]
         else:
             peer_args += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
-        peer = run_peer_subprocess(peer_args)
+        peer = run_peer_subprocess(peer_args, timeout=args.peer_timeout)
         print(f"peer: {json.dumps(peer)[:400]}", file=sys.stderr)
     bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
     reqs = make_requests(args.num_prompts, bundle.config.vocab_size, args.input_len,
@@ -93,6 +93,9 @@ def cmd_throughput(args) -> int:
                           "num_pages": args.num_pages, "max_model_len": args.max_model_len},
                "results": results}
     if peer is not None:
+        # the ratio compares like with like only when the peer served the same requests
+        peer["same_requests_as_ours"] = (args.peer_num_prompts or args.num_prompts) \
+            == args.num_prompts
         payload["peer"] = peer
         if "error" not in peer:
             payload["ours_over_peer"] = {m: r["total_tokens_per_s"] / peer["total_tokens_per_s"]
@@ -258,6 +261,8 @@ def register(sub) -> None:
                         "(GPU, torch present; needs --model random:<shape>)")
     t.add_argument("--peer-num-prompts", type=int, default=None,
                    help="requests for the peer (default: the same as ours)")
+    t.add_argument("--peer-timeout", type=float, default=900,
+                   help="seconds before the peer's process is stopped (recorded as its error)")
     t.add_argument("--quiet", action="store_true")
     t.add_argument("--json", default=None, help="write the full result here")
     t.set_defaults(func=cmd_throughput)

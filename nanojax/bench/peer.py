@@ -71,8 +71,13 @@ def run_peer(shape: str, num_prompts: int, input_len: int | None, output_len: in
 def run_peer_subprocess(args_list: list[str], timeout: float = 900) -> dict:
     """Runs the peer in a child process (it must not share the GPU with JAX's allocator)."""
     import subprocess
-    p = subprocess.run([sys.executable, "-m", "nanojax.bench.peer", *args_list],
-                       capture_output=True, text=True, timeout=timeout)
+    try:
+        p = subprocess.run([sys.executable, "-m", "nanojax.bench.peer", *args_list],
+                           capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return {"error": f"the peer did not finish within {timeout:.0f} s",
+                "stderr_tail": (e.stderr or b"")[-1500:].decode(errors="replace")
+                if isinstance(e.stderr, bytes) else (e.stderr or "")[-1500:]}
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode != 0 or not lines:
         return {"error": (p.stderr or p.stdout)[-1500:]}

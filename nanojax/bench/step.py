@@ -127,17 +127,19 @@ def make_step(forward):
 
 def time_step(step, params, kv, batch: SyntheticBatch, repeats: int = 10):
     """Median seconds of one step (each call is one executable, tens of ms: dispatch, ~0.1
-    ms, is noise here); returns (seconds, kv, sampled tokens)."""
+    ms, is noise here); returns (seconds, kv, sampled tokens and logits of the last call,
+    those of the first). Every call sees the same cache contents (it rewrites the same
+    slots with the same values), so a deterministic step returns the same output each time."""
     args = (batch.tokens, batch.meta, batch.logit_idx)
     kv, out = step(params, kv, *args)  # compile + warm up
-    jax.block_until_ready(out)
+    first = jax.device_get(out)
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         kv, out = step(params, kv, *args)
         jax.block_until_ready(out)
         times.append(time.perf_counter() - t)
-    return float(np.median(times)), kv, jax.device_get(out)
+    return float(np.median(times)), kv, jax.device_get(out), first
 
 
 def workload_lengths(spec: str, max_model_len: int) -> list[tuple[int, int]]:
@@ -224,10 +226,14 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
                 b = batches[w]
                 kv = None  # a fresh cache: every mode starts from the same contents
                 kv = fwd.init_kv(num_pages, page_size)
-                secs, kv, out = time_step(step, params, kv, b, repeats)
+                secs, kv, out, first = time_step(step, params, kv, b, repeats)
                 tokens.setdefault(w, {})[mode] = out
                 r = {"b_dense": b_dense, "workload": w, "mode": mode, "step_s": secs,
                      "tokens_per_s": b_dense / secs, "compile_s": compile_s,
+                     # the same step twice on the same inputs: a race shows up here
+                     "repeat_same_tokens": float(np.mean(first[0] == out[0])),
+                     "repeat_logits_max_abs_diff": float(np.max(np.abs(
+                         np.asarray(first[1], np.float32) - np.asarray(out[1], np.float32)))),
                      "num_decodes": b.num_decodes, "num_prefill_tokens": b.num_prefill_tokens,
                      "kv_tokens_read_per_layer": b.kv_tokens_read}
                 if roof:

@@ -275,9 +275,10 @@ def pallas_backend(prefill_block_q: int | None = None, fused_append: bool = Fals
 
 # The chunked-prefill and fused-append kernels are opt-in (NANOJAX_PREFILL_KERNEL=1,
 # NANOJAX_FUSED_APPEND=1) until they win in the step on the GPU. The Mosaic GPU decode
-# kernel (NANOJAX_DECODE_KERNEL=mosaic, or auto: Mosaic where it fits) is faster in the
-# step but stays opt-in until the engine's GPU test (tests/test_engine_gpu.py, bf16) has
-# passed with it.
+# kernel (NANOJAX_DECODE_KERNEL=auto: Mosaic where it fits, else Triton) passes the
+# engine's GPU test and makes the 32-layer step 9% faster, but compiled 52 s against
+# Triton's 7 s per step shape (bench/results/README.md), and the engine compiles one per
+# batch bucket, so it stays opt-in until its compile time is measured again.
 paged_attention_pallas = pallas_backend(
     16 if os.environ.get("NANOJAX_PREFILL_KERNEL", "0") == "1" else None,
     os.environ.get("NANOJAX_FUSED_APPEND", "0") == "1",
