@@ -53,7 +53,7 @@ def test_step_bench_modes_agree_on_the_cpu(tmp_path):
                          {"op": "o_proj", "batch": 0}, {"op": "mlp", "batch": 0}]}
     saved = []
     out = run_step_bench(bundle, plan, [64], ["32/32"], ["non-overlap", "overlap",
-                                                         "overlap:0.25:nogroups"],
+                                                         "overlap:0.25:nogroups:gemm0.5"],
                          num_pages=512, max_model_len=256, repeats=1, progress=False,
                          timeline_png=str(tmp_path / "t.png"), checkpoint=saved.append)
     assert len(saved) == 3 and saved[-1]["partial"]
@@ -65,7 +65,7 @@ def test_step_bench_modes_agree_on_the_cpu(tmp_path):
     assert "overlap_over_non_overlap" in out["ratios"][0]
     assert (tmp_path / "t.png").stat().st_size > 10_000
     events = json.loads((tmp_path / "t.events.json").read_text())
-    assert set(events) == {"non-overlap", "overlap", "overlap:0.25:nogroups"}
+    assert set(events) == {"non-overlap", "overlap", "overlap:0.25:nogroups:gemm0.5"}
 
 
 def _event(stream, kind, start, dur):
@@ -144,6 +144,8 @@ def test_throughput_bench_compares_modes_in_one_run(tmp_path):
       "--modes", "overlap:2"], "bad --b-dense or --modes"),
     (["bench", "step", "--model", "random:tiny", "--plan", "llama3-8b-1gpu",
       "--b-dense", "x"], "B_dense values are integers"),
+    (["bench", "step", "--model", "random:tiny", "--plan", "llama3-8b-1gpu",
+      "--modes", "overlap:0.5:gemm1.5"], "':gemmSHARE'"),
     (["profile", "--model", "random:tiny", "--granularity", "0", "--out", "p.json"],
      "positive multiple of --granularity"),
     (["profile", "--model", "random:tiny", "--shares", "a", "--out", "p.json"],

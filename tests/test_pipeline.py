@@ -202,18 +202,22 @@ def test_scheduling_group_lands_on_the_stream_call():
                    "non-overlap on 3-79% of sequences at B_dense 512 (32 layers; "
                    "bench/results/throughput_triton/step_bdense_sweep.json); nanobatch-only "
                    "is identical, so suspect a race between stream regions")
-def test_overlap_on_the_gpu_gives_the_non_overlap_tokens():
-    """The ablation modes on real streams: the step benchmark's steady-state batches at the
-    B_dense and workloads where the 32-layer run saw the overlap mode's tokens differ."""
-    from checkpoints.loader import load_model
-    from nanojax.bench.step import run_step_bench
-    bundle = load_model("random:llama3-8b", dtype="bfloat16", num_layers=4)
-    plan = load_plan("llama3-8b-1gpu")
-    plan["model"]["num_layers"] = 4
-    out = run_step_bench(bundle, plan, [512], ["splitwise", "sharegpt"],
-                         ["non-overlap", "nanobatch-only", "overlap"], num_pages=4096,
-                         repeats=1, progress=False)
-    for r in out["results"]:
+def test_overlap_on_the_gpu_gives_the_non_overlap_tokens(tmp_path):
+    """The ablation modes on real streams, at the B_dense and workloads where the 32-layer
+    run saw the overlap mode's tokens differ. Through the CLI, in its own process: the
+    stream flags must be in XLA_FLAGS before the backend starts."""
+    import os
+    import subprocess
+    import sys
+    out = tmp_path / "step.json"
+    # this process already holds most of the GPU's memory: the child takes what it needs
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    subprocess.run([sys.executable, "-m", "nanojax", "bench", "step", "--model",
+                    "random:llama3-8b", "--num-layers", "4", "--plan", "llama3-8b-1gpu",
+                    "--b-dense", "512", "--workloads", "splitwise,sharegpt", "--modes",
+                    "non-overlap,nanobatch-only,overlap", "--repeats", "1", "--num-pages",
+                    "4096", "--quiet", "--json", str(out)], check=True, timeout=600, env=env)
+    for r in json.loads(out.read_text())["results"]:
         assert "error" not in r, r
         # run twice on the same inputs, a mode must repeat itself (a race would not)
         assert r["repeat_same_tokens"] == 1.0, (r["mode"], r["workload"])

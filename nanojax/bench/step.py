@@ -160,17 +160,20 @@ def workload_lengths(spec: str, max_model_len: int) -> list[tuple[int, int]]:
     return lengths
 
 
-def _variant(plan: dict, mode: str) -> tuple[dict, str, bool]:
+def _variant(plan: dict, mode: str) -> tuple[dict, str, bool, bool | None]:
     """'overlap:0.25' runs the plan with every attention nano-op at share 0.25;
     'overlap:1.0:nogroups' turns off the executor's XLA scheduling groups (the ablation
-    that shows what they do)."""
+    that shows what they do); 'overlap:0.5:gemm0.5' also gives every GEMM nano-op share
+    0.5 and bounds its grid (layers/matmul.py, whatever NANOJAX_GEMM_SHARES says)."""
     base, *opts = mode.split(":")
     plan = copy.deepcopy(plan)
-    if opts and opts[0]:
-        for op in plan["nano_ops"]:
-            if op["op"] == "attention":
-                op["share"] = float(opts[0])
-    return plan, base, "nogroups" not in opts
+    gemm = next((float(o[4:]) for o in opts[1:] if o.startswith("gemm")), None)
+    for op in plan["nano_ops"]:
+        if op["op"] == "attention" and opts and opts[0]:
+            op["share"] = float(opts[0])
+        elif op["op"] != "attention" and gemm is not None:
+            op["share"] = gemm
+    return plan, base, "nogroups" not in opts, (True if gemm is not None else None)
 
 
 def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[str],
@@ -206,8 +209,9 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
                    for w in workloads}
         tokens = {}
         for mode in modes:
-            p, base, groups = _variant(sized, mode)
-            fwd = PipelineForward(cfg, p, base, scheduling_groups=groups)
+            p, base, groups, gemm_shares = _variant(sized, mode)
+            fwd = PipelineForward(cfg, p, base, scheduling_groups=groups,
+                                  gemm_shares=gemm_shares)
             if params is None:
                 params = fwd.prepare(bundle.params)
                 kv = fwd.init_kv(num_pages, page_size)
@@ -240,6 +244,17 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
                     r["fraction_of_optimal"] = r["tokens_per_s"] / roof["optimal_tokens_per_s"]
                     r["fraction_of_optimal_at_790_tflops"] = r["tokens_per_s"] / (
                         optimal_tokens_per_s(cfg, CARD_TFLOPS * 1e12))
+                    r["optimal_tokens_per_s"] = roof["optimal_tokens_per_s"]
+                    r["gemm_tflops"] = roof["gemm_flops_per_s"] / 1e12
+                # do the modes compute the same function on the same batch? (against the
+                # first mode, row by row, so a run cut short keeps the comparison)
+                ref_mode = next(iter(tokens[w]))
+                ref_tok, ref_logits = tokens[w][ref_mode]
+                r["same_tokens_as_" + ref_mode] = float(np.mean(out[0] == ref_tok))
+                # which sequences differ (decodes come first): where to look next
+                r["differing_sequences"] = np.flatnonzero(out[0] != ref_tok)[:32].tolist()
+                r["logits_max_diff_over_std"] = float(
+                    np.max(np.abs(out[1] - ref_logits)) / float(np.std(ref_logits)))
                 if timeline_png and b_dense == b_dense_list[0] and w == workloads[0]:
                     args = (b.tokens, b.meta, b.logit_idx)
                     holder = {}
@@ -256,23 +271,6 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
             del step, fwd
             if checkpoint:
                 checkpoint({"partial": True, "results": results})
-        for w in tokens:  # do the modes compute the same function on the same batch?
-            ref_mode = next(iter(tokens[w]))
-            ref_tok, ref_logits = tokens[w][ref_mode]
-            scale = float(np.std(ref_logits))
-            for r in results:
-                if r["b_dense"] == b_dense and r.get("workload") == w:
-                    tok, logits = tokens[w][r["mode"]]
-                    r["same_tokens_as_" + ref_mode] = float(np.mean(tok == ref_tok))
-                    # which sequences differ (decodes come first): where to look next
-                    r["differing_sequences"] = np.flatnonzero(tok != ref_tok)[:32].tolist()
-                    r["logits_max_diff_over_std"] = float(
-                        np.max(np.abs(logits - ref_logits)) / scale)
-        if roof:
-            for r in results:
-                if r["b_dense"] == b_dense:
-                    r["optimal_tokens_per_s"] = roof["optimal_tokens_per_s"]
-                    r["gemm_tflops"] = roof["gemm_flops_per_s"] / 1e12
     bar.close()
     ratios = []
     for b_dense in b_dense_list:

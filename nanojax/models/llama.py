@@ -8,6 +8,8 @@ parallelism.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
@@ -37,6 +39,7 @@ class Linear(nn.Module):
     features: int
     dtype: jnp.dtype
     use_bias: bool = False
+    matmul: Callable | None = None  # None: jnp.dot (layers/matmul.py: a GEMM at a share)
 
     @nn.compact
     def __call__(self, x):
@@ -45,7 +48,7 @@ class Linear(nn.Module):
         # output in the model dtype (GPUs accumulate bf16 GEMMs in f32 anyway): an f32
         # output plus a convert costs a separate kernel inside stream regions, where XLA
         # does not fold the convert into the GEMM (H200 timeline: ~28 us per GEMM)
-        y = jnp.dot(x.astype(self.dtype), kernel)
+        y = (self.matmul or jnp.dot)(x.astype(self.dtype), kernel)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y
@@ -53,18 +56,19 @@ class Linear(nn.Module):
 
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
+    matmul: Callable | None = None  # every projection's GEMM (None: jnp.dot)
 
     def setup(self):
-        c, dt = self.cfg, _dtype(self.cfg)
+        c, dt, mm = self.cfg, _dtype(self.cfg), self.matmul
         self.input_norm = RMSNorm(c.rms_norm_eps, dt)
-        self.q_proj = Linear(c.q_size, dt, c.attention_bias)
-        self.k_proj = Linear(c.kv_size, dt, c.attention_bias)
-        self.v_proj = Linear(c.kv_size, dt, c.attention_bias)
-        self.o_proj = Linear(c.hidden_size, dt)
+        self.q_proj = Linear(c.q_size, dt, c.attention_bias, mm)
+        self.k_proj = Linear(c.kv_size, dt, c.attention_bias, mm)
+        self.v_proj = Linear(c.kv_size, dt, c.attention_bias, mm)
+        self.o_proj = Linear(c.hidden_size, dt, matmul=mm)
         self.post_attention_norm = RMSNorm(c.rms_norm_eps, dt)
-        self.gate_proj = Linear(c.intermediate_size, dt)
-        self.up_proj = Linear(c.intermediate_size, dt)
-        self.down_proj = Linear(c.hidden_size, dt)
+        self.gate_proj = Linear(c.intermediate_size, dt, matmul=mm)
+        self.up_proj = Linear(c.intermediate_size, dt, matmul=mm)
+        self.down_proj = Linear(c.hidden_size, dt, matmul=mm)
 
     def qkv(self, x):
         """[T, hidden] -> q [T, H, D], k, v [T, KVH, D] (unrotated)."""

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from nanojax.config import ModelConfig
 from nanojax.engine.forward import UnrolledForward, default_forward
 from nanojax.layers.attention import PagedMetadata, slice_metadata
+from nanojax.layers.matmul import matmul_at
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
 from nanojax.pipeline.plan import (OP_GROUPS, PRODUCER, PlanError, ablation, check_model,
                                    validate)
@@ -104,7 +105,8 @@ class PipelineForward(UnrolledForward):
     """The Forward interface (see engine/forward.py) driven by a plan."""
 
     def __init__(self, cfg: ModelConfig, plan: dict, mode: str = "overlap", attention=None,
-                 num_sms: int = 132, ctas_per_sm: int = 4, scheduling_groups: bool = True):
+                 num_sms: int = 132, ctas_per_sm: int = 4, scheduling_groups: bool = True,
+                 gemm_shares: bool | None = None):
         validate(plan)
         check_model(plan, cfg)
         self.plan = ablation(plan, mode)
@@ -114,6 +116,7 @@ class PipelineForward(UnrolledForward):
             attention = default_forward(cfg).attention
         super().__init__(cfg, attention)
         self.num_sms, self.ctas_per_sm = num_sms, ctas_per_sm
+        self.gemm_shares = gemm_shares  # None: NANOJAX_GEMM_SHARES decides
         self.chunk_cuts = tuple(a for a, _ in self.plan["nano_batches"]["attention"][1:])
         self.groups = (overlap_groups(self.plan)
                        if scheduling_groups and streams_enabled() else {})
@@ -155,9 +158,13 @@ class PipelineForward(UnrolledForward):
         return model.apply(params, x[logit_idx], method=LlamaForCausalLM.logits), new_kv
 
     def _nano_op(self, op, lp, x, meta, ranges, out, kv_layer, placed):
-        """Emits one nano-op; returns the layer's KV pages (changed by attention only)."""
-        layer, inv_freq = DecoderLayer(self.cfg), self.model.inv_freq
+        """Emits one nano-op; returns the layer's KV pages (changed by attention only).
+        A GEMM nano-op's share bounds its matmuls' grid where enabled (layers/matmul.py)."""
         g, k = op["op"], op["batch"]
+        share = float(op.get("share", 1.0))
+        layer = DecoderLayer(self.cfg, matmul=None if g == "attention" else
+                             matmul_at(share, self.num_sms, self.gemm_shares))
+        inv_freq = self.model.inv_freq
         a, b = ranges[g][k]
         stream = op.get("stream", 0)
         if g == "qkv":
@@ -166,8 +173,7 @@ class PipelineForward(UnrolledForward):
         elif g == "attention":
             q, kk, vv = _gather(out["qkv"], ranges["qkv"], a, b)
             m = slice_metadata(meta, a, b)
-            attend = self.attention.attend_at(float(op.get("share", 1.0)), self.num_sms,
-                                              self.ctas_per_sm)
+            attend = self.attention.attend_at(share, self.num_sms, self.ctas_per_sm)
 
             def f(q, kk, vv, kvl, m):
                 kvl = self.attention.append(kk, vv, kvl, m, inv_freq)
