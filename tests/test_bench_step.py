@@ -52,11 +52,12 @@ def test_step_bench_modes_agree_on_the_cpu(tmp_path):
                          {"op": "o_proj", "batch": 1}, {"op": "mlp", "batch": 1},
                          {"op": "o_proj", "batch": 0}, {"op": "mlp", "batch": 0}]}
     saved = []
-    out = run_step_bench(bundle, plan, [64], ["32/32"], ["non-overlap", "overlap",
-                                                         "overlap:0.25:nogroups:gemm0.5"],
+    modes = ["non-overlap", "overlap", "overlap:0.25:nogroups:gemm0.5",
+             "overlap:1.0:keepinputs"]
+    out = run_step_bench(bundle, plan, [64], ["32/32"], modes,
                          num_pages=512, max_model_len=256, repeats=1, progress=False,
                          timeline_png=str(tmp_path / "t.png"), checkpoint=saved.append)
-    assert len(saved) == 3 and saved[-1]["partial"]
+    assert len(saved) == len(modes) and saved[-1]["partial"]
     for r in out["results"]:
         assert r["same_tokens_as_non-overlap"] == 1.0
         assert r["logits_max_diff_over_std"] < 1e-4
@@ -65,7 +66,7 @@ def test_step_bench_modes_agree_on_the_cpu(tmp_path):
     assert "overlap_over_non_overlap" in out["ratios"][0]
     assert (tmp_path / "t.png").stat().st_size > 10_000
     events = json.loads((tmp_path / "t.events.json").read_text())
-    assert set(events) == {"non-overlap", "overlap", "overlap:0.25:nogroups:gemm0.5"}
+    assert set(events) == set(modes)
 
 
 def _event(stream, kind, start, dur):

@@ -147,14 +147,14 @@ def cmd_step(args) -> int:
         for m in modes:
             base, *opts = m.split(":")
             if base not in MODES or (opts and opts[0] and not 0 < float(opts[0]) <= 1) \
-                    or any(o != "nogroups" and not (o.startswith("gemm")
-                                                    and 0 < float(o[4:]) <= 1)
+                    or any(o not in ("nogroups", "keepinputs")
+                           and not (o.startswith("gemm") and 0 < float(o[4:]) <= 1)
                            for o in opts[1:]):
                 raise ValueError(m)
     except ValueError as e:
         raise NanojaxError(f"bad --b-dense or --modes ({e}): B_dense values are integers; a "
                            f"mode is one of {MODES}, optionally ':SHARE' in (0, 1], "
-                           "':nogroups' and ':gemmSHARE'") from None
+                           "':nogroups', ':keepinputs' and ':gemmSHARE'") from None
     if any(b <= 0 for b in b_dense):
         raise NanojaxError(f"B_dense must be positive, got {args.b_dense}")
     plan = load_plan(args.plan)

@@ -164,7 +164,8 @@ def _variant(plan: dict, mode: str) -> tuple[dict, str, bool, bool | None]:
     """'overlap:0.25' runs the plan with every attention nano-op at share 0.25;
     'overlap:1.0:nogroups' turns off the executor's XLA scheduling groups (the ablation
     that shows what they do); 'overlap:0.5:gemm0.5' also gives every GEMM nano-op share
-    0.5 and bounds its grid (layers/matmul.py, whatever NANOJAX_GEMM_SHARES says)."""
+    0.5 and bounds its grid (layers/matmul.py, whatever NANOJAX_GEMM_SHARES says);
+    ':keepinputs' makes side-stream regions return their inputs (PipelineForward)."""
     base, *opts = mode.split(":")
     plan = copy.deepcopy(plan)
     gemm = next((float(o[4:]) for o in opts[1:] if o.startswith("gemm")), None)
@@ -211,7 +212,8 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
         for mode in modes:
             p, base, groups, gemm_shares = _variant(sized, mode)
             fwd = PipelineForward(cfg, p, base, scheduling_groups=groups,
-                                  gemm_shares=gemm_shares)
+                                  gemm_shares=gemm_shares,
+                                  keep_inputs="keepinputs" in mode.split(":"))
             if params is None:
                 params = fwd.prepare(bundle.params)
                 kv = fwd.init_kv(num_pages, page_size)

@@ -106,7 +106,7 @@ class PipelineForward(UnrolledForward):
 
     def __init__(self, cfg: ModelConfig, plan: dict, mode: str = "overlap", attention=None,
                  num_sms: int = 132, ctas_per_sm: int = 4, scheduling_groups: bool = True,
-                 gemm_shares: bool | None = None):
+                 gemm_shares: bool | None = None, keep_inputs: bool = False):
         validate(plan)
         check_model(plan, cfg)
         self.plan = ablation(plan, mode)
@@ -117,6 +117,10 @@ class PipelineForward(UnrolledForward):
         super().__init__(cfg, attention)
         self.num_sms, self.ctas_per_sm = num_sms, ctas_per_sm
         self.gemm_shares = gemm_shares  # None: NANOJAX_GEMM_SHARES decides
+        # a diagnostic for the GPU-only token differences of the overlap mode: if a
+        # region's input buffer were reused while the region still runs on its stream,
+        # returning the inputs from the region would keep them alive to its done
+        self.keep_inputs = keep_inputs
         self.chunk_cuts = tuple(a for a, _ in self.plan["nano_batches"]["attention"][1:])
         self.groups = (overlap_groups(self.plan)
                        if scheduling_groups and streams_enabled() else {})
@@ -136,11 +140,18 @@ class PipelineForward(UnrolledForward):
         new_kv = []
         chain = None  # the last main-stream nano-op's output: the next one waits for it
 
-        def placed(f, stream, *args):
+        def placed(f, stream, *args, keep=None):
+            """f on its stream; keep: which args a side-stream region also returns when
+            keep_inputs is on (never the KV pages: keeping their old version copies them)."""
             nonlocal chain
             if stream == 0 and chain is not None:
                 args, _ = jax.lax.optimization_barrier((args, chain))
-            out = on_stream(f, stream)(*args)
+            if stream == 0 or not self.keep_inputs:
+                out = on_stream(f, stream)(*args)
+            else:  # the region's inputs come out of it, so they live until it is done
+                idx = range(len(args)) if keep is None else keep
+                out, kept = on_stream(lambda *a: (f(*a), [a[i] for i in idx]), stream)(*args)
+                out, _ = jax.lax.optimization_barrier((out, kept))
             if stream == 0:
                 chain = out
             return out
@@ -178,7 +189,7 @@ class PipelineForward(UnrolledForward):
             def f(q, kk, vv, kvl, m):
                 kvl = self.attention.append(kk, vv, kvl, m, inv_freq)
                 return attend(q, kvl, m, inv_freq), kvl
-            o, kv_layer = placed(f, stream, q, kk, vv, kv_layer, m)
+            o, kv_layer = placed(f, stream, q, kk, vv, kv_layer, m, keep=(0, 1, 2, 4))
             out[g][k], kv_layer = jax.lax.optimization_barrier((o, kv_layer))
         elif g == "o_proj":
             attn = _gather(out["attention"], ranges["attention"], a, b)
