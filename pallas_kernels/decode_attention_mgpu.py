@@ -29,17 +29,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.mosaic_gpu_support import interpret_params
+
 _ROWS = 64  # WGMMA tile height
 _QROWS = 8  # query rows copied per unit (the group, padded to a TMA tile)
-
-
-def _interpret_params():
-    """Mosaic GPU's CPU interpreter (a public name in newer jax, private in 0.10)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    if hasattr(plgpu, "InterpretParams"):
-        return plgpu.InterpretParams()
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    return InterpretGPUParams()
 
 
 def unsupported(q, k_pages) -> str | None:
@@ -218,7 +211,7 @@ def decode_attention_mgpu(q, k_pages, v_pages, page_table, context_lens, *,
         kernel, out_type=jax.ShapeDtypeStruct((b, kvh, _QROWS, d), dtype),
         scratch_types=scratch, grid=(nprog,), grid_names=("p",), **threads,
         compiler_params=None if interpret else plgpu.CompilerParams(approx_math=approx_math),
-        interpret=_interpret_params() if interpret else None,
+        interpret=interpret_params() if interpret else None,
     )(qg, k_pages.reshape(n * kvh, ps, d), v_pages.reshape(n * kvh, ps, d),
       page_table.astype(jnp.int32), context_lens.astype(jnp.int32))
     return out[:, :, :g].reshape(b, h, d)

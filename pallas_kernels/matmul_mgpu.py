@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.decode_attention_mgpu import _interpret_params
+from pallas_kernels.mosaic_gpu_support import interpret_params
 
 
 def default_config():
@@ -73,7 +73,7 @@ def matmul_mgpu(a, b, *, num_programs: int | None = None, config=None,
         out_type=jax.ShapeDtypeStruct((m, n), a.dtype),
         grid=(max(1, min(num_programs, tiles)),), grid_names=("cluster_grid",),
         cluster=(1,), cluster_names=("cluster",), num_threads=3, thread_name="wg",
-        compiler_params=params, interpret=_interpret_params() if interpret else None,
+        compiler_params=params, interpret=interpret_params() if interpret else None,
     )(a, b, None)
 
 

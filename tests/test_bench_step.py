@@ -69,6 +69,17 @@ def test_step_bench_modes_agree_on_the_cpu(tmp_path):
     assert set(events) == set(modes)
 
 
+def test_step_modes_parse_into_their_options():
+    from nanojax.bench.step import parse_mode
+    m = parse_mode("overlap:0.25:nogroups:gemm0.5:keepinputs")
+    assert m == {"base": "overlap", "attention_share": 0.25, "gemm_share": 0.5,
+                 "scheduling_groups": False, "keep_inputs": True}
+    assert parse_mode("non-overlap")["attention_share"] is None
+    for bad in ("overlap:0", "overlap:0.5:foo", "overlap::gemm2", "sideways"):
+        with pytest.raises(ValueError, match=bad):
+            parse_mode(bad)
+
+
 def _event(stream, kind, start, dur):
     return {"stream": stream, "name": kind, "hlo_op": "", "kind": kind,
             "start_us": start, "dur_us": dur}

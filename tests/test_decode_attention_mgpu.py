@@ -9,6 +9,7 @@ import pytest
 
 from pallas_kernels.decode_attention import decode_attention_reference
 from pallas_kernels.decode_attention_mgpu import decode_attention_mgpu
+from pallas_kernels.mosaic_gpu_support import on_hopper
 
 REL_TOL_BF16 = 1e-2  # bf16 inputs and output, f32 accumulation
 
@@ -57,7 +58,7 @@ def test_shapes_it_cannot_tile_are_refused():
 @pytest.mark.parametrize("programs,block_k,stages,wgs", [(66, 64, 4, 1), (132, 128, 2, 1),
                                                         (66, 64, 2, 2)])
 def test_kernel_on_gpu(programs, block_k, stages, wgs):
-    if float(getattr(jax.devices()[0], "compute_capability", "0")) < 9.0:
+    if not on_hopper():
         pytest.skip("Mosaic GPU needs a Hopper (sm_90) or newer GPU")
     q, k, v, pt, lens = _case(1, 64, 8, 4, 128, 16, 64)
     out = decode_attention_mgpu(q, k, v, pt, lens, num_programs=programs, block_k=block_k,
@@ -101,8 +102,6 @@ def test_a_share_is_whole_sms_for_mosaic_and_auto_picks_by_device_and_operands()
     assert decode_programs("mosaic", 1.0, 132) is None and decode_programs("triton", None,
                                                                             132) is None
     q, k, *_ = _case(0, 2, 2, 4, 128, 16, 2)
-    on_hopper = (jax.devices()[0].platform == "gpu"
-                 and float(getattr(jax.devices()[0], "compute_capability", 0)) >= 9.0)
-    assert choose_decode_kernel("auto", q, k) == ("mosaic" if on_hopper else "triton")
+    assert choose_decode_kernel("auto", q, k) == ("mosaic" if on_hopper() else "triton")
     assert choose_decode_kernel("auto", q.astype(jnp.float32), k) == "triton"  # f32
     assert choose_decode_kernel("triton", q, k) == "triton"

@@ -136,21 +136,14 @@ def cmd_throughput(args) -> int:
 
 def cmd_step(args) -> int:
     from checkpoints.loader import load_model
-    from nanojax.bench.step import run_step_bench
-    from nanojax.pipeline.plan import load_plan
-
+    from nanojax.bench.step import parse_mode, run_step_bench
     from nanojax.errors import NanojaxError
-    from nanojax.pipeline.plan import MODES
+    from nanojax.pipeline.plan import MODES, load_plan
     try:  # check the arguments before the model loads
         b_dense = [int(b) for b in args.b_dense.split(",")]
         modes = args.modes.split(",")
         for m in modes:
-            base, *opts = m.split(":")
-            if base not in MODES or (opts and opts[0] and not 0 < float(opts[0]) <= 1) \
-                    or any(o not in ("nogroups", "keepinputs")
-                           and not (o.startswith("gemm") and 0 < float(o[4:]) <= 1)
-                           for o in opts[1:]):
-                raise ValueError(m)
+            parse_mode(m)
     except ValueError as e:
         raise NanojaxError(f"bad --b-dense or --modes ({e}): B_dense values are integers; a "
                            f"mode is one of {MODES}, optionally ':SHARE' in (0, 1], "

@@ -74,10 +74,11 @@ def run_peer_subprocess(args_list: list[str], timeout: float = 900) -> dict:
     try:
         p = subprocess.run([sys.executable, "-m", "nanojax.bench.peer", *args_list],
                            capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
+    except subprocess.TimeoutExpired as e:  # its output comes back as bytes here
+        tail = e.stderr or b""
         return {"error": f"the peer did not finish within {timeout:.0f} s",
-                "stderr_tail": (e.stderr or b"")[-1500:].decode(errors="replace")
-                if isinstance(e.stderr, bytes) else (e.stderr or "")[-1500:]}
+                "stderr_tail": (tail.decode(errors="replace") if isinstance(tail, bytes)
+                                else tail)[-1500:]}
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode != 0 or not lines:
         return {"error": (p.stderr or p.stdout)[-1500:]}

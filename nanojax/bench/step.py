@@ -160,21 +160,48 @@ def workload_lengths(spec: str, max_model_len: int) -> list[tuple[int, int]]:
     return lengths
 
 
-def _variant(plan: dict, mode: str) -> tuple[dict, str, bool, bool | None]:
-    """'overlap:0.25' runs the plan with every attention nano-op at share 0.25;
-    'overlap:1.0:nogroups' turns off the executor's XLA scheduling groups (the ablation
-    that shows what they do); 'overlap:0.5:gemm0.5' also gives every GEMM nano-op share
-    0.5 and bounds its grid (layers/matmul.py, whatever NANOJAX_GEMM_SHARES says);
-    ':keepinputs' makes side-stream regions return their inputs (PipelineForward)."""
+def parse_mode(mode: str) -> dict:
+    """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs][:gemmSHARE]:
+    'overlap:0.25' runs the plan with every attention nano-op at share 0.25; 'nogroups'
+    turns off the executor's XLA scheduling groups (the ablation that shows what they do);
+    'gemm0.5' gives every GEMM nano-op share 0.5 and bounds its grid (layers/matmul.py,
+    whatever NANOJAX_GEMM_SHARES says); 'keepinputs' makes side-stream regions return
+    their inputs (PipelineForward). ValueError names a bad mode."""
+    from nanojax.pipeline.plan import MODES
     base, *opts = mode.split(":")
+    out = {"base": base, "attention_share": None, "gemm_share": None,
+           "scheduling_groups": True, "keep_inputs": False}
+    try:
+        if opts and opts[0]:
+            out["attention_share"] = float(opts[0])
+        for o in opts[1:]:
+            if o == "nogroups":
+                out["scheduling_groups"] = False
+            elif o == "keepinputs":
+                out["keep_inputs"] = True
+            elif o.startswith("gemm"):
+                out["gemm_share"] = float(o[4:])
+            else:
+                raise ValueError
+    except ValueError:
+        raise ValueError(mode) from None
+    if base not in MODES or any(s is not None and not 0 < s <= 1
+                                for s in (out["attention_share"], out["gemm_share"])):
+        raise ValueError(mode)
+    return out
+
+
+def _variant(plan: dict, mode: str):
+    """The plan and PipelineForward arguments of a mode (parse_mode)."""
+    m = parse_mode(mode)
     plan = copy.deepcopy(plan)
-    gemm = next((float(o[4:]) for o in opts[1:] if o.startswith("gemm")), None)
     for op in plan["nano_ops"]:
-        if op["op"] == "attention" and opts and opts[0]:
-            op["share"] = float(opts[0])
-        elif op["op"] != "attention" and gemm is not None:
-            op["share"] = gemm
-    return plan, base, "nogroups" not in opts, (True if gemm is not None else None)
+        share = m["attention_share"] if op["op"] == "attention" else m["gemm_share"]
+        if share is not None:
+            op["share"] = share
+    return plan, m["base"], dict(scheduling_groups=m["scheduling_groups"],
+                                 keep_inputs=m["keep_inputs"],
+                                 gemm_shares=True if m["gemm_share"] is not None else None)
 
 
 def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[str],
@@ -210,10 +237,8 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
                    for w in workloads}
         tokens = {}
         for mode in modes:
-            p, base, groups, gemm_shares = _variant(sized, mode)
-            fwd = PipelineForward(cfg, p, base, scheduling_groups=groups,
-                                  gemm_shares=gemm_shares,
-                                  keep_inputs="keepinputs" in mode.split(":"))
+            p, base, options = _variant(sized, mode)
+            fwd = PipelineForward(cfg, p, base, **options)
             if params is None:
                 params = fwd.prepare(bundle.params)
                 kv = fwd.init_kv(num_pages, page_size)

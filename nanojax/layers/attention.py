@@ -188,9 +188,8 @@ def choose_decode_kernel(name: str, q, k_pages) -> str:
     if name != "auto":
         return name
     from pallas_kernels.decode_attention_mgpu import unsupported
-    dev = jax.devices()[0]
-    hopper = dev.platform == "gpu" and float(getattr(dev, "compute_capability", 0)) >= 9.0
-    return "mosaic" if hopper and unsupported(q, k_pages) is None else "triton"
+    from pallas_kernels.mosaic_gpu_support import on_hopper
+    return "mosaic" if on_hopper() and unsupported(q, k_pages) is None else "triton"
 
 
 def decode_programs(kernel: str, share: float | None, num_sms: int, ctas_per_sm: int = 4):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 
 
@@ -27,9 +26,8 @@ def matmul_at(share: float, num_sms: int = 132, enabled: bool | None = None,
     enabled = gemm_shares_enabled() if enabled is None else enabled
     if share >= 1.0 or not enabled:
         return None
-    dev = jax.devices()[0]
-    if not interpret and not (dev.platform == "gpu"
-                              and float(getattr(dev, "compute_capability", 0)) >= 9.0):
+    from pallas_kernels.mosaic_gpu_support import on_hopper
+    if not interpret and not on_hopper():
         return None
     programs = max(1, round(share * num_sms))
 
