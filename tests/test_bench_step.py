@@ -53,15 +53,18 @@ def test_step_bench_modes_agree_on_the_cpu(tmp_path):
                          {"op": "o_proj", "batch": 0}, {"op": "mlp", "batch": 0}]}
     saved = []
     modes = ["non-overlap", "overlap", "overlap:0.25:nogroups:gemm0.5",
-             "overlap:1.0:keepinputs"]
+             "overlap:1.0:keepinputs", "overlap:1.0:keepall"]
     out = run_step_bench(bundle, plan, [64], ["32/32"], modes,
                          num_pages=512, max_model_len=256, repeats=1, progress=False,
-                         timeline_png=str(tmp_path / "t.png"), checkpoint=saved.append)
+                         timeline_png=str(tmp_path / "t.png"), checkpoint=saved.append,
+                         f32_reference=True)
     assert len(saved) == len(modes) and saved[-1]["partial"]
     for r in out["results"]:
         assert r["same_tokens_as_non-overlap"] == 1.0
         assert r["logits_max_diff_over_std"] < 1e-4
         assert r["repeat_same_tokens"] == 1.0 and r["repeat_logits_max_abs_diff"] == 0.0
+        # the tiny model is float32 already: the reference is the same computation
+        assert r["same_tokens_as_f32"] == 1.0 and r["logits_max_diff_over_std_vs_f32"] < 1e-4
         assert r["timeline"]["span_us"] > 0
     assert "overlap_over_non_overlap" in out["ratios"][0]
     assert (tmp_path / "t.png").stat().st_size > 10_000
@@ -73,7 +76,9 @@ def test_step_modes_parse_into_their_options():
     from nanojax.bench.step import parse_mode
     m = parse_mode("overlap:0.25:nogroups:gemm0.5:keepinputs")
     assert m == {"base": "overlap", "attention_share": 0.25, "gemm_share": 0.5,
-                 "scheduling_groups": False, "keep_inputs": True}
+                 "scheduling_groups": False, "keep_inputs": True,
+                 "keep_intermediates": False}
+    assert parse_mode("overlap:1.0:keepall")["keep_intermediates"]
     assert parse_mode("non-overlap")["attention_share"] is None
     for bad in ("overlap:0", "overlap:0.5:foo", "overlap::gemm2", "sideways"):
         with pytest.raises(ValueError, match=bad):
@@ -211,13 +216,22 @@ def test_merge_throughput_takes_ratios_from_rows_of_one_process(tmp_path):
         (tmp_path / run / "step_2048.json").write_text(json.dumps(
             {"command": f"nanojax bench step {run}", "partial": run == "b", "results": rows}))
     (tmp_path / "a" / "peer_128.json").write_text(json.dumps({"total_tokens_per_s": 1000.0}))
+    (tmp_path / "c").mkdir()  # engine runs only: one beside the peer, one in another call
+    wl = {"num_prompts": 128, "input_len": 512, "output_len": 512}
+    for name, tps, peer in (("engine_peer.json", 1500.0, {"total_tokens_per_s": 1200.0}),
+                            ("engine_warm.json", 12000.0, None)):
+        (tmp_path / "c" / name).write_text(json.dumps(
+            {"command": f"nanojax bench {name}", "workload": wl, "peer": peer,
+             "results": {"async": {"total_tokens_per_s": tps}}}))
     out = tmp_path / "m.json"
     subprocess.run([sys.executable, "bench/scripts/merge_throughput.py", str(tmp_path / "a"),
-                    str(tmp_path / "b"), "--out", str(out), "--png", str(tmp_path / "m.png")],
-                   check=True, capture_output=True)
+                    str(tmp_path / "b"), str(tmp_path / "c"), "--out", str(out), "--png",
+                    str(tmp_path / "m.png")], check=True, capture_output=True)
     res = json.loads(out.read_text())
     assert res["step_ratios"] == [{"run": "a", "b_dense": 2048, "workload": "512/512",
                                    "overlap_over_non_overlap": 1.25}]
     assert res["partial"] == ["nanojax bench step b"] and len(res["step"]) == 3
     assert res["peer_separate_call"]["total_tokens_per_s"] == 1000.0
+    assert [(r["ours"], r["peer_from"], r["ratio"]) for r in res["ours_over_peer_across_calls"]
+            ] == [("c/engine_warm.json", "c/engine_peer.json", 10.0)]
     assert (tmp_path / "m.png").stat().st_size > 10_000

@@ -248,3 +248,25 @@ def test_compile_count_is_bounded(tiny_bundle):
     assert first <= 27
     run(150)
     assert eng.runner.num_compiles - first <= 2, "steady state recompiled"
+
+
+def test_fixed_shapes_compile_every_step_at_warmup_and_none_while_serving(tiny_bundle):
+    """A serving start compiles each token bucket once; requests then never recompile,
+    and the tokens are those of the bucketed engine (padding rows change nothing)."""
+    def serve(fixed):
+        eng = LLMEngine(tiny_bundle, EngineConfig(
+            b_dense=64, num_pages=128, max_model_len=128, max_num_seqs=8,
+            fixed_shapes=fixed))
+        if fixed:
+            assert eng.runner.warmup() == len(eng.runner.token_buckets()) == 3  # 16, 32, 64
+        before = eng.runner.num_compiles
+        rng = np.random.default_rng(1)
+        ids = [eng.add_request(rng.integers(0, 500, size=int(n)).tolist(),
+                               SamplingParams(max_tokens=9, temperature=0, ignore_eos=True))
+               for n in rng.integers(1, 100, size=12)]
+        done = eng.run_to_completion()
+        return [done[i].token_ids for i in ids], eng.runner.num_compiles - before
+
+    fixed_tokens, compiles = serve(True)
+    assert compiles == 0
+    assert fixed_tokens == serve(False)[0]

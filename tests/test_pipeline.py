@@ -198,14 +198,14 @@ def test_scheduling_group_lands_on_the_stream_call():
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=False, reason="open: on the H200 the overlap mode differed from "
-                   "non-overlap on 3-79% of sequences at B_dense 512 (32 layers; "
-                   "bench/results/throughput_triton/step_bdense_sweep.json); nanobatch-only "
-                   "is identical, so suspect a race between stream regions")
-def test_overlap_on_the_gpu_gives_the_non_overlap_tokens(tmp_path):
-    """The ablation modes on real streams, at the B_dense and workloads where the 32-layer
-    run saw the overlap mode's tokens differ. Through the CLI, in its own process: the
-    stream flags must be in XLA_FLAGS before the backend starts."""
+def test_the_modes_compute_the_same_function_on_the_gpu(tmp_path):
+    """On the GPU the modes' tokens need not match bit for bit: XLA picks a GEMM kernel per
+    shape (M 256 vs 512) and per place (inside a side-stream region it calls cuBLAS where
+    the main stream gets a Triton GEMM fusion), and bf16 rounding differs with the kernel
+    (bench/results/mode_agreement/). What must hold: each mode is deterministic (a race
+    would not repeat itself), no mode is farther from the float32 computation than
+    non-overlap is, and the modes differ from each other by less than bf16 differs from
+    float32. Through the CLI, in its own process: the stream flags must be set first."""
     import os
     import subprocess
     import sys
@@ -214,15 +214,18 @@ def test_overlap_on_the_gpu_gives_the_non_overlap_tokens(tmp_path):
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     subprocess.run([sys.executable, "-m", "nanojax", "bench", "step", "--model",
                     "random:llama3-8b", "--num-layers", "4", "--plan", "llama3-8b-1gpu",
-                    "--b-dense", "512", "--workloads", "splitwise,sharegpt", "--modes",
-                    "non-overlap,nanobatch-only,overlap,overlap:1.0:keepinputs",
-                    "--repeats", "1", "--num-pages", "4096", "--quiet", "--json", str(out)],
+                    "--b-dense", "512,2048", "--workloads", "splitwise,sharegpt", "--modes",
+                    "non-overlap,nanobatch-only,overlap", "--repeats", "2", "--f32-reference",
+                    "--num-pages", "8192", "--quiet", "--json", str(out)],
                    check=True, timeout=600, env=env)
-    # every row's verdict in one message: which modes repeat themselves (a race would
-    # not), and which match non-overlap (does keeping the regions' inputs alive fix it?)
     rows = json.loads(out.read_text())["results"]
-    bad = [(r["mode"], r.get("workload"), r.get("error") or (
-        r["repeat_same_tokens"], r["same_tokens_as_non-overlap"], r["differing_sequences"]))
-        for r in rows if "error" in r or r["repeat_same_tokens"] < 1.0
-        or r["same_tokens_as_non-overlap"] < 1.0]
+    assert not [r for r in rows if "error" in r]
+    base = {(r["b_dense"], r["workload"]): r["logits_max_diff_over_std_vs_f32"]
+            for r in rows if r["mode"] == "non-overlap"}
+    bad = [(r["mode"], r["b_dense"], r["workload"], r["repeat_same_tokens"],
+            r["logits_max_diff_over_std"], r["logits_max_diff_over_std_vs_f32"],
+            base[r["b_dense"], r["workload"]]) for r in rows
+           if r["repeat_same_tokens"] < 1.0 or r["repeat_logits_max_abs_diff"] > 0
+           or r["logits_max_diff_over_std_vs_f32"] > 1.25 * base[r["b_dense"], r["workload"]]
+           or r["logits_max_diff_over_std"] > base[r["b_dense"], r["workload"]]]
     assert not bad, bad

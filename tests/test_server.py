@@ -326,7 +326,8 @@ def _metrics(server) -> dict:
 def test_sigterm_exits_cleanly(tmp_path):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "nanojax", "serve", "--port", str(port),
-                             "--max-model-len", "256", "--num-pages", "32", "--b-dense", "32"],
+                             "--max-model-len", "256", "--num-pages", "32", "--b-dense", "32",
+                             "--compile-at-start"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 180
@@ -341,6 +342,7 @@ def test_sigterm_exits_cleanly(tmp_path):
             pytest.fail("server did not start")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+        assert "compiled 2 step shapes" in proc.stdout.read()  # token buckets 16 and 32
     finally:
         if proc.poll() is None:
             proc.kill()

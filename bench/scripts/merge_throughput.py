@@ -2,8 +2,9 @@
 a markdown table and a throughput bar chart.
 
 The step files give steady-state iteration throughput per mode (ratios within one process);
-the engine file gives end-to-end throughput of the engine and of the transformers peer on
-the same requests in the same run.
+the engine files (engine_*.json) give end-to-end throughput of the engine, and of the
+transformers peer on the same requests where it ran in the same call. A DIR may hold
+engine files only.
 
 Several DIRs (e.g. one per decode kernel) merge into one file; each row names its DIR.
 A peer run made in a separate call (peer_*.json, `python -m nanojax.bench.peer ...` output)
@@ -16,7 +17,7 @@ import json
 from pathlib import Path
 
 STEP_FILES = ("step_2048.json", "step_bdense_sweep.json")
-ENGINE_FILE = "engine_peer_512_512.json"
+ENGINE_GLOB = "engine_*.json"  # the engine end to end, with the peer where it ran beside
 KEEP = ("b_dense", "workload", "mode", "step_s", "tokens_per_s", "fraction_of_optimal",
         "fraction_of_optimal_at_790_tflops", "optimal_tokens_per_s", "gemm_tflops",
         "num_decodes", "num_prefill_tokens", "compile_s", "same_tokens_as_non-overlap",
@@ -49,26 +50,48 @@ def merge(dirs: list[Path]) -> dict:
                    "within one process) and the engine end to end against transformers "
                    "generate_batch (engine)",
            "commands": [], "partial": [], "step": [], "step_ratios": []}
+    out["engine_runs"] = []
     for d in dirs:
         steps = [s for s in (load(d, n) for n in STEP_FILES) if s]
-        if not steps:
-            raise SystemExit(f"{d}: none of {STEP_FILES}")
-        out.setdefault("env", steps[0].get("env"))
+        engines = sorted(d.glob(ENGINE_GLOB))
+        if not steps and not engines:
+            raise SystemExit(f"{d}: none of {STEP_FILES} or {ENGINE_GLOB}")
+        if steps:
+            out.setdefault("env", steps[0].get("env"))
         for s in steps:
             out["commands"].append({"run": d.name, "command": s["command"]})
             if s.get("partial"):  # cut short: the modes it reached are still whole rows
                 out["partial"].append(s["command"])
             out["step"] += [{"run": d.name, **{k: r[k] for k in KEEP if k in r}}
                             for r in s["results"]]
-        eng = load(d, ENGINE_FILE)
-        if eng:
+        for p in engines:
+            eng = json.loads(p.read_text())
             out["commands"].append({"run": d.name, "command": eng["command"]})
-            out["engine"] = {k: eng.get(k) for k in (
-                "workload", "engine", "results", "peer", "ours_over_peer", "roofline")}
+            out["engine_runs"].append({"file": f"{d.name}/{p.name}", **{k: eng.get(k) for k in (
+                "workload", "engine", "results", "peer", "ours_over_peer")}})
         out["step_ratios"] += ratios(d.name, [r for r in out["step"] if r["run"] == d.name])
         for p in sorted(d.glob("peer_*.json")):  # a peer run of its own call
             out["peer_separate_call"] = {"file": f"{d.name}/{p.name}", **json.loads(
                 p.read_text())}
+    out["ours_over_peer_across_calls"] = across_calls(out["engine_runs"])
+    return out
+
+
+def across_calls(runs: list[dict]) -> list[dict]:
+    """Each engine run without a peer beside it against each peer run on the same
+    requests in another call (the same-run ratio is in the run's own ours_over_peer)."""
+    out = []
+    for ours in runs:
+        if ours.get("peer"):
+            continue
+        for other in runs:
+            peer = other.get("peer") or {}
+            if other["workload"] == ours["workload"] and peer.get("total_tokens_per_s"):
+                for mode, r in ours["results"].items():
+                    out.append({"ours": ours["file"], "mode": mode, "peer_from": other["file"],
+                                "ours_tokens_per_s": r["total_tokens_per_s"],
+                                "peer_tokens_per_s": peer["total_tokens_per_s"],
+                                "ratio": r["total_tokens_per_s"] / peer["total_tokens_per_s"]})
     return out
 
 
@@ -141,8 +164,12 @@ def main() -> None:
     print(table(out))
     for r in out["step_ratios"]:
         print(json.dumps(r))
-    print("engine:", json.dumps(out.get("engine", {}).get("results")))
-    print("peer (same run):", json.dumps(out.get("engine", {}).get("peer"))[:300])
+    for e in out["engine_runs"]:
+        print("engine", e["file"], json.dumps({m: {k: r.get(k) for k in (
+            "total_tokens_per_s", "compiles_during_run", "mean_batch_fill")}
+            for m, r in e["results"].items()}), "ours/peer (same run):", e["ours_over_peer"])
+    for r in out["ours_over_peer_across_calls"]:
+        print("ours/peer across calls:", json.dumps(r))
     print("peer (separate call):", json.dumps(out.get("peer_separate_call"))[:300])
     if a.png:
         plot(out, a.png)

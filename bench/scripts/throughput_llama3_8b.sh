@@ -6,10 +6,11 @@
 #                B_dense 2048, all three modes, with a timeline
 #   PART=sweep   the same at B_dense $SWEEP (512,1024,4096), non-overlap and overlap
 #   PART=engine  the engine as served (default forward, no plan; batches bucketed to the
-#                load, since a constant 2,048-token batch would pad 128 decodes 16x) end
-#                to end on NUM_PROMPTS requests, and the same requests through
-#                transformers' generate_batch, in one run (the peer served ~1,100 tokens/s
-#                on 128 requests; 512 requests did not finish in 200 s)
+#                load, since a constant 2,048-token batch would pad 128 decodes 16x; every
+#                shape compiled before the clock starts: --fixed-shapes) end to end on
+#                NUM_PROMPTS requests, and the same requests through transformers'
+#                generate_batch, in one run (the peer served ~1,100 tokens/s on 128
+#                requests; 512 requests did not finish in 200 s). ~5 min.
 # Compile time per mode at 32 layers, Triton decode kernel: ~6 s non-overlap, ~12 s
 # nanobatch-only, ~50-70 s overlap; with KERNEL=auto (Mosaic GPU) the first two took 52 s
 # and 120 s, so PART=step with Mosaic needs LIMIT1 near the whole call.
@@ -35,7 +36,7 @@ sweep)
 engine)
   n=${NUM_PROMPTS:-128}
   timeout "${LIMIT1:-540}" python3 -m nanojax bench --model random:llama3-8b --quiet \
-    --b-dense 2048 --admission predicted --num-prompts "$n" \
+    --b-dense 2048 --admission predicted --fixed-shapes --num-prompts "$n" \
     --input-len 512 --output-len 512 --max-model-len 1024 --max-num-seqs "$n" \
     --peer --peer-timeout "${PEER_LIMIT:-300}" --json "$OUT/engine_peer_512_512.json" \
     2>&1 | quiet 12

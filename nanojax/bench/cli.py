@@ -63,7 +63,7 @@ def cmd_throughput(args) -> int:
                 b_dense=args.b_dense, num_pages=args.num_pages, page_size=args.page_size,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 async_scheduling=(mode != "sync"), constant_batch=args.constant_batch,
-                admission=args.admission),
+                admission=args.admission, fixed_shapes=args.fixed_shapes),
                 forward=forward)
             results[mode] = run_offline(eng, reqs, progress=not args.quiet)
         except Exception as e:  # record the failure of one mode, measure the others
@@ -147,7 +147,8 @@ def cmd_step(args) -> int:
     except ValueError as e:
         raise NanojaxError(f"bad --b-dense or --modes ({e}): B_dense values are integers; a "
                            f"mode is one of {MODES}, optionally ':SHARE' in (0, 1], "
-                           "':nogroups', ':keepinputs' and ':gemmSHARE'") from None
+                           "':nogroups', ':keepinputs' or ':keepall', and ':gemmSHARE'"
+                           ) from None
     if any(b <= 0 for b in b_dense):
         raise NanojaxError(f"B_dense must be positive, got {args.b_dense}")
     plan = load_plan(args.plan)
@@ -164,7 +165,7 @@ def cmd_step(args) -> int:
                          modes, page_size=args.page_size,
                          num_pages=args.num_pages, max_model_len=args.max_model_len,
                          repeats=args.repeats, timeline_png=args.timeline,
-                         progress=not args.quiet,
+                         progress=not args.quiet, f32_reference=args.f32_reference,
                          checkpoint=lambda part: write_json(args.json, {
                              "command": " ".join(["nanojax"] + sys.argv[1:]), **part}))
     payload = {"command": " ".join(["nanojax"] + sys.argv[1:]), "env": environment(),
@@ -243,6 +244,10 @@ def register(sub) -> None:
     t.add_argument("--constant-batch", action="store_true",
                    help="pad every iteration to B_dense tokens (NanoFlow's dense batch)")
     t.add_argument("--scheduling", choices=["async", "sync", "both"], default="async")
+    t.add_argument("--fixed-shapes", action="store_true",
+                   help="one row count and page-table width, so every step shape (one per "
+                        "token bucket) compiles before the clock starts; without it, shapes "
+                        "the warm-up did not meet compile during the run")
     t.add_argument("--admission", choices=["greedy", "predicted"], default="greedy",
                    help="predicted: admit only while everyone's expected final length fits "
                         "the KV cache (NanoFlow's memory prediction; no preemption storms "
@@ -282,6 +287,9 @@ def register(sub) -> None:
     st.add_argument("--dump-hlo", default=None, metavar="DIR",
                     help="dump the optimized step HLO here and report, per side-stream "
                          "region, the main-stream work XLA scheduled before its done")
+    st.add_argument("--f32-reference", action="store_true",
+                    help="also run the step in float32 and report each mode's distance "
+                         "from it (the yardstick for differences between modes on a GPU)")
     st.add_argument("--quiet", action="store_true")
     st.add_argument("--json", default=None)
     st.set_defaults(func=cmd_step)

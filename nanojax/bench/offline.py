@@ -14,7 +14,9 @@ from nanojax.engine.sampling import SamplingParams
 def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool = True,
                 warmup: bool = True) -> dict:
     """Tokens are counted from the outputs actually produced, not from the request list."""
-    if warmup:  # compile the common shapes outside the timed region
+    if warmup and engine.runner.fixed_shapes:  # every shape it can launch, before timing
+        engine.runner.warmup()
+    elif warmup:  # compile the common shapes outside the timed region
         for r in requests[: min(len(requests), engine.scheduler.max_num_seqs)]:
             engine.add_request(r.prompt_ids[:64], SamplingParams(max_tokens=4, ignore_eos=True,
                                                                  temperature=0))

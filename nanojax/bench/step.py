@@ -118,10 +118,12 @@ _CHECK_ROWS = 64  # rows whose logits come back to compare the modes numerically
 
 def make_step(forward):
     """The jitted iteration: forward over the dense batch, greedy sample per row; returns
-    the sampled tokens and the logits of the first rows."""
+    the sampled tokens and the logits of _CHECK_ROWS rows spread over the batch (so every
+    nano-batch has rows among them)."""
     def step(params, kv, tokens, meta, logit_idx):
         logits, kv = forward(params, tokens, kv, meta, logit_idx)
-        return kv, (jnp.argmax(logits, axis=-1), logits[:_CHECK_ROWS])
+        rows = np.linspace(0, logits.shape[0] - 1, min(_CHECK_ROWS, logits.shape[0]))
+        return kv, (jnp.argmax(logits, axis=-1), logits[rows.astype(np.int32)])
     return jax.jit(step, donate_argnums=(1,))
 
 
@@ -161,16 +163,17 @@ def workload_lengths(spec: str, max_model_len: int) -> list[tuple[int, int]]:
 
 
 def parse_mode(mode: str) -> dict:
-    """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs][:gemmSHARE]:
+    """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs|keepall][:gemmSHARE]:
     'overlap:0.25' runs the plan with every attention nano-op at share 0.25; 'nogroups'
     turns off the executor's XLA scheduling groups (the ablation that shows what they do);
     'gemm0.5' gives every GEMM nano-op share 0.5 and bounds its grid (layers/matmul.py,
     whatever NANOJAX_GEMM_SHARES says); 'keepinputs' makes side-stream regions return
-    their inputs (PipelineForward). ValueError names a bad mode."""
+    their inputs, 'keepall' every value computed inside them (PipelineForward's
+    diagnostics). ValueError names a bad mode."""
     from nanojax.pipeline.plan import MODES
     base, *opts = mode.split(":")
     out = {"base": base, "attention_share": None, "gemm_share": None,
-           "scheduling_groups": True, "keep_inputs": False}
+           "scheduling_groups": True, "keep_inputs": False, "keep_intermediates": False}
     try:
         if opts and opts[0]:
             out["attention_share"] = float(opts[0])
@@ -179,6 +182,8 @@ def parse_mode(mode: str) -> dict:
                 out["scheduling_groups"] = False
             elif o == "keepinputs":
                 out["keep_inputs"] = True
+            elif o == "keepall":
+                out["keep_intermediates"] = True
             elif o.startswith("gemm"):
                 out["gemm_share"] = float(o[4:])
             else:
@@ -201,16 +206,48 @@ def _variant(plan: dict, mode: str):
             op["share"] = share
     return plan, m["base"], dict(scheduling_groups=m["scheduling_groups"],
                                  keep_inputs=m["keep_inputs"],
+                                 keep_intermediates=m["keep_intermediates"],
                                  gemm_shares=True if m["gemm_share"] is not None else None)
+
+
+def f32_reference_outputs(bundle, plan: dict, batches: dict, num_pages: int,
+                          page_size: int) -> dict:
+    """workload -> (tokens, first rows' logits) of the non-overlap step with weights,
+    activations, KV cache and matmuls in float32 (highest precision: no TF32)."""
+    from nanojax.pipeline.executor import PipelineForward
+    fwd = PipelineForward(bundle.config.replace(dtype="float32"), plan, "non-overlap")
+    params = fwd.prepare(jax.tree_util.tree_map(
+        lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+        bundle.params))
+    step = make_step(fwd)
+    out = {}
+    with jax.default_matmul_precision("highest"):
+        for w, b in batches.items():
+            _, o = step(params, fwd.init_kv(num_pages, page_size), b.tokens, b.meta,
+                        b.logit_idx)
+            out[w] = jax.device_get(o)
+    return out
+
+
+def _distance_to_f32(out, ref) -> dict:
+    tok, logits = out
+    ref_tok, ref_logits = ref
+    return {"same_tokens_as_f32": float(np.mean(tok == ref_tok)),
+            "logits_max_diff_over_std_vs_f32": float(
+                np.max(np.abs(np.asarray(logits, np.float32) - ref_logits))
+                / float(np.std(ref_logits)))}
 
 
 def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[str],
                    modes: list[str], page_size: int = 16, num_pages: int = 16384,
                    max_model_len: int = 2048, repeats: int = 10, timeline_png: str | None = None,
-                   progress: bool = True, checkpoint=None) -> dict:
+                   progress: bool = True, checkpoint=None, f32_reference: bool = False) -> dict:
     """Every mode at every B_dense and workload, in one process: ratios between modes come
     from the same run. Optimal = the GEMM rate measured here at that B_dense.
-    checkpoint(results) is called after every mode, so a run cut short keeps what it has."""
+    checkpoint(results) is called after every mode, so a run cut short keeps what it has.
+    f32_reference: also run the step in float32 and say how far each mode's logits are
+    from it (what a mode's difference from another must be measured against on a GPU,
+    where each GEMM shape may get another kernel and so another rounding)."""
     from tqdm.auto import tqdm
 
     from nanojax.bench import timeline
@@ -298,6 +335,12 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
             del step, fwd
             if checkpoint:
                 checkpoint({"partial": True, "results": results})
+        if f32_reference:
+            ref = f32_reference_outputs(bundle, sized, batches, num_pages, page_size)
+            for r in results:
+                if r["b_dense"] == b_dense and "error" not in r:
+                    r.update(_distance_to_f32(tokens[r["workload"]][r["mode"]],
+                                              ref[r["workload"]]))
     bar.close()
     ratios = []
     for b_dense in b_dense_list:

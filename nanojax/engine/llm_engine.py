@@ -39,6 +39,7 @@ class EngineConfig:
     constant_batch: bool = False      # pad every iteration to B_dense (NanoFlow, GPU)
     memory_utilization: float = 0.9
     admission: str = "greedy"         # "predicted": NanoFlow's memory-usage prediction
+    fixed_shapes: bool = False        # one row count and page width: warmup() compiles all
     seed: int = 0
 
 
@@ -76,7 +77,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_config, bundle.params, self.sizing.num_pages,
                                   cfg.page_size, self.scheduler.max_num_seqs, cfg.b_dense,
                                   forward=forward, constant_batch=cfg.constant_batch,
-                                  max_pages_per_seq=-(-self.max_model_len // cfg.page_size))
+                                  max_pages_per_seq=-(-self.max_model_len // cfg.page_size),
+                                  fixed_shapes=cfg.fixed_shapes)
         self.eos_ids = tuple(self.tokenizer.eos_token_ids if self.tokenizer
                              else self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import types
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,7 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, num_pages: int, page_size: int,
                  max_rows: int, b_dense: int, forward=None,
                  constant_batch: bool = False, min_token_bucket: int = 16,
-                 max_pages_per_seq: int | None = None):
+                 max_pages_per_seq: int | None = None, fixed_shapes: bool = False):
         self.cfg = cfg
         self.page_size = page_size
         self.max_rows = bucket(max_rows, 4)
@@ -51,6 +52,9 @@ class ModelRunner:
         self.constant_batch = constant_batch
         self.max_pages_per_seq = max_pages_per_seq
         self.min_token_bucket = min_token_bucket
+        # one row count and page-table width: only the token count varies, so warmup()
+        # can compile every shape the engine will launch (a serving start, not mid-run)
+        self.fixed_shapes = fixed_shapes and max_pages_per_seq is not None
         forward = forward or default_forward(cfg)
         self.forward = forward
         self.params = forward.prepare(params)
@@ -82,9 +86,32 @@ class ModelRunner:
         n_tok = batch.num_tokens
         t = self.b_dense if self.constant_batch else bucket(n_tok, self.min_token_bucket,
                                                             self.b_dense)
+        if self.fixed_shapes:
+            return t, self.max_rows, bucket(self.max_pages_per_seq, 4)
         r = bucket(len(batch.entries), 4, self.max_rows)
         p = bucket(max(len(e.seq.pages) for e in batch.entries), 4)
         return t, r, p
+
+    def token_buckets(self) -> list[int]:
+        """The token counts a step can be launched with."""
+        if self.constant_batch:
+            return [self.b_dense]
+        out = [bucket(1, self.min_token_bucket, self.b_dense)]
+        while out[-1] < self.b_dense:
+            out.append(bucket(out[-1] + 1, self.min_token_bucket, self.b_dense))
+        return out
+
+    def warmup(self) -> int:
+        """With fixed_shapes: compiles the step for every token bucket by launching an
+        all-padding batch of each size (nothing is written to the cache: padding tokens
+        have no slot). Returns how many shapes were compiled."""
+        if not self.fixed_shapes:
+            raise ValueError("warmup() needs fixed_shapes (one row count and page width)")
+        before = self.num_compiles
+        for t in self.token_buckets():
+            empty = types.SimpleNamespace(entries=[], num_decodes=0, num_tokens=t)
+            jax.block_until_ready(self.launch(empty).tokens)
+        return self.num_compiles - before
 
     def launch(self, batch: ScheduledBatch) -> StepOutput:
         """Builds the step's inputs on the host and dispatches it; does not block."""

@@ -101,12 +101,16 @@ def _clip(ranges, t):
     return out
 
 
+KEEP_BYTES = 256 << 20  # keep_intermediates leaves out larger values (a layer's KV pages)
+
+
 class PipelineForward(UnrolledForward):
     """The Forward interface (see engine/forward.py) driven by a plan."""
 
     def __init__(self, cfg: ModelConfig, plan: dict, mode: str = "overlap", attention=None,
                  num_sms: int = 132, ctas_per_sm: int = 4, scheduling_groups: bool = True,
-                 gemm_shares: bool | None = None, keep_inputs: bool = False):
+                 gemm_shares: bool | None = None, keep_inputs: bool = False,
+                 keep_intermediates: bool = False):
         validate(plan)
         check_model(plan, cfg)
         self.plan = ablation(plan, mode)
@@ -117,10 +121,12 @@ class PipelineForward(UnrolledForward):
         super().__init__(cfg, attention)
         self.num_sms, self.ctas_per_sm = num_sms, ctas_per_sm
         self.gemm_shares = gemm_shares  # None: NANOJAX_GEMM_SHARES decides
-        # a diagnostic for the GPU-only token differences of the overlap mode: if a
-        # region's input buffer were reused while the region still runs on its stream,
-        # returning the inputs from the region would keep them alive to its done
+        # diagnostics for cross-stream buffer reuse: a region returns its inputs (or every
+        # value it computes) so they stay alive to its done. On the H200 neither changed
+        # the overlap mode's tokens: those differ by kernel choice, not by a race
+        # (bench/results/README.md, mode_agreement)
         self.keep_inputs = keep_inputs
+        self.keep_intermediates = keep_intermediates
         self.chunk_cuts = tuple(a for a, _ in self.plan["nano_batches"]["attention"][1:])
         self.groups = (overlap_groups(self.plan)
                        if scheduling_groups and streams_enabled() else {})
@@ -146,8 +152,11 @@ class PipelineForward(UnrolledForward):
             nonlocal chain
             if stream == 0 and chain is not None:
                 args, _ = jax.lax.optimization_barrier((args, chain))
-            if stream == 0 or not self.keep_inputs:
+            if stream == 0 or not (self.keep_inputs or self.keep_intermediates):
                 out = on_stream(f, stream)(*args)
+            elif self.keep_intermediates:  # every value inside the region gets a buffer
+                out, kept = on_stream(f, stream, KEEP_BYTES)(*args)  # of its own
+                out, _ = jax.lax.optimization_barrier((out, kept))
             else:  # the region's inputs come out of it, so they live until it is done
                 idx = range(len(args)) if keep is None else keep
                 out, kept = on_stream(lambda *a: (f(*a), [a[i] for i in idx]), stream)(*args)

@@ -24,7 +24,9 @@ def streams_enabled() -> bool:
     return jax.default_backend() == "gpu" and os.environ.get("NANOJAX_STREAMS", "1") != "0"
 
 
-def _eval_inlined(jaxpr, consts, args):
+def _eval_inlined(jaxpr, consts, args, seen=None):
+    """Evaluates jaxpr with every nested call inlined; seen, if a list, collects every
+    intermediate value (the `keep_intermediates` diagnostic below)."""
     env = {}
 
     def read(v):
@@ -40,9 +42,9 @@ def _eval_inlined(jaxpr, consts, args):
         if key is not None and key in eqn.params:
             inner = eqn.params[key]
             if hasattr(inner, "consts"):  # a ClosedJaxpr
-                outs = _eval_inlined(inner.jaxpr, inner.consts, ins)
+                outs = _eval_inlined(inner.jaxpr, inner.consts, ins, seen)
             else:
-                outs = _eval_inlined(inner, [], ins)
+                outs = _eval_inlined(inner, [], ins, seen)
         else:
             params = eqn.primitive.get_bind_params(eqn.params)
             subfuns = ()
@@ -54,16 +56,25 @@ def _eval_inlined(jaxpr, consts, args):
                 outs = [outs]
         for v, x in zip(eqn.outvars, outs):
             env[v] = x
+            if seen is not None and key is None:
+                seen.append(x)
     return [read(v) for v in jaxpr.outvars]
 
 
-def inline_calls(fn):
-    """fn with every nested call (jit, custom_jvp, ...) inlined: one flat computation."""
+def inline_calls(fn, keep_intermediates: int = 0):
+    """fn with every nested call (jit, custom_jvp, ...) inlined: one flat computation.
+    keep_intermediates > 0: a diagnostic; the flat function returns (outputs, every
+    intermediate value of at most that many bytes), so each one gets a buffer of its own
+    that lives as long as the region's outputs."""
     def flat(*args):
         leaves, _ = jax.tree_util.tree_flatten(args)
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        outs = _eval_inlined(closed.jaxpr, closed.consts, leaves)
-        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+        seen = [] if keep_intermediates else None
+        outs = _eval_inlined(closed.jaxpr, closed.consts, leaves, seen)
+        outs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+        if seen is None:
+            return outs
+        return outs, [x for x in seen if x.size * x.dtype.itemsize <= keep_intermediates]
     return flat
 
 
@@ -125,19 +136,22 @@ def carry_metadata_to_stream_calls() -> bool:
     return ok
 
 
-def on_stream(fn, stream: int):
+def on_stream(fn, stream: int, keep_intermediates: int = 0):
     """Place fn on XLA execution stream `stream` (0: the main stream, left alone). jax 0.10
-    spells the function form `compute_on2(f, ...)`, jax 0.11 `compute_on(f, ...)`."""
+    spells the function form `compute_on2(f, ...)`, jax 0.11 `compute_on(f, ...)`.
+    keep_intermediates: see inline_calls (then the result is (outputs, intermediates))."""
     if stream == 0 or not streams_enabled():
+        if keep_intermediates:
+            return inline_calls(fn, keep_intermediates)
         return fn
     import jax.experimental.compute_on as co
     from jax._src import core
     annotate = getattr(co, "compute_on2", None) or co.compute_on
-    flat = inline_calls(fn)
+    flat = inline_calls(fn, keep_intermediates)
 
     def placed(*args):
         spaces = jax.tree_util.tree_map(lambda _: core.MemorySpace.Device,
-                                        jax.eval_shape(fn, *args))
+                                        jax.eval_shape(flat, *args))
         return annotate(flat, compute_type=f"gpu_stream:{stream}",
                         out_memory_spaces=spaces)(*args)
     return placed

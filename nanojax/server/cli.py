@@ -20,7 +20,10 @@ def cmd_serve(args) -> int:
     engine = LLMEngine(bundle, EngineConfig(
         b_dense=args.b_dense, num_pages=args.num_pages, page_size=args.page_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        admission=args.admission))
+        admission=args.admission, fixed_shapes=args.compile_at_start))
+    if args.compile_at_start:  # no request waits on a compile once the port is open
+        n = engine.runner.warmup()
+        print(f"nanojax: compiled {n} step shapes", file=sys.stderr, flush=True)
     aeng = AsyncLLMEngine(engine)
     name = args.served_model_name or args.model
     app = build_app(aeng, name, api_key=args.api_key, max_body=args.max_body,
@@ -57,6 +60,10 @@ def register(sub) -> None:
     s.add_argument("--admission", choices=["greedy", "predicted"], default="greedy",
                    help="predicted: NanoFlow's memory-usage prediction at admission")
     s.add_argument("--max-model-len", type=int, default=2048)
+    s.add_argument("--compile-at-start", action="store_true",
+                   help="fix the row count and page-table width and compile every step "
+                        "shape before listening (one per token bucket), so no request "
+                        "waits on a compile (on the GPU a 32-layer step takes ~7 s)")
     s.add_argument("--max-waiting", type=int, default=256,
                    help="requests allowed to wait; beyond it: 503")
     s.add_argument("--max-body", type=int, default=1 << 20, help="bytes; beyond it: 413")
