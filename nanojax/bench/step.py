@@ -173,17 +173,15 @@ def parse_mode(mode: str) -> dict:
     from nanojax.pipeline.plan import MODES
     base, *opts = mode.split(":")
     out = {"base": base, "attention_share": None, "gemm_share": None,
-           "scheduling_groups": True, "keep_inputs": False, "keep_intermediates": False}
+           "scheduling_groups": True, "keep": ""}
     try:
         if opts and opts[0]:
             out["attention_share"] = float(opts[0])
         for o in opts[1:]:
             if o == "nogroups":
                 out["scheduling_groups"] = False
-            elif o == "keepinputs":
-                out["keep_inputs"] = True
-            elif o == "keepall":
-                out["keep_intermediates"] = True
+            elif o in ("keepinputs", "keepall") and not out["keep"]:
+                out["keep"] = "inputs" if o == "keepinputs" else "values"
             elif o.startswith("gemm"):
                 out["gemm_share"] = float(o[4:])
             else:
@@ -205,14 +203,13 @@ def _variant(plan: dict, mode: str):
         if share is not None:
             op["share"] = share
     return plan, m["base"], dict(scheduling_groups=m["scheduling_groups"],
-                                 keep_inputs=m["keep_inputs"],
-                                 keep_intermediates=m["keep_intermediates"],
+                                 keep=m["keep"],
                                  gemm_shares=True if m["gemm_share"] is not None else None)
 
 
 def f32_reference_outputs(bundle, plan: dict, batches: dict, num_pages: int,
                           page_size: int) -> dict:
-    """workload -> (tokens, first rows' logits) of the non-overlap step with weights,
+    """workload -> (tokens, checked rows' logits) of the non-overlap step with weights,
     activations, KV cache and matmuls in float32 (highest precision: no TF32)."""
     from nanojax.pipeline.executor import PipelineForward
     fwd = PipelineForward(bundle.config.replace(dtype="float32"), plan, "non-overlap")
@@ -229,13 +226,10 @@ def f32_reference_outputs(bundle, plan: dict, batches: dict, num_pages: int,
     return out
 
 
-def _distance_to_f32(out, ref) -> dict:
-    tok, logits = out
-    ref_tok, ref_logits = ref
-    return {"same_tokens_as_f32": float(np.mean(tok == ref_tok)),
-            "logits_max_diff_over_std_vs_f32": float(
-                np.max(np.abs(np.asarray(logits, np.float32) - ref_logits))
-                / float(np.std(ref_logits)))}
+def logits_distance(logits, ref_logits) -> float:
+    """max |logits - ref| in standard deviations of ref: how two steps' numerics differ."""
+    diff = np.abs(np.asarray(logits, np.float32) - np.asarray(ref_logits, np.float32))
+    return float(np.max(diff) / np.std(np.asarray(ref_logits, np.float32)))
 
 
 def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[str],
@@ -317,8 +311,7 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
                 r["same_tokens_as_" + ref_mode] = float(np.mean(out[0] == ref_tok))
                 # which sequences differ (decodes come first): where to look next
                 r["differing_sequences"] = np.flatnonzero(out[0] != ref_tok)[:32].tolist()
-                r["logits_max_diff_over_std"] = float(
-                    np.max(np.abs(out[1] - ref_logits)) / float(np.std(ref_logits)))
+                r["logits_max_diff_over_std"] = logits_distance(out[1], ref_logits)
                 if timeline_png and b_dense == b_dense_list[0] and w == workloads[0]:
                     args = (b.tokens, b.meta, b.logit_idx)
                     holder = {}
@@ -339,8 +332,10 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
             ref = f32_reference_outputs(bundle, sized, batches, num_pages, page_size)
             for r in results:
                 if r["b_dense"] == b_dense and "error" not in r:
-                    r.update(_distance_to_f32(tokens[r["workload"]][r["mode"]],
-                                              ref[r["workload"]]))
+                    (tok, logits), (ref_tok, ref_logits) = (tokens[r["workload"]][r["mode"]],
+                                                            ref[r["workload"]])
+                    r["same_tokens_as_f32"] = float(np.mean(tok == ref_tok))
+                    r["logits_max_diff_over_std_vs_f32"] = logits_distance(logits, ref_logits)
     bar.close()
     ratios = []
     for b_dense in b_dense_list:

@@ -101,7 +101,8 @@ def _clip(ranges, t):
     return out
 
 
-KEEP_BYTES = 256 << 20  # keep_intermediates leaves out larger values (a layer's KV pages)
+KEEP = ("", "inputs", "values")  # PipelineForward's keep diagnostic
+KEEP_BYTES = 256 << 20  # keep="values" leaves out larger values (a layer's KV pages)
 
 
 class PipelineForward(UnrolledForward):
@@ -109,8 +110,7 @@ class PipelineForward(UnrolledForward):
 
     def __init__(self, cfg: ModelConfig, plan: dict, mode: str = "overlap", attention=None,
                  num_sms: int = 132, ctas_per_sm: int = 4, scheduling_groups: bool = True,
-                 gemm_shares: bool | None = None, keep_inputs: bool = False,
-                 keep_intermediates: bool = False):
+                 gemm_shares: bool | None = None, keep: str = ""):
         validate(plan)
         check_model(plan, cfg)
         self.plan = ablation(plan, mode)
@@ -121,12 +121,13 @@ class PipelineForward(UnrolledForward):
         super().__init__(cfg, attention)
         self.num_sms, self.ctas_per_sm = num_sms, ctas_per_sm
         self.gemm_shares = gemm_shares  # None: NANOJAX_GEMM_SHARES decides
-        # diagnostics for cross-stream buffer reuse: a region returns its inputs (or every
-        # value it computes) so they stay alive to its done. On the H200 neither changed
-        # the overlap mode's tokens: those differ by kernel choice, not by a race
-        # (bench/results/README.md, mode_agreement)
-        self.keep_inputs = keep_inputs
-        self.keep_intermediates = keep_intermediates
+        # a diagnostic for cross-stream buffer reuse: each side-stream region also returns
+        # its inputs ("inputs") or every value it computes ("values"), so they stay alive
+        # to its done. On the H200 neither changed the overlap mode's tokens: those differ
+        # by kernel choice, not by a race (bench/results/README.md, mode_agreement)
+        if keep not in KEEP:
+            raise ValueError(f"keep must be one of {KEEP}, got {keep!r}")
+        self.keep = keep
         self.chunk_cuts = tuple(a for a, _ in self.plan["nano_batches"]["attention"][1:])
         self.groups = (overlap_groups(self.plan)
                        if scheduling_groups and streams_enabled() else {})
@@ -147,19 +148,20 @@ class PipelineForward(UnrolledForward):
         chain = None  # the last main-stream nano-op's output: the next one waits for it
 
         def placed(f, stream, *args, keep=None):
-            """f on its stream; keep: which args a side-stream region also returns when
-            keep_inputs is on (never the KV pages: keeping their old version copies them)."""
+            """f on its stream; keep: which args a side-stream region also returns under
+            keep="inputs" (never the KV pages: keeping their old version copies them)."""
             nonlocal chain
             if stream == 0 and chain is not None:
                 args, _ = jax.lax.optimization_barrier((args, chain))
-            if stream == 0 or not (self.keep_inputs or self.keep_intermediates):
+            if stream == 0 or not self.keep:
                 out = on_stream(f, stream)(*args)
-            elif self.keep_intermediates:  # every value inside the region gets a buffer
-                out, kept = on_stream(f, stream, KEEP_BYTES)(*args)  # of its own
-                out, _ = jax.lax.optimization_barrier((out, kept))
-            else:  # the region's inputs come out of it, so they live until it is done
-                idx = range(len(args)) if keep is None else keep
-                out, kept = on_stream(lambda *a: (f(*a), [a[i] for i in idx]), stream)(*args)
+            else:
+                if self.keep == "values":  # every value inside the region: its own buffer
+                    region = on_stream(f, stream, KEEP_BYTES)
+                else:  # the region's inputs come out of it, so they live until it is done
+                    idx = range(len(args)) if keep is None else keep
+                    region = on_stream(lambda *a: (f(*a), [a[i] for i in idx]), stream)
+                out, kept = region(*args)
                 out, _ = jax.lax.optimization_barrier((out, kept))
             if stream == 0:
                 chain = out
