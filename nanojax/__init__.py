@@ -1,7 +1,7 @@
 """nanojax: a throughput-first LLM serving engine in JAX (NanoFlow reimplementation)."""
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "LLMEngine", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "LLMEngine", "EngineConfig", "KernelConfig"]
 
 
 def __getattr__(name):  # lazy: importing nanojax must not import jax
@@ -11,7 +11,10 @@ def __getattr__(name):  # lazy: importing nanojax must not import jax
     if name == "SamplingParams":
         from nanojax.engine.sampling import SamplingParams
         return SamplingParams
-    if name in ("LLMEngine", "EngineConfig"):
-        from nanojax.engine import llm_engine
-        return getattr(llm_engine, name)
+    if name == "LLMEngine":
+        from nanojax.engine.llm_engine import LLMEngine
+        return LLMEngine
+    if name in ("EngineConfig", "KernelConfig"):
+        from nanojax import config
+        return getattr(config, name)
     raise AttributeError(name)

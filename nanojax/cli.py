@@ -3,21 +3,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
+from nanojax.config_flags import add_engine_args, add_model_args, engine_config_from_args
 from nanojax.errors import NanojaxError
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m",
-                   help="registered name (smollm2-135m), random:<shape>, or a path to a "
-                        "nanojax checkpoint, GGUF file or HF directory")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="parameter dtype (default: float32 on CPU, bfloat16 on GPU)")
-    p.add_argument("--cache-dir", default=None,
-                   help="where the default model is cached (env NANOJAX_CACHE)")
+from nanojax.pipeline.streams import add_stream_xla_flags
 
 
 def _positive_int(s: str) -> int:
@@ -40,7 +31,7 @@ def cmd_generate(args) -> int:
 
     t0 = time.time()
     llm = LLM(model=args.model, dtype=args.dtype, cache_dir=args.cache_dir,
-              max_model_len=args.max_model_len)
+              config=engine_config_from_args(args))
     print(f"nanojax: loaded {args.model} in {time.time() - t0:.1f}s", file=sys.stderr)
     if args.no_chat_template:
         prompt = args.prompt
@@ -89,16 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("prompt")
-    _add_model_args(g)
+    add_model_args(g)
     g.add_argument("--max-tokens", type=_positive_int, default=64)
     g.add_argument("--temperature", type=_nonneg_float, default=0.0, help="0 is greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--max-model-len", type=_positive_int, default=2048)
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt raw")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token_ids) on stdout")
+    add_engine_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("convert", help="convert a GGUF file or HF directory to a nanojax "
@@ -135,26 +126,9 @@ def _extra_commands():
     return regs
 
 
-# XLA needs these before the backend starts for the executor's stream-annotated regions
-# to run concurrently (see DESIGN.md, "What the H200 showed"); harmless off the GPU.
-# Command buffers (CUDA graphs) are off: inside one, the H200 trace showed every kernel of
-# the step serialised on one stream, stream annotations notwithstanding.
-STREAM_XLA_FLAGS = ("--xla_gpu_experimental_stream_annotation=true",
-                    "--xla_gpu_enable_latency_hiding_scheduler=true",
-                    "--xla_gpu_experimental_parallel_async_compute_limit=2",
-                    "--xla_gpu_enable_command_buffer=")
-
-
-def _add_stream_flags() -> None:
-    flags = os.environ.get("XLA_FLAGS", "")
-    missing = [f for f in STREAM_XLA_FLAGS if f.split("=")[0] not in flags]
-    if missing:
-        os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    _add_stream_flags()
+    add_stream_xla_flags()
     if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] not in
                                   ("throughput", "serve", "step", "plot-timeline",
                                    "hlo-schedule", "-h", "--help")):

@@ -1,4 +1,8 @@
-"""Model configuration: one dataclass, read from HF config.json, GGUF metadata or a named shape."""
+"""Configuration, in one place: the model (ModelConfig: read from HF config.json, GGUF
+metadata or a named shape), the kernels and execution choices (KernelConfig) and the
+serving engine (EngineConfig, which holds a KernelConfig). All are frozen dataclasses,
+read when an engine or benchmark is built; `nanojax/config_flags.py` turns the last two
+into CLI flags, and every result file records them."""
 from __future__ import annotations
 
 import dataclasses
@@ -59,10 +63,6 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
-
-    @property
-    def group_size(self) -> int:
-        return self.num_heads // self.num_kv_heads
 
     def param_count(self) -> int:
         h, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
@@ -192,3 +192,104 @@ def named_shape(name: str, dtype: str | None = None) -> ModelConfig:
         raise ConfigError(f"unknown model shape {name!r}; known: {sorted(NAMED_SHAPES)}")
     cfg = NAMED_SHAPES[name]
     return cfg.replace(dtype=dtype) if dtype else cfg
+
+
+DECODE_KERNELS = ("auto", "triton", "mosaic")
+
+
+def _opt(help: str, **kw) -> dict:
+    """Field metadata: the help text of its CLI flag (and choices, ...)."""
+    return {"help": help, **kw}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Which kernel runs each part of the step on the GPU, and how the executor places
+    them. Off the GPU the step is pure JAX (ScanForward) and only `interpret` matters
+    (tests run the Pallas kernels in interpret mode through it)."""
+
+    decode_kernel: str = dataclasses.field(default="triton", metadata=_opt(
+        "paged decode attention kernel: triton (any GPU), mosaic (Mosaic GPU, Hopper), "
+        "auto (Mosaic where it takes the operands on Hopper, else Triton)",
+        choices=DECODE_KERNELS))
+    decode_prefetch: bool | None = dataclasses.field(default=None, metadata=_opt(
+        "Triton decode kernel: load the next block before computing this one (default: "
+        "on for grids of two programs per SM or fewer)"))
+    prefill_kernel: bool = dataclasses.field(default=False, metadata=_opt(
+        "prefill tokens through the chunked-prefill kernel (query blocks of a chunk share "
+        "one pass over the pages) instead of as rows of the decode kernel"))
+    prefill_block_q: int = dataclasses.field(default=16, metadata=_opt(
+        "query tokens per block of the chunked-prefill kernel"))
+    fused_append: bool = dataclasses.field(default=False, metadata=_opt(
+        "write the KV cache with the fused RoPE + append kernel"))
+    gemm_shares: bool = dataclasses.field(default=False, metadata=_opt(
+        "plan GEMM nano-ops with a share below 1 run on that share of the SMs "
+        "(Mosaic GPU matmul, Hopper)"))
+    streams: bool = dataclasses.field(default=True, metadata=_opt(
+        "place the plan's side-stream nano-ops on XLA execution streams (GPU)"))
+    interpret: bool = dataclasses.field(default=False, metadata=_opt(
+        "run the Pallas kernels in interpret mode (CPU tests)", cli=False))
+
+    def __post_init__(self):
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise ConfigError(f"unknown decode kernel {self.decode_kernel!r}; known: "
+                              f"{', '.join(DECODE_KERNELS)}")
+        if self.prefill_block_q <= 0:
+            raise ConfigError(f"prefill_block_q must be positive, got {self.prefill_block_q}")
+
+    def replace(self, **kw) -> "KernelConfig":
+        return dataclasses.replace(self, **kw)
+
+
+ADMISSION = ("greedy", "predicted")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The serving engine: batch shape, KV cache, scheduling, and the kernels."""
+
+    b_dense: int = dataclasses.field(default=256, metadata=_opt(
+        "tokens per iteration (NanoFlow's dense batch)"))
+    page_size: int = dataclasses.field(default=16, metadata=_opt("tokens per KV page"))
+    num_pages: int | None = dataclasses.field(default=None, metadata=_opt(
+        "KV pages (default: sized from free device memory; 8 full requests on the CPU)"))
+    memory_utilization: float = dataclasses.field(default=0.9, metadata=_opt(
+        "fraction of device memory the weights and KV cache may use", flag="gpu-memory-utilization"))
+    max_num_seqs: int | None = dataclasses.field(default=None, metadata=_opt(
+        "most requests running at once (default: from KV capacity)"))
+    max_model_len: int = dataclasses.field(default=2048, metadata=_opt(
+        "longest request (prompt + output) in tokens"))
+    async_scheduling: bool = dataclasses.field(default=True, metadata=_opt(
+        "launch iteration i+1 before reading iteration i's tokens"))
+    constant_batch: bool = dataclasses.field(default=False, metadata=_opt(
+        "pad every iteration to B_dense tokens (NanoFlow's dense batch)"))
+    admission: str = dataclasses.field(default="greedy", metadata=_opt(
+        "predicted: admit only while every running request's expected final length fits "
+        "the KV cache (NanoFlow's memory prediction)", choices=ADMISSION))
+    fixed_shapes: bool | None = dataclasses.field(default=None, metadata=_opt(
+        "one row count and page-table width, so every step shape (one per token bucket) "
+        "compiles before serving; default: on a GPU (off on the CPU, where fixed rows "
+        "cost logits for every row)"))
+    seed: int = dataclasses.field(default=0, metadata=_opt(
+        "seed of the per-request seeds of unseeded requests", cli=False))
+    kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
+
+    def __post_init__(self):
+        for name in ("b_dense", "page_size", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("num_pages", "max_num_seqs"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ConfigError(f"{name} must be positive, got {v}")
+        if not 0 < self.memory_utilization <= 1:
+            raise ConfigError("memory_utilization must be in (0, 1], got "
+                              f"{self.memory_utilization}")
+        if self.admission not in ADMISSION:
+            raise ConfigError(f"admission must be one of {ADMISSION}, got {self.admission!r}")
+
+    def replace(self, **kw) -> "EngineConfig":
+        return dataclasses.replace(self, **kw)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

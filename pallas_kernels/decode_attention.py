@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -112,11 +111,8 @@ def _use_prefetch(programs: int) -> bool:
     132 and 264 programs from 26/48/68% to 34/61/75% of copy bandwidth (as much as 128- or
     256-key blocks gave) and costs 84 -> 76% on a full grid. The block stays 64 keys for
     every grid so that every share sums in the same order: the pipeline's ablation modes
-    and plans with different shares give bitwise the same attention output.
-    NANOJAX_DECODE_PREFETCH=0|1 forces it off or on (A/B runs)."""
-    forced = os.environ.get("NANOJAX_DECODE_PREFETCH")
-    if forced in ("0", "1"):
-        return forced == "1"
+    and plans with different shares give bitwise the same attention output. The
+    engine's KernelConfig.decode_prefetch forces it off or on (A/B runs)."""
     try:
         sms = jax.devices()[0].core_count or 132
     except AttributeError:  # CPU devices have no core_count

@@ -48,6 +48,47 @@ def unsupported(q, k_pages) -> str | None:
     return None
 
 
+def _wgmma_layout(x, reduced=False, *, interpret):
+    """x in the WGMMA register layout (reduced: a row vector of it); the CPU interpreter
+    has no register layouts."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    if interpret:
+        return x
+    return plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1) if reduced
+                             else plgpu.Layout.WGMMA)
+
+
+def _key_iota(shape, *, interpret):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    if interpret:
+        return lax.broadcasted_iota(jnp.int32, shape, 1)
+    return plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+
+
+def _matmul_qk(q_smem, k_tile, *, interpret):
+    """[ROWS, D] x [block_k, D]^T on the tensor cores -> [ROWS, block_k] f32."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    if interpret:  # the interpreter's wgmma takes no transposed operand
+        return jnp.dot(q_smem[...], k_tile[...].T, preferred_element_type=jnp.float32)
+
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
+        return acc_ref[...]
+    return pl.run_scoped(body, plgpu.ACC((_ROWS, k_tile.shape[0]), jnp.float32))
+
+
+def _matmul_pv(p16, v_tile, *, interpret):
+    """[ROWS, block_k] (registers) x [block_k, D] -> [ROWS, D] f32."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    if interpret:
+        return jnp.dot(p16, v_tile[...], preferred_element_type=jnp.float32)
+
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v_tile)
+        return acc_ref[...]
+    return pl.run_scoped(body, plgpu.ACC((_ROWS, v_tile.shape[1]), jnp.float32))
+
+
 # jitted so that a step calling it once per layer lowers the kernel once per shape (jax
 # caches the lowering of identical nested jits): on the CPU, lowering 8 calls took 0.9 s
 # instead of 3.6 s. Inside a stream region the call is inlined (pipeline/streams.py).
@@ -90,34 +131,10 @@ def decode_attention_mgpu(q, k_pages, v_pages, page_table, context_lens, *,
                  [(0, 0, 0), (0, 0, 0), (0, _QROWS - g, 0), (0, 0, 0)])
     log2_scale = math.log2(math.e) / math.sqrt(d)  # exp(x / sqrt(d)) = exp2(x * this)
 
-    def wgmma_layout(x, reduced=False):  # register layouts; the CPU interpreter has none
-        if interpret:
-            return x
-        return plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1) if reduced
-                                 else plgpu.Layout.WGMMA)
-
-    def key_iota(shape):
-        if interpret:
-            return lax.broadcasted_iota(jnp.int32, shape, 1)
-        return plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-
-    def matmul_qk(q_smem, k_tile):  # [ROWS, D] x [block_k, D]^T on the tensor cores
-        if interpret:  # the interpreter's wgmma takes no transposed operand
-            return jnp.dot(q_smem[...], k_tile[...].T, preferred_element_type=jnp.float32)
-
-        def body(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))
-            return acc_ref[...]
-        return pl.run_scoped(body, plgpu.ACC((_ROWS, block_k), jnp.float32))
-
-    def matmul_pv(p16, v_tile):  # [ROWS, block_k] (registers) x [block_k, D]
-        if interpret:
-            return jnp.dot(p16, v_tile[...], preferred_element_type=jnp.float32)
-
-        def body(acc_ref):
-            plgpu.wgmma(acc_ref, p16, v_tile)
-            return acc_ref[...]
-        return pl.run_scoped(body, plgpu.ACC((_ROWS, d), jnp.float32))
+    wgmma_layout = functools.partial(_wgmma_layout, interpret=interpret)
+    key_iota = functools.partial(_key_iota, interpret=interpret)
+    matmul_qk = functools.partial(_matmul_qk, interpret=interpret)
+    matmul_pv = functools.partial(_matmul_pv, interpret=interpret)
 
     def kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, o_ref, q_smems, o_smems, k_smems,
                v_smems, q_bars, k_bars, v_bars):

@@ -11,8 +11,9 @@ hopper_matmul_mgpu.kernel`): a TMA pipeline over K feeding WGMMA in two consumer
 groups, and a loop of output tiles over whatever grid it is launched on. Its `matmul`
 always launches one program per SM; this module launches it on `num_programs`, checks
 the shapes it can tile, and keeps the pure-JAX reference beside it. Checked against the
-reference in Mosaic GPU's interpret mode on the CPU (tests/test_matmul_mgpu.py); not yet
-timed on the GPU (bench/scripts/bounded_overlap_probe.py is the measurement).
+reference in Mosaic GPU's interpret mode on the CPU (tests/test_matmul_mgpu.py) and timed
+on the H200 (bench/results/bounded_overlap_probe_h200.json: the MLP GEMMs of 1,024 tokens in
+0.517 ms on 132 programs against cuBLAS's 0.530, 0.887 ms on 66).
 """
 from __future__ import annotations
 

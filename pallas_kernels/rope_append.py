@@ -5,8 +5,8 @@ elementwise pass over k, then two scatters; here one program per token rotates i
 heads and stores key and value rows straight into the page slot (the pages are updated in
 place through input/output aliasing). Slots < 0 (padding) are skipped.
 
-Pages are [num_pages, KVH, page_size, D]; RoPE is the rotate-half form of
-nanojax/layers/rotary.py (the first and second halves of D are the pair).
+Pages are [num_pages, KVH, page_size, D]; RoPE is the rotate-half form (the first and
+second halves of D are the pair), as in nanojax/layers/rotary.py.
 """
 from __future__ import annotations
 
@@ -19,11 +19,18 @@ from jax.experimental import pallas as pl
 
 
 def rope_append_reference(k, v, k_pages, v_pages, positions, slot_mapping, inv_freq):
-    """k, v [T, KVH, D] -> the pages with rotated k and v written at their slots."""
-    from nanojax.layers.attention import write_kv_pages
-    from nanojax.layers.rotary import apply_rope
-    return write_kv_pages(k_pages, v_pages, apply_rope(k, positions, inv_freq), v,
-                          slot_mapping)
+    """k, v [T, KVH, D] -> the pages with rotated k and v written at their slots (f32
+    rotation, stored in the pages' dtype); slots < 0 are dropped."""
+    angle = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)
+    cos, sin = jnp.cos(angle)[:, None, :], jnp.sin(angle)[:, None, :]
+    half = k.shape[-1] // 2
+    k1, k2 = k[..., :half].astype(jnp.float32), k[..., half:].astype(jnp.float32)
+    k = jnp.concatenate([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=-1)
+    ps = k_pages.shape[2]
+    page = jnp.where(slot_mapping >= 0, slot_mapping // ps, k_pages.shape[0])
+    off = jnp.maximum(slot_mapping, 0) % ps
+    return (k_pages.at[page, :, off].set(k.astype(k_pages.dtype), mode="drop"),
+            v_pages.at[page, :, off].set(v.astype(v_pages.dtype), mode="drop"))
 
 
 def _kernel(k_ref, v_ref, pos_ref, slot_ref, freq_ref, kp_in, vp_in, kp_ref, vp_ref, *,

@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+from nanojax.config_flags import add_engine_args, kernel_config_from_args
+
 
 def cmd_costmodel(args) -> int:
     from nanojax.config import named_shape
@@ -102,10 +104,10 @@ def cmd_profile(args) -> int:
     if args.granularity <= 0 or args.b_dense <= 0 or args.b_dense % args.granularity:
         raise SystemExit(f"nanojax: --b-dense ({args.b_dense}) must be a positive multiple "
                          f"of --granularity ({args.granularity})")
-    from nanojax.bench.step import workload_lengths
+    from nanojax.profiling.synthetic import workload_lengths
     workload_lengths(args.workload, 2048)  # a bad workload fails before the profile runs
     prof = run_profile(bundle, args.b_dense, args.granularity, args.workload, shares,
-                       iters=args.iters)
+                       iters=args.iters, kernels=kernel_config_from_args(args))
     prof["command"] = " ".join(["nanojax"] + sys.argv[1:])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(prof, indent=1))
@@ -180,4 +182,5 @@ def register(sub) -> None:
                     help="resource shares of the attention kernel to profile")
     pr.add_argument("--iters", type=int, default=10)
     pr.add_argument("--out", required=True)
+    add_engine_args(pr, kernels_only=True)
     pr.set_defaults(func=cmd_profile)

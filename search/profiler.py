@@ -19,26 +19,29 @@ hardware and software it was measured on.
 """
 from __future__ import annotations
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
-from nanojax.bench.step import synthetic_batch, workload_lengths
-from nanojax.bench.timing import device_seconds, device_seconds_stateful
+from nanojax.config import KernelConfig
+from nanojax.engine.forward import default_forward
 from nanojax.layers.attention import slice_metadata
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
+from nanojax.profiling.synthetic import synthetic_batch, workload_lengths
+from nanojax.profiling.timing import device_seconds, device_seconds_stateful
 from search.milp import SearchError
 
 COMPUTE_OPS = ("qkv", "o_proj", "mlp")
 
 
-class _Layer:
-    """One decoder layer's ops on random inputs of n tokens."""
+class LayerOps:
+    """One decoder layer's ops on random inputs of n tokens, with the kernels given."""
 
     def __init__(self, bundle, b_dense: int, granularity: int, workload: str = "512/512",
                  page_size: int = 16, num_pages: int = 16384, max_model_len: int = 2048,
-                 num_sms: int = 132):
-        from nanojax.engine.forward import default_forward
+                 num_sms: int = 132, kernels: KernelConfig = KernelConfig()):
+        self.kernels = kernels
         self.cfg = cfg = bundle.config
         self.layer = DecoderLayer(cfg)
         self.lp = jax.device_put({"params": bundle.params["params"]["layers_0"]})
@@ -46,7 +49,7 @@ class _Layer:
         self.lengths = workload_lengths(workload, max_model_len)
         self.page_size, self.num_pages, self.num_sms = page_size, num_pages, num_sms
         self.max_pages = -(-max_model_len // page_size)
-        self.attention = default_forward(cfg).attention
+        self.attention = default_forward(cfg, kernels).attention
         self.inv_freq = LlamaForCausalLM(cfg).inv_freq
         self.dense = synthetic_batch(cfg, b_dense, self.lengths, page_size, num_pages,
                                      self.max_pages, tuple(range(granularity, b_dense,
@@ -94,12 +97,12 @@ class _Layer:
         return device_seconds(self.fn(op, share), *self.inputs(op, n), iters=iters)
 
 
-def interference_table(lay: _Layer, n: int, shares, alone=None, progress=None) -> dict:
+def interference_table(lay: LayerOps, n: int, shares, alone=None, progress=None) -> dict:
     """The MLP (stream 2) beside attention (stream 1) at each share, both in one XLA
     scheduling group so that they run together, one call traced per share:
     P = time alone / time together, for each kernel kind. alone: {"gemm": seconds,
     "attention": {share: seconds}} already measured at n tokens (else measured here)."""
-    from nanojax.bench import timeline
+    from nanojax.profiling import timeline
     from nanojax.pipeline.streams import (carry_metadata_to_stream_calls, on_stream,
                                           scheduling_group)
 
@@ -115,8 +118,8 @@ def interference_table(lay: _Layer, n: int, shares, alone=None, progress=None) -
 
         def together(h, kv, q, k, v, meta):
             with scheduling_group(1):
-                kv, o = on_stream(att, 1)(kv, q, k, v, meta)
-                return on_stream(mlp, 2)(h), o, kv
+                kv, o = on_stream(att, 1, enabled=lay.kernels.streams)(kv, q, k, v, meta)
+                return on_stream(mlp, 2, enabled=lay.kernels.streams)(h), o, kv
         f = jax.jit(together, donate_argnums=(1,))
         sched = _pair_schedule(f.lower(*mlp_in, kv, q, k, v, meta).compile().as_text())
         *_, kv = f(*mlp_in, kv, q, k, v, meta)
@@ -145,7 +148,7 @@ def _pair_schedule(hlo_text: str) -> dict:
     """Did XLA issue regions of the two streams together? (A region of one stream starts
     between the start and done of a region of the other; a kernel's own regions, e.g.
     the append then the attention, are data-dependent and never overlap.)"""
-    from nanojax.bench.hlo_schedule import entry_instructions, side_regions
+    from nanojax.profiling.hlo_schedule import entry_instructions, side_regions
     regions = sorted(side_regions(entry_instructions(hlo_text)), key=lambda r: r["position"])
     together = any(a["stream"] != b["stream"] and a["position"] < b["position"] < a["done_at"]
                    for a in regions for b in regions)
@@ -156,14 +159,15 @@ def _pair_schedule(hlo_text: str) -> dict:
 
 def run_profile(bundle, b_dense: int, granularity: int, workload: str = "512/512",
                 shares=(0.25, 0.5, 1.0), iters: int = 10, progress: bool = True,
-                num_pages: int = 16384) -> dict:
+                num_pages: int = 16384, kernels: KernelConfig = KernelConfig()) -> dict:
     from tqdm.auto import tqdm
 
-    from nanojax.bench.cli import environment
     from nanojax.pipeline.streams import streams_enabled
+    from nanojax.profiling.record import environment
     if b_dense % granularity:
         raise SearchError(f"B_dense {b_dense} is not a multiple of the granularity {granularity}")
-    lay = _Layer(bundle, b_dense, granularity, workload, num_pages=num_pages)
+    lay = LayerOps(bundle, b_dense, granularity, workload, num_pages=num_pages,
+                   kernels=kernels)
     sizes = list(range(granularity, b_dense + 1, granularity))
     shares = sorted(set(shares) | {1.0})
     bar = tqdm(total=len(sizes) * (len(COMPUTE_OPS) + len(shares)), desc="profile",
@@ -186,7 +190,7 @@ def run_profile(bundle, b_dense: int, granularity: int, workload: str = "512/512
                         "position": "prefix",
                         "decodes_and_prefill_tokens": {n: list(lay.mix[n]) for n in sizes}}
     bar.close()
-    if streams_enabled():
+    if streams_enabled(kernels.streams):
         n = sizes[(len(sizes) - 1) // 2]  # about half the dense batch, a profiled size
         table = interference_table(lay, n, shares, alone={
             "gemm": ops["mlp"]["times"][n],
@@ -195,4 +199,5 @@ def run_profile(bundle, b_dense: int, granularity: int, workload: str = "512/512
         table = {"measured": False, "reason": "no concurrent streams on this backend"}
     return {"version": 1, "b_dense": b_dense, "granularity": granularity,
             "workload": workload, "model": bundle.config.signature(), "ops": ops,
-            "interference": table, "environment": environment()}
+            "interference": table, "environment": environment(),
+            "kernels": dataclasses.asdict(kernels)}

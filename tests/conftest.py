@@ -21,6 +21,21 @@ def _has_gpu() -> bool:
         return False
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Each module's compiled steps, engines and caches go with it: one pytest process
+    runs the whole suite on a 24 GB machine, and jax keeps every executable it compiled
+    (the persistent cache on disk keeps recompiles cheap)."""
+    yield
+    import gc
+    try:
+        import jax
+        jax.clear_caches()
+    except Exception:  # noqa: BLE001 - jax missing or not initialised: nothing to free
+        pass
+    gc.collect()
+
+
 def pytest_collection_modifyitems(config, items):
     if not _has_gpu():
         skip = pytest.mark.skip(reason="needs an NVIDIA GPU")

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from nanojax.bench import timeline
-from nanojax.bench.step import steady_state_mix, synthetic_batch, workload_lengths
+from nanojax.profiling import timeline
+from nanojax.profiling.synthetic import steady_state_mix, synthetic_batch, workload_lengths
 from nanojax.config import named_shape
 
 
@@ -128,7 +128,7 @@ def test_peer_runs_transformers_continuous_batching():
                  max_model_len=64)
     assert r["requests"] == 3 and r["prompt_tokens"] == 36
     assert r["output_tokens"] == 12  # EOS is off: every request runs to max_new_tokens
-    assert r["total_tokens_per_s"] > 0
+    assert r["total_tokens_per_s"] == pytest.approx(48 / r["wall_s"])
 
 
 def test_throughput_bench_compares_modes_in_one_run(tmp_path):
@@ -148,7 +148,12 @@ def test_throughput_bench_compares_modes_in_one_run(tmp_path):
                  "--num-prompts", "12", "--input-len", "20", "--output-len", "6",
                  "--max-model-len", "64", "--quiet", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
-    assert r["overlap_over_non_overlap"] > 0
+    res = r["results"]
+    assert r["overlap_over_non_overlap"] == pytest.approx(
+        res["overlap"]["total_tokens_per_s"] / res["non-overlap"]["total_tokens_per_s"])
+    # the record says what ran: the full engine config and the XLA flags
+    assert r["config"]["b_dense"] == 32 and r["config"]["constant_batch"] is True
+    assert r["config"]["kernels"]["decode_kernel"] == "triton" and "xla_flags" in r["env"]
     for mode in ("non-overlap", "overlap"):
         m = r["results"][mode]
         assert m["output_tokens"] == 12 * 6 and m["prompt_tokens"] == 12 * 20

@@ -70,10 +70,11 @@ def test_the_attention_backend_can_route_decode_rows_to_it():
     """pallas_backend(decode_kernel="mosaic"): a dense batch of decodes and a prefill chunk
     (each token a decode row at its own position) against the pure-JAX backend, and a
     share maps to whole SMs (one program per SM)."""
-    from nanojax.bench.step import build_batch
-    from nanojax.config import named_shape
+    from nanojax.config import KernelConfig, named_shape
+    from nanojax.errors import ConfigError
     from nanojax.layers.attention import attend_reference, pallas_backend
     from nanojax.layers.rotary import inverse_frequencies
+    from nanojax.profiling.synthetic import build_batch
 
     cfg = named_shape("tiny").replace(head_dim=64)
     rng = np.random.default_rng(0)
@@ -85,14 +86,14 @@ def test_the_attention_backend_can_route_decode_rows_to_it():
     kv = tuple(jnp.asarray(rng.standard_normal((64, cfg.num_kv_heads, 8, 64)), jnp.bfloat16)
                for _ in range(2))
     inv = inverse_frequencies(64, cfg.rope_theta)
-    backend = pallas_backend(decode_kernel="mosaic", interpret=True)
+    backend = pallas_backend(KernelConfig(decode_kernel="mosaic", interpret=True))
     out = backend.attend(q, kv, meta, inv)
     ref = attend_reference(q.astype(jnp.float32), tuple(x.astype(jnp.float32) for x in kv),
                            meta, inv)
     o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     assert np.isfinite(o).all() and np.linalg.norm(o - r) / np.linalg.norm(r) < REL_TOL_BF16
-    with pytest.raises(ValueError, match="unknown decode kernel"):
-        pallas_backend(decode_kernel="cuda")
+    with pytest.raises(ConfigError, match="unknown decode kernel"):
+        KernelConfig(decode_kernel="cuda")
 
 
 def test_a_share_is_whole_sms_for_mosaic_and_auto_picks_by_device_and_operands():

@@ -7,12 +7,13 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
-# f32: the Triton decode kernel; bf16 on Hopper: the Mosaic GPU one ("auto")
+# decode kernel "auto": f32 gets the Triton kernel, bf16 on Hopper the Mosaic GPU one
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-2), ("bfloat16", 5e-2)])
 def test_pallas_backend_logits_match_pure_jax(dtype, tol):
     from checkpoints.loader import load_model
     from nanojax.engine.forward import ScanForward, UnrolledForward
-    from nanojax.layers.attention import PagedMetadata, paged_attention_pallas
+    from nanojax.config import KernelConfig
+    from nanojax.layers.attention import PagedMetadata, pallas_backend
     # 4 of its 30 layers: each layer's kernels compile separately (~2 s each)
     bundle = load_model("random:smollm2-135m", dtype=dtype, num_layers=4)
     cfg = bundle.config
@@ -34,7 +35,8 @@ def test_pallas_backend_logits_match_pure_jax(dtype, tol):
                          num_decodes=np.int32(2))
     idx = np.array([0, 1, len(toks) - 1], np.int32)
     outs = []
-    for fwd in (ScanForward(cfg), UnrolledForward(cfg, attention=paged_attention_pallas)):
+    for fwd in (ScanForward(cfg), UnrolledForward(
+            cfg, attention=pallas_backend(KernelConfig(decode_kernel="auto")))):
         params = fwd.prepare(bundle.params)
         kv = fwd.init_kv(pages, ps)
         # fill the cache with a random history first, the same for both

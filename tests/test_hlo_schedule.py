@@ -3,7 +3,7 @@ side-stream region's start and done (text modelled on jax 0.11's GPU dumps)."""
 import pytest
 
 from checkpoints.loader import load_model
-from nanojax.bench.hlo_schedule import entry_instructions, report, side_regions
+from nanojax.profiling.hlo_schedule import entry_instructions, report, side_regions
 from nanojax.cli import main
 from nanojax.errors import CheckpointError
 

@@ -99,7 +99,8 @@ def test_engine_with_the_pallas_kernels_matches_pure_jax(tiny_bundle, pipeline):
     interpret mode) inside the engine: chunked prefills, decodes, and the nano-batch
     executor's slices."""
     from nanojax.engine.forward import UnrolledForward
-    from nanojax.engine.llm_engine import EngineConfig, LLMEngine
+    from nanojax.config import EngineConfig, KernelConfig
+    from nanojax.engine.llm_engine import LLMEngine
     from nanojax.engine.sampling import SamplingParams
     from nanojax.layers.attention import paged_attention, pallas_backend
     from nanojax.pipeline.executor import PipelineForward
@@ -116,8 +117,8 @@ def test_engine_with_the_pallas_kernels_matches_pure_jax(tiny_bundle, pipeline):
     rng = np.random.default_rng(2)
     prompts = [rng.integers(1, cfg.vocab_size, size=int(n)).tolist() for n in (23, 5, 40)]
     outs = []
-    for attention in (paged_attention, pallas_backend(prefill_block_q=4, fused_append=True,
-                                                      interpret=True)):
+    for attention in (paged_attention, pallas_backend(KernelConfig(
+            prefill_kernel=True, prefill_block_q=4, fused_append=True, interpret=True))):
         fwd = (PipelineForward(cfg, plan, "overlap", attention=attention) if pipeline
                else UnrolledForward(cfg, attention))
         eng = LLMEngine(tiny_bundle, EngineConfig(b_dense=32, num_pages=48, page_size=4,

@@ -108,23 +108,23 @@ def test_realistic_instance_and_cli(tmp_path):
     import json
     import subprocess
     import sys
-    import time
     prof = _profile(2048, 128, CASES[2][2], CASES[2][3])
     d = {"b_dense": 2048, "granularity": 128,
          "ops": {j: {"resource": prof.resource[j],
                      "times": {str(n): t for n, t in prof.times[j].items()}}
                  for j in OP_GROUPS}}
     (tmp_path / "profile.json").write_text(json.dumps(d))
-    t0 = time.time()
     res = subprocess.run([sys.executable, "-m", "nanojax", "search", "--profile",
                           str(tmp_path / "profile.json"), "--out", str(tmp_path / "plan.json"),
                           "--max-k", "4", "--png", str(tmp_path / "plan.png")],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
-    assert time.time() - t0 < 600
     from nanojax.pipeline.plan import load_plan
     plan = load_plan(tmp_path / "plan.json")
     assert len(plan["nano_batches"]["qkv"]) >= 2
+    # one nano-batch per op back to back is a candidate: the plan is never predicted slower
+    serial = sum(prof.times[j][2048] for j in OP_GROUPS)
+    assert plan["predicted"]["makespan_s"] <= serial * (1 + 1e-9)
     assert (tmp_path / "plan.png").stat().st_size > 1000
     bad = subprocess.run([sys.executable, "-m", "nanojax", "search", "--profile",
                           str(tmp_path / "nope.json"), "--out", str(tmp_path / "x.json")],

@@ -15,15 +15,15 @@ import json
 import sys
 import time
 
-from nanojax.cli import _add_stream_flags
+from nanojax.pipeline.streams import add_stream_xla_flags
 
-_add_stream_flags()  # XLA reads its flags when the backend starts: before any jax call
+add_stream_xla_flags()  # XLA reads its flags when the backend starts: before any jax call
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from nanojax.bench.timing import device_seconds  # noqa: E402
+from nanojax.profiling.timing import device_seconds  # noqa: E402
 from nanojax.pipeline.streams import (carry_metadata_to_stream_calls, on_stream,  # noqa: E402
                                       scheduling_group)
 from pallas_kernels.decode_attention_mgpu import decode_attention_mgpu  # noqa: E402

@@ -10,10 +10,10 @@
 set -u
 OUT=${OUT:?set OUT}
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-timeout "${LIMIT_VARIANTS:-300}" python3 -m pallas_kernels.bench_decode --variants \
+timeout "${LIMIT_VARIANTS:-300}" python3 bench/kernels/bench_decode.py --variants \
   --kernels "${VARIANT_KERNELS:-triton,mosaic}" --out "$OUT/decode_attention_variants_h200.json" 2>&1 | grep -v "^[WI]1" | cut -c1-400 | tail -n 6
 for kernel in ${KERNELS-triton mosaic}; do  # KERNELS= : no step
-  NANOJAX_DECODE_KERNEL=$kernel timeout "${LIMIT_STEP:-150}" python3 -m nanojax bench step \
+  timeout "${LIMIT_STEP:-150}" python3 -m nanojax bench step --decode-kernel "$kernel" \
     --model random:llama3-8b --num-layers "${LAYERS:-8}" --plan llama3-8b-1gpu \
     --b-dense 2048 --workloads 512/512 --quiet \
     --modes "${STEP_MODES:-non-overlap,overlap,overlap:0.5,overlap:0.25}" \

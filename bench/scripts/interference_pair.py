@@ -9,12 +9,12 @@ import json
 import sys
 
 from checkpoints.loader import load_model
-from search.profiler import _Layer, interference_table
+from search.profiler import LayerOps, interference_table
 
 out = sys.argv[1]
 n = int(sys.argv[2]) if len(sys.argv) > 2 else 1024
 shares = [float(x) for x in (sys.argv[3] if len(sys.argv) > 3 else "1.0,0.125").split(",")]
-lay = _Layer(load_model("random:llama3-8b", num_layers=1), 2048, 256)
+lay = LayerOps(load_model("random:llama3-8b", num_layers=1), 2048, 256)
 table = interference_table(lay, n, shares, progress=print)
 json.dump({"command": " ".join(["python3"] + sys.argv), "table": table}, open(out, "w"),
           indent=1)

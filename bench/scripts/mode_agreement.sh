@@ -8,8 +8,9 @@
 # Usage: OUT=dir bash bench/scripts/mode_agreement.sh
 set -u
 OUT=${OUT:?set OUT}
-export PYTHONPATH=. PYTHONUNBUFFERED=1 NANOJAX_DECODE_KERNEL=${KERNEL:-triton}
-step=(python3 -m nanojax bench step --model random:llama3-8b --plan llama3-8b-1gpu --quiet)
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+step=(python3 -m nanojax bench step --model random:llama3-8b --plan llama3-8b-1gpu --quiet
+      --decode-kernel "${KERNEL:-triton}")
 check=(--num-layers 4 --b-dense 512,2048 --workloads "${WORKLOADS:-sharegpt,splitwise}"
        --modes non-overlap,nanobatch-only,overlap --repeats 3 --num-pages 8192 --f32-reference)
 quiet() { grep -v "^[WI]1" | tail -n "$1"; }

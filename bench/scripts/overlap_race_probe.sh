@@ -10,8 +10,9 @@
 # Usage: OUT=dir bash bench/scripts/overlap_race_probe.sh
 set -u
 OUT=${OUT:?set OUT}
-export PYTHONPATH=. PYTHONUNBUFFERED=1 NANOJAX_DECODE_KERNEL=${KERNEL:-triton}
+export PYTHONPATH=. PYTHONUNBUFFERED=1
 step=(python3 -m nanojax bench step --model random:llama3-8b --plan llama3-8b-1gpu
+      --decode-kernel "${KERNEL:-triton}"
       --b-dense 512 --workloads "${WORKLOADS:-splitwise,sharegpt}" --repeats 1
       --num-pages 4096 --quiet)
 quiet() { grep -v "^[WI]1" | tail -n "$1"; }

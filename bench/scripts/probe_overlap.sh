@@ -1,9 +1,9 @@
 #!/bin/bash
 # Why does (or doesn't) the overlap mode overlap? Quick variants on the first layers of the
-# LLaMA-3-8B shape, each in its own process (XLA flags and env are per process). Every
+# LLaMA-3-8B shape, each in its own process (XLA flags are per process). Every
 # optimized step module is dumped; the JSON holds its side-stream schedule report
 # (`nanojax bench hlo-schedule`), and the dumps come back as one hlo.tar.gz.
-#   A  the shipped plan: non-overlap, overlap, overlap with XLA scheduling groups
+#   A  the shipped plan: non-overlap, overlap, overlap without XLA scheduling groups
 #   B  the same with JAX's profile-guided latency estimation (PGLE)
 #   C  the partner GEMMs (o_proj + MLP of the other nano-batch) on stream 2
 #   D  the chunked-prefill kernel and fused RoPE+append (opt-in on the GPU)
@@ -25,7 +25,7 @@ run() {  # name timeout env... -- args...
   find "$OUT/hlo/$name" -type f ! -name '*after_optimizations.txt' -delete 2>/dev/null
 }
 for v in $VARIANTS; do case $v in
-  A) run A 150 X=1 -- --modes non-overlap,overlap,overlap:1.0:groups --timeline "$OUT/tl_A.png" ;;
+  A) run A 150 X=1 -- --modes non-overlap,overlap,overlap:1.0:nogroups --timeline "$OUT/tl_A.png" ;;
   B) run B 140 JAX_ENABLE_PGLE=true JAX_PGLE_PROFILING_RUNS=2 -- --modes non-overlap,overlap \
        --repeats 16 ;;
   C) python3 - "$OUT/plan_stream2.json" <<'PY'
@@ -39,9 +39,9 @@ p["name"] += "-partners-on-stream-2"
 json.dump(p, open(sys.argv[1], "w"), indent=1)
 PY
      run C 110 X=1 -- --modes non-overlap,overlap --plan "$OUT/plan_stream2.json" ;;
-  D) run D 120 NANOJAX_PREFILL_KERNEL=1 NANOJAX_FUSED_APPEND=1 -- --modes non-overlap,overlap ;;
+  D) run D 120 X=1 -- --prefill-kernel --fused-append --modes non-overlap,overlap ;;
   E) echo "== E prefill kernel"
-     timeout 80 python3 -m pallas_kernels.bench_decode --prefill-only \
+     timeout 80 python3 bench/kernels/bench_decode.py --prefill-only \
        --out "$OUT/prefill_attention_h200.json" > "$OUT/E.log" 2>&1
      echo "rc=$?"; tail -n 6 "$OUT/E.log" ;;
 esac; done

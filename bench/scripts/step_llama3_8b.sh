@@ -13,8 +13,8 @@ timeout "${LIMIT1:-300}" python3 -m nanojax bench step "${args[@]}" \
   --timeline "$OUT/timeline_llama3-8b_2048.png" --dump-hlo "$OUT/hlo" \
   --json "$OUT/step_llama3-8b_1xh200.json" 2>&1 | grep -v "^[WI]1" | tail -n 14
 if [ -n "${KERNELS:-1}" ]; then
-  NANOJAX_PREFILL_KERNEL=1 NANOJAX_FUSED_APPEND=1 timeout "${LIMIT2:-200}" \
-    python3 -m nanojax bench step "${args[@]}" --modes non-overlap,overlap \
+  timeout "${LIMIT2:-200}" python3 -m nanojax bench step "${args[@]}" \
+    --prefill-kernel --fused-append --modes non-overlap,overlap \
     --json "$OUT/step_llama3-8b_1xh200_kernels.json" 2>&1 | grep -v "^[WI]1" | tail -n 8
 fi
 find "$OUT/hlo" -type f ! -name '*after_optimizations.txt' -delete 2>/dev/null

@@ -17,9 +17,10 @@
 # Usage: OUT=dir PART=step|sweep|engine [KERNEL=triton] bash bench/scripts/throughput_llama3_8b.sh
 set -u
 OUT=${OUT:?set OUT}
-export PYTHONPATH=. PYTHONUNBUFFERED=1 NANOJAX_DECODE_KERNEL=${KERNEL:-triton}
+export PYTHONPATH=. PYTHONUNBUFFERED=1
 WORKLOADS=${WORKLOADS:-512/512,1024/512,512/1024,splitwise,lmsys,sharegpt}
-model=(--model random:llama3-8b --plan llama3-8b-1gpu --quiet)
+kernel=(--decode-kernel "${KERNEL:-triton}")
+model=(--model random:llama3-8b --plan llama3-8b-1gpu --quiet "${kernel[@]}")
 quiet() { grep -v "^[WI]1" | tail -n "$1"; }
 case "${PART:?set PART to step, sweep or engine}" in
 step)
@@ -35,7 +36,7 @@ sweep)
   ;;
 engine)
   n=${NUM_PROMPTS:-128}
-  timeout "${LIMIT1:-540}" python3 -m nanojax bench --model random:llama3-8b --quiet \
+  timeout "${LIMIT1:-540}" python3 -m nanojax bench --model random:llama3-8b --quiet "${kernel[@]}" \
     --b-dense 2048 --admission predicted --fixed-shapes --num-prompts "$n" \
     --input-len 512 --output-len 512 --max-model-len 1024 --max-num-seqs "$n" \
     --peer --peer-timeout "${PEER_LIMIT:-300}" --json "$OUT/engine_peer_512_512.json" \

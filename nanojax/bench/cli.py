@@ -1,70 +1,54 @@
 """`nanojax bench [throughput] ...` (offline) and `nanojax bench serve ...` (online)."""
 from __future__ import annotations
 
-import argparse
 import json
-import platform
 import sys
 from pathlib import Path
 
-
-def environment() -> dict:
-    import jax
-    dev = jax.devices()[0]
-    return {"jax": jax.__version__, "backend": jax.default_backend(),
-            "device": getattr(dev, "device_kind", str(dev)), "num_devices": jax.device_count(),
-            "python": platform.python_version(), "host": platform.node()}
+from nanojax.bench.workload import add_workload_args
+from nanojax.config_flags import (add_engine_args, add_model_args, engine_config_from_args,
+                                  kernel_config_from_args)
+from nanojax.bench.serve import register_serve
+from nanojax.profiling.record import run_record, write_json
 
 
-def write_json(path: str | None, payload: dict) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(payload, indent=2))
-        print(f"nanojax: wrote {path}", file=sys.stderr)
-
-
-def cmd_throughput(args) -> int:
-    from checkpoints.loader import load_model
-    from nanojax.bench.offline import run_offline
-    from nanojax.bench.workload import make_requests
-    from nanojax.engine.llm_engine import EngineConfig, LLMEngine
-
-    peer = None
-    if args.peer:  # first, in its own process, before JAX holds the GPU's memory
-        from nanojax.bench.peer import run_peer_subprocess
-        if not args.model.startswith("random:"):
-            raise SystemExit("nanojax: --peer needs --model random:<shape>")
-        n = args.peer_num_prompts or args.num_prompts
-        peer_args = ["--shape", args.model.split(":", 1)[1], "--num-prompts", str(n),
-                     "--max-model-len", str(args.max_model_len), "--seed", str(args.seed)]
-        if args.trace:
-            peer_args += ["--trace", args.trace]
-        else:
-            peer_args += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
-        peer = run_peer_subprocess(peer_args, timeout=args.peer_timeout)
-        print(f"peer: {json.dumps(peer)[:400]}", file=sys.stderr)
-    bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
-    reqs = make_requests(args.num_prompts, bundle.config.vocab_size, args.input_len,
-                         args.output_len, args.trace, args.max_model_len, args.seed)
-    if args.plan:  # the nano-batch pipeline: compare its ablation modes in one run
-        modes = args.modes.split(",")
+def _run_peer(args, max_model_len: int) -> dict:
+    """transformers on the same requests, in its own process, before JAX holds the GPU."""
+    from nanojax.bench.peer import run_peer_subprocess
+    if not args.model.startswith("random:"):
+        raise SystemExit("nanojax: --peer needs --model random:<shape>")
+    n = args.peer_num_prompts or args.num_prompts
+    peer_args = ["--shape", args.model.split(":", 1)[1], "--num-prompts", str(n),
+                 "--max-model-len", str(max_model_len), "--seed", str(args.seed)]
+    if args.trace:
+        peer_args += ["--trace", args.trace]
     else:
-        modes = {"both": ["sync", "async"], "async": ["async"],
-                 "sync": ["sync"]}[args.scheduling]
-    results = {}
+        peer_args += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+    peer = run_peer_subprocess(peer_args, timeout=args.peer_timeout)
+    print(f"peer: {json.dumps(peer)[:400]}", file=sys.stderr)
+    # the ratio compares like with like only when the peer served the same requests
+    peer["same_requests_as_ours"] = n == args.num_prompts
+    return peer
+
+
+def _run_modes(args, bundle, reqs, config, modes: list[str], partial: dict) -> dict:
+    """mode -> offline result (or {"error"} for a plan mode that failed)."""
+    import gc
+
+    from nanojax.bench.offline import run_offline
+    from nanojax.engine.llm_engine import LLMEngine
+    results = partial["results"]
     for mode in modes:
-        forward = None
-        if args.plan:
-            from nanojax.pipeline.executor import PipelineForward
-            from nanojax.pipeline.plan import load_plan
-            forward = PipelineForward(bundle.config, load_plan(args.plan), mode)
+        forward = eng = None
         try:
-            eng = LLMEngine(bundle, EngineConfig(
-                b_dense=args.b_dense, num_pages=args.num_pages, page_size=args.page_size,
-                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                async_scheduling=(mode != "sync"), constant_batch=args.constant_batch,
-                admission=args.admission, fixed_shapes=args.fixed_shapes),
-                forward=forward)
+            if args.plan:
+                from nanojax.pipeline.executor import PipelineForward
+                from nanojax.pipeline.plan import load_plan
+                forward = PipelineForward(bundle.config, load_plan(args.plan), mode,
+                                          kernels=config.kernels)
+            if mode in ("sync", "async"):
+                config = config.replace(async_scheduling=mode == "async")
+            eng = LLMEngine(bundle, config, forward=forward)
             results[mode] = run_offline(eng, reqs, progress=not args.quiet)
         except Exception as e:  # record the failure of one mode, measure the others
             if not args.plan:
@@ -74,59 +58,76 @@ def cmd_throughput(args) -> int:
             continue
         finally:
             eng = forward = None
-            import gc
             gc.collect()  # the runner's jitted step holds the engine: free its KV cache now
-        write_json(args.json, {"command": " ".join(["nanojax"] + sys.argv[1:]),
-                               "partial": True, "results": results})
+        write_json(args.json, {**partial, "partial": True})
         r = results[mode]
         print(f"{mode:>5}: {r['requests']} requests, {r['prompt_tokens']} prompt + "
               f"{r['output_tokens']} output tokens in {r['wall_s']:.2f}s -> "
               f"{r['total_tokens_per_s']:.1f} tok/s total, {r['output_tokens_per_s']:.1f} "
               f"output tok/s, {r['iterations']} iterations", file=sys.stderr)
-    payload = {"command": " ".join(["nanojax"] + sys.argv[1:]), "env": environment(),
-               "model": args.model, "workload": {"num_prompts": args.num_prompts,
-                                                  "input_len": args.input_len,
-                                                  "output_len": args.output_len,
-                                                  "trace": args.trace, "seed": args.seed},
-               "engine": {"b_dense": args.b_dense, "page_size": args.page_size,
-                          "admission": args.admission,
-                          "num_pages": args.num_pages, "max_model_len": args.max_model_len},
-               "results": results}
-    if peer is not None:
-        # the ratio compares like with like only when the peer served the same requests
-        peer["same_requests_as_ours"] = (args.peer_num_prompts or args.num_prompts) \
-            == args.num_prompts
-        payload["peer"] = peer
-        if "error" not in peer:
-            payload["ours_over_peer"] = {m: r["total_tokens_per_s"] / peer["total_tokens_per_s"]
-                                         for m, r in results.items() if "error" not in r}
+    return results
+
+
+def _compare_modes(payload: dict, results: dict, plan: bool) -> None:
+    """Same tokens across modes (greedy), and the throughput ratios between them."""
     digests = {m: r.pop("output_digests") for m, r in results.items() if "error" not in r}
-    if len(digests) > 1:  # greedy decoding: every mode should produce the same tokens
+    if len(digests) > 1:
         first = next(iter(digests))
         for m, d in digests.items():
             results[m]["same_outputs_as_" + first] = (
                 sum(a == b for a, b in zip(d, digests[first])) / len(d))
-    if args.plan:
-        ok = {m: r["total_tokens_per_s"] for m, r in results.items() if "error" not in r}
+    ok = {m: r["total_tokens_per_s"] for m, r in results.items() if "error" not in r}
+    if plan:
         if "overlap" in ok and "non-overlap" in ok:
             payload["overlap_over_non_overlap"] = ok["overlap"] / ok["non-overlap"]
         if "overlap" in ok and "nanobatch-only" in ok:
             payload["overlap_over_nanobatch_only"] = ok["overlap"] / ok["nanobatch-only"]
-    import jax
-    if jax.default_backend() == "gpu":
-        from nanojax.bench.roofline import CARD_TFLOPS, measure_gemm_rate, optimal_tokens_per_s
-        roof = measure_gemm_rate(bundle.config, args.b_dense)
-        payload["roofline"] = roof
-        for m, r in results.items():
-            if "error" not in r:
-                r["fraction_of_optimal"] = (r["total_tokens_per_s"]
-                                            / roof["optimal_tokens_per_s"])
-                r["fraction_of_optimal_at_790_tflops"] = r["total_tokens_per_s"] / (
-                    optimal_tokens_per_s(bundle.config, CARD_TFLOPS * 1e12))
-    if len(modes) == 2 and not args.plan:
-        payload["async_over_sync"] = (results["async"]["total_tokens_per_s"]
-                                      / results["sync"]["total_tokens_per_s"])
+    elif "async" in ok and "sync" in ok:
+        payload["async_over_sync"] = ok["async"] / ok["sync"]
         print(f"async / sync throughput: {payload['async_over_sync']:.3f}", file=sys.stderr)
+
+
+def _add_roofline(payload: dict, results: dict, cfg, b_dense: int) -> None:
+    """% of optimal, with the GEMM rate measured here for the model's shapes (GPU)."""
+    from nanojax.bench.roofline import CARD_TFLOPS, measure_gemm_rate, optimal_tokens_per_s
+    roof = measure_gemm_rate(cfg, b_dense)
+    payload["roofline"] = roof
+    for r in results.values():
+        if "error" not in r:
+            r["fraction_of_optimal"] = r["total_tokens_per_s"] / roof["optimal_tokens_per_s"]
+            r["fraction_of_optimal_at_790_tflops"] = r["total_tokens_per_s"] / (
+                optimal_tokens_per_s(cfg, CARD_TFLOPS * 1e12))
+
+
+def cmd_throughput(args) -> int:
+    import jax
+
+    from checkpoints.loader import load_model
+    from nanojax.bench.workload import make_requests
+    config = engine_config_from_args(args)
+    peer = _run_peer(args, config.max_model_len) if args.peer else None
+    bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
+    reqs = make_requests(args.num_prompts, bundle.config.vocab_size, args.input_len,
+                         args.output_len, args.trace, config.max_model_len, args.seed)
+    if args.plan:  # the nano-batch pipeline: compare its ablation modes in one run
+        modes = args.modes.split(",")
+    else:
+        modes = {"both": ["sync", "async"], "async": ["async"],
+                 "sync": ["sync"]}[args.scheduling]
+    payload = {**run_record(config), "model": args.model, "plan": args.plan,
+               "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len,
+                            "output_len": args.output_len, "trace": args.trace,
+                            "seed": args.seed},
+               "results": {}}
+    results = _run_modes(args, bundle, reqs, config, modes, payload)
+    if peer is not None:
+        payload["peer"] = peer
+        if "error" not in peer:
+            payload["ours_over_peer"] = {m: r["total_tokens_per_s"] / peer["total_tokens_per_s"]
+                                         for m, r in results.items() if "error" not in r}
+    _compare_modes(payload, results, bool(args.plan))
+    if jax.default_backend() == "gpu":
+        _add_roofline(payload, results, bundle.config, config.b_dense)
     print(json.dumps({k: v for k, v in payload.items() if k in (
         "results", "async_over_sync", "overlap_over_non_overlap",
         "overlap_over_nanobatch_only", "ours_over_peer")}))
@@ -161,16 +162,16 @@ def cmd_step(args) -> int:
             "--xla_dump_hlo_as_text", "--xla_dump_hlo_module_re=.*step.*"]).strip()
     bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
                         num_layers=args.num_layers)
+    kernels = kernel_config_from_args(args)
+    record = {**run_record(kernels), "model": args.model, "plan": args.plan}
     out = run_step_bench(bundle, plan, b_dense, args.workloads.split(","),
                          modes, page_size=args.page_size,
                          num_pages=args.num_pages, max_model_len=args.max_model_len,
                          repeats=args.repeats, timeline_png=args.timeline,
                          progress=not args.quiet, f32_reference=args.f32_reference,
-                         checkpoint=lambda part: write_json(args.json, {
-                             "command": " ".join(["nanojax"] + sys.argv[1:]), **part}))
-    payload = {"command": " ".join(["nanojax"] + sys.argv[1:]), "env": environment(),
-               "model": args.model, "num_layers": bundle.config.num_layers,
-               "plan": args.plan, **out}
+                         kernels=kernels,
+                         checkpoint=lambda part: write_json(args.json, {**record, **part}))
+    payload = {**record, "num_layers": bundle.config.num_layers, **out}
     if args.dump_hlo:
         payload["schedule"] = _schedules(args.dump_hlo)
         for name, rep in payload["schedule"].items():
@@ -193,13 +194,13 @@ def cmd_step(args) -> int:
 
 def _schedules(dump_dir: str) -> dict:
     """Side-stream schedule report of every optimized step module in a dump directory."""
-    from nanojax.bench.hlo_schedule import report
+    from nanojax.profiling.hlo_schedule import report
     files = sorted(Path(dump_dir).glob("*after_optimizations.txt"))
     return {f.name: {k: v for k, v in report(f).items() if k != "file"} for f in files}
 
 
 def cmd_hlo_schedule(args) -> int:
-    from nanojax.bench.hlo_schedule import report
+    from nanojax.profiling.hlo_schedule import report
     from nanojax.errors import NanojaxError
     try:
         rep = report(args.path)
@@ -210,7 +211,7 @@ def cmd_hlo_schedule(args) -> int:
 
 
 def cmd_plot_timeline(args) -> int:
-    from nanojax.bench import timeline
+    from nanojax.profiling import timeline
     timelines = timeline.reclassify(json.loads(Path(args.events).read_text()))
     timeline.plot(timelines, args.out, args.title)
     print(json.dumps({mode: timeline.summarize(ev) for mode, ev in timelines.items()},
@@ -219,39 +220,14 @@ def cmd_plot_timeline(args) -> int:
     return 0
 
 
-def add_workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=None)
-    p.add_argument("--output-len", type=int, default=None)
-    p.add_argument("--trace", default=None,
-                   help="splitwise, lmsys, sharegpt, or a TIMESTAMP,ContextTokens,"
-                        "GeneratedTokens CSV")
-    p.add_argument("--seed", type=int, default=0)
-
-
 def register(sub) -> None:
-    from nanojax.cli import _add_model_args
     bench = sub.add_parser("bench", help="benchmarks: throughput (offline, default) or serve")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     t = bsub.add_parser("throughput", help="offline throughput through the engine")
-    _add_model_args(t)
+    add_model_args(t)
     add_workload_args(t)
-    t.add_argument("--b-dense", type=int, default=256, help="tokens per iteration")
-    t.add_argument("--page-size", type=int, default=16)
-    t.add_argument("--num-pages", type=int, default=None)
-    t.add_argument("--max-num-seqs", type=int, default=None)
-    t.add_argument("--max-model-len", type=int, default=2048)
-    t.add_argument("--constant-batch", action="store_true",
-                   help="pad every iteration to B_dense tokens (NanoFlow's dense batch)")
+    add_engine_args(t, skip=("async_scheduling",))
     t.add_argument("--scheduling", choices=["async", "sync", "both"], default="async")
-    t.add_argument("--fixed-shapes", action="store_true",
-                   help="one row count and page-table width, so every step shape (one per "
-                        "token bucket) compiles before the clock starts; without it, shapes "
-                        "the warm-up did not meet compile during the run")
-    t.add_argument("--admission", choices=["greedy", "predicted"], default="greedy",
-                   help="predicted: admit only while everyone's expected final length fits "
-                        "the KV cache (NanoFlow's memory prediction; no preemption storms "
-                        "when all requests arrive at once)")
     t.add_argument("--plan", default=None,
                    help="run the nano-batch executor with this plan (name or JSON path)")
     t.add_argument("--modes", default="non-overlap,nanobatch-only,overlap",
@@ -269,7 +245,7 @@ def register(sub) -> None:
 
     st = bsub.add_parser("step", help="time one dense iteration of each pipeline mode on a "
                                       "synthetic steady-state batch (GPU), with a timeline")
-    _add_model_args(st)
+    add_model_args(st)
     st.add_argument("--plan", required=True, help="plan name or JSON path")
     st.add_argument("--b-dense", default="2048", help="comma-separated B_dense values")
     st.add_argument("--workloads", default="512/512",
@@ -292,6 +268,7 @@ def register(sub) -> None:
                          "from it (the yardstick for differences between modes on a GPU)")
     st.add_argument("--quiet", action="store_true")
     st.add_argument("--json", default=None)
+    add_engine_args(st, kernels_only=True)
     st.set_defaults(func=cmd_step)
 
     hs = bsub.add_parser("hlo-schedule", help="side-stream regions of an optimized HLO dump "
@@ -304,9 +281,4 @@ def register(sub) -> None:
     pt.add_argument("--out", required=True)
     pt.add_argument("--title", default="one iteration")
     pt.set_defaults(func=cmd_plot_timeline)
-    try:
-        from nanojax.bench.serve import register_serve
-        register_serve(bsub)
-    except ModuleNotFoundError as e:
-        if e.name != "nanojax.bench.serve":
-            raise
+    register_serve(bsub)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from nanojax.bench.timing import device_seconds
+from nanojax.profiling.timing import device_seconds
 from nanojax.config import ModelConfig
 
 
-CARD_TFLOPS = 790  # the H200's large-matmul bf16 rate (torch 8192^3, DESIGN.md)
+CARD_TFLOPS = 790  # the H200's large-matmul bf16 rate (torch 8192^3, measured on the box)
 
 
 def optimal_tokens_per_s(cfg: ModelConfig, flops_per_s: float) -> float:

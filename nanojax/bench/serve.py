@@ -14,7 +14,8 @@ import time
 
 import numpy as np
 
-from nanojax.bench.workload import BenchRequest, make_requests
+from nanojax.bench.workload import BenchRequest, add_workload_args, make_requests
+from nanojax.profiling.record import write_json
 
 SLO_S_PER_TOKEN = 0.2
 
@@ -158,7 +159,6 @@ def print_report(s: dict, out=sys.stdout) -> None:
 def cmd_bench_serve(args) -> int:
     import urllib.request
 
-    from nanojax.bench.cli import write_json
     url = args.base_url.rstrip("/")
     with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
         info = json.load(r)["data"][0]
@@ -176,7 +176,6 @@ def cmd_bench_serve(args) -> int:
 
 
 def register_serve(bsub) -> None:
-    from nanojax.bench.cli import add_workload_args
     p = bsub.add_parser("serve", help="online benchmark against a running server")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--served-model", default=None)

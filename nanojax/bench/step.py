@@ -1,18 +1,9 @@
 """One dense iteration, timed on the device: the decoder step of each pipeline mode on a
-synthetic steady-state batch, without the scheduler around it.
-
-The batch is what the engine's dense batch looks like once a workload is in steady state:
-decodes first, with contexts spread over [prompt, prompt + output), then prefill chunks
-filling the rest up to B_dense. For a workload of prompt I and output O per request, a
-request spends I tokens in prefill and O in decode, so O / (I + O) of the batch are decodes.
-Sequences draw their pages from a shared pool (pages may repeat across sequences): reads
-cost the same bandwidth as distinct pages once the pool is far larger than L2, and the cache
-fits on one GPU at any batch.
-"""
+synthetic steady-state batch (nanojax/profiling/synthetic.py), without the scheduler
+around it."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -21,96 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nanojax.config import ModelConfig
-from nanojax.layers.attention import PagedMetadata, prefill_metadata
-
-
-@dataclasses.dataclass
-class SyntheticBatch:
-    tokens: np.ndarray
-    meta: PagedMetadata
-    logit_idx: np.ndarray
-    num_decodes: int
-    num_prefill_tokens: int
-    kv_tokens_read: int  # keys attended over, summed over tokens: the attention's traffic
-
-
-def steady_state_mix(lengths: list[tuple[int, int]], b_dense: int,
-                     rng: np.random.Generator, cuts: tuple[int, ...] = ()):
-    """Decode contexts and prefill chunk lengths of a steady-state dense batch of requests
-    drawn from `lengths` [(prompt, output)]; chunks end at `cuts`, as the scheduler's do."""
-    lengths = np.asarray(lengths)
-    decode_share = lengths[:, 1].sum() / lengths.sum()
-    num_decodes = int(round(b_dense * decode_share))
-    picks = lengths[rng.integers(0, len(lengths), num_decodes)]
-    contexts = picks[:, 0] + (rng.random(num_decodes) * picks[:, 1]).astype(int) + 1
-    chunks, pos, left = [], num_decodes, 0
-    bounds = sorted(c for c in cuts if c > num_decodes) + [b_dense]
-    while pos < b_dense:
-        if left == 0:
-            left = max(int(lengths[rng.integers(0, len(lengths)), 0]), 1)
-        n = min(left, next(c for c in bounds if c > pos) - pos)
-        chunks.append(n)
-        pos += n
-        left -= n
-    return contexts.tolist(), chunks
-
-
-def synthetic_batch(cfg: ModelConfig, b_dense: int, lengths: list[tuple[int, int]],
-                    page_size: int, num_pages: int, max_pages: int,
-                    cuts: tuple[int, ...] = (), seed: int = 0,
-                    prefill_block_q: int | None = None) -> SyntheticBatch:
-    """A steady-state dense batch of the workload `lengths` (see steady_state_mix)."""
-    rng = np.random.default_rng(seed)
-    contexts, chunks = steady_state_mix(lengths, b_dense, rng, cuts)
-    return build_batch(cfg, contexts, chunks, page_size, num_pages, max_pages, rng,
-                       prefill_block_q)
-
-
-def build_batch(cfg: ModelConfig, contexts: list[int], chunks: list[int], page_size: int,
-                num_pages: int, max_pages: int, rng: np.random.Generator,
-                prefill_block_q: int | None = None) -> SyntheticBatch:
-    """Decodes with these contexts, then prefill chunks (from position 0) of these lengths.
-    Pages that this step writes are each sequence's own; the pages it only reads come
-    from a shared pool, so every mode reads the same cache contents."""
-    contexts = [min(c, max_pages * page_size) for c in contexts]
-    chunks = [min(n, max_pages * page_size) for n in chunks]
-    t = len(contexts) + sum(chunks)
-    written = len(contexts) + sum(-(-n // page_size) for n in chunks)
-    if written * 2 > num_pages:
-        raise ValueError(f"a KV pool of {num_pages} pages is too small for {t} tokens")
-    shared = num_pages - written
-    fresh = iter(range(shared, num_pages))
-    positions = np.zeros(t, np.int32)
-    seq_ids = np.zeros(t, np.int32)
-    page_table = rng.integers(0, shared, (t, max_pages)).astype(np.int32)
-    context_lens = np.zeros(t, np.int32)
-    logit_idx = np.zeros(t, np.int32)
-    i = 0
-    for row, c in enumerate(contexts):
-        positions[i], seq_ids[i], context_lens[row], logit_idx[row] = c - 1, row, c, i
-        page_table[row, (c - 1) // page_size] = next(fresh)
-        i += 1
-    for j, n in enumerate(chunks):
-        row = len(contexts) + j
-        positions[i:i + n] = np.arange(n)
-        seq_ids[i:i + n] = row
-        context_lens[row], logit_idx[row] = n, i + n - 1
-        for p in range(-(-n // page_size)):
-            page_table[row, p] = next(fresh)
-        i += n
-    slots = page_table[seq_ids, positions // page_size] * page_size + positions % page_size
-    blocks = slot = None
-    if prefill_block_q:  # query blocks for the chunked-prefill kernel, as the runner makes
-        blocks, slot = prefill_metadata(seq_ids, positions, len(contexts), t,
-                                        prefill_block_q, t)
-    meta = PagedMetadata(positions=positions, slot_mapping=slots.astype(np.int32),
-                         seq_ids=seq_ids, page_table=page_table, context_lens=context_lens,
-                         num_decodes=np.int32(len(contexts)), prefill_blocks=blocks,
-                         prefill_slot=slot)
-    tokens = rng.integers(min(1000, cfg.vocab_size // 2), cfg.vocab_size, t)
-    return SyntheticBatch(tokens.astype(np.int32), meta, logit_idx, len(contexts),
-                          t - len(contexts), int((positions + 1).sum()))
+from nanojax.config import KernelConfig
+from nanojax.profiling.synthetic import SyntheticBatch, synthetic_batch, workload_lengths
 
 
 _CHECK_ROWS = 64  # rows whose logits come back to compare the modes numerically
@@ -144,30 +47,12 @@ def time_step(step, params, kv, batch: SyntheticBatch, repeats: int = 10):
     return float(np.median(times)), kv, jax.device_get(out), first
 
 
-def workload_lengths(spec: str, max_model_len: int) -> list[tuple[int, int]]:
-    """'512/512' (prompt/output) or a trace name or CSV path."""
-    from nanojax.bench.workload import trace_lengths
-    from nanojax.errors import NanojaxError
-    if "/" in spec and not spec.endswith(".csv"):
-        try:
-            i, o = (int(x) for x in spec.split("/"))
-        except ValueError:
-            raise NanojaxError(f"workload {spec!r} is not PROMPT/OUTPUT or a trace") from None
-        lengths = [(i, o)]
-    else:
-        lengths = trace_lengths(spec)
-    lengths = [(i, o) for i, o in lengths if 0 < i and 0 < o and i + o <= max_model_len]
-    if not lengths:
-        raise NanojaxError(f"no request of workload {spec} fits max_model_len {max_model_len}")
-    return lengths
-
-
 def parse_mode(mode: str) -> dict:
     """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs|keepall][:gemmSHARE]:
     'overlap:0.25' runs the plan with every attention nano-op at share 0.25; 'nogroups'
     turns off the executor's XLA scheduling groups (the ablation that shows what they do);
     'gemm0.5' gives every GEMM nano-op share 0.5 and bounds its grid (layers/matmul.py,
-    whatever NANOJAX_GEMM_SHARES says); 'keepinputs' makes side-stream regions return
+    whatever KernelConfig.gemm_shares says); 'keepinputs' makes side-stream regions return
     their inputs, 'keepall' every value computed inside them (PipelineForward's
     diagnostics). ValueError names a bad mode."""
     from nanojax.pipeline.plan import MODES
@@ -194,7 +79,7 @@ def parse_mode(mode: str) -> dict:
     return out
 
 
-def _variant(plan: dict, mode: str):
+def _variant(plan: dict, mode: str, kernels: KernelConfig):
     """The plan and PipelineForward arguments of a mode (parse_mode)."""
     m = parse_mode(mode)
     plan = copy.deepcopy(plan)
@@ -202,9 +87,10 @@ def _variant(plan: dict, mode: str):
         share = m["attention_share"] if op["op"] == "attention" else m["gemm_share"]
         if share is not None:
             op["share"] = share
-    return plan, m["base"], dict(scheduling_groups=m["scheduling_groups"],
-                                 keep=m["keep"],
-                                 gemm_shares=True if m["gemm_share"] is not None else None)
+    if m["gemm_share"] is not None:
+        kernels = kernels.replace(gemm_shares=True)
+    return plan, m["base"], dict(scheduling_groups=m["scheduling_groups"], keep=m["keep"],
+                                 kernels=kernels)
 
 
 def f32_reference_outputs(bundle, plan: dict, batches: dict, num_pages: int,
@@ -232,111 +118,57 @@ def logits_distance(logits, ref_logits) -> float:
     return float(np.max(diff) / np.std(np.asarray(ref_logits, np.float32)))
 
 
-def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[str],
-                   modes: list[str], page_size: int = 16, num_pages: int = 16384,
-                   max_model_len: int = 2048, repeats: int = 10, timeline_png: str | None = None,
-                   progress: bool = True, checkpoint=None, f32_reference: bool = False) -> dict:
-    """Every mode at every B_dense and workload, in one process: ratios between modes come
-    from the same run. Optimal = the GEMM rate measured here at that B_dense.
-    checkpoint(results) is called after every mode, so a run cut short keeps what it has.
-    f32_reference: also run the step in float32 and say how far each mode's logits are
-    from it (what a mode's difference from another must be measured against on a GPU,
-    where each GEMM shape may get another kernel and so another rounding)."""
-    from tqdm.auto import tqdm
+def _measure(step, fwd, params, batch: SyntheticBatch, num_pages: int, page_size: int,
+             repeats: int) -> tuple[dict, tuple]:
+    """Times one mode on one batch from a fresh cache: its row of the results (time,
+    whether it repeats itself) and its output (tokens, checked rows' logits)."""
+    kv = fwd.init_kv(num_pages, page_size)  # every mode starts from the same contents
+    secs, kv, out, first = time_step(step, params, kv, batch, repeats)
+    del kv
+    return {"step_s": secs, "tokens_per_s": len(batch.tokens) / secs,
+            # the same step twice on the same inputs: a race shows up here
+            "repeat_same_tokens": float(np.mean(first[0] == out[0])),
+            "repeat_logits_max_abs_diff": float(np.max(np.abs(
+                np.asarray(first[1], np.float32) - np.asarray(out[1], np.float32)))),
+            "num_decodes": batch.num_decodes, "num_prefill_tokens": batch.num_prefill_tokens,
+            "kv_tokens_read_per_layer": batch.kv_tokens_read}, out
 
-    from nanojax.bench import timeline
-    from nanojax.bench.roofline import CARD_TFLOPS, measure_gemm_rate, optimal_tokens_per_s
-    from nanojax.engine.forward import default_forward
-    from nanojax.pipeline.executor import PipelineForward
-    from nanojax.pipeline.plan import resize
 
-    cfg = bundle.config
-    max_pages = -(-max_model_len // page_size)
-    on_gpu = jax.default_backend() == "gpu"
-    results, timelines = [], {}
-    bar = tqdm(total=len(b_dense_list) * len(workloads) * len(modes), desc="steps",
-               disable=not progress)
-    params = kv = None
-    for b_dense in b_dense_list:
-        roof = measure_gemm_rate(cfg, b_dense) if on_gpu else None
-        sized = resize(plan, b_dense)
-        cuts = tuple(a for a, _ in sized["nano_batches"]["attention"][1:])
-        block_q = default_forward(cfg).attention.prefill_block_q
-        batches = {w: synthetic_batch(cfg, b_dense, workload_lengths(w, max_model_len),
-                                      page_size, num_pages, max_pages, cuts,
-                                      prefill_block_q=block_q)
-                   for w in workloads}
-        tokens = {}
-        for mode in modes:
-            p, base, options = _variant(sized, mode)
-            fwd = PipelineForward(cfg, p, base, **options)
-            if params is None:
-                params = fwd.prepare(bundle.params)
-                kv = fwd.init_kv(num_pages, page_size)
-            step = make_step(fwd)
-            t0 = time.perf_counter()
-            try:
-                step.lower(params, kv, *(lambda b: (b.tokens, b.meta, b.logit_idx))(
-                    batches[workloads[0]])).compile()
-            except Exception as e:  # record the mode's failure, measure the others
-                results.append({"b_dense": b_dense, "mode": mode,
-                                "error": f"{type(e).__name__}: {str(e)[:1500]}"})
-                bar.update(len(workloads))
-                continue
-            compile_s = time.perf_counter() - t0
-            for w in workloads:
-                b = batches[w]
-                kv = None  # a fresh cache: every mode starts from the same contents
-                kv = fwd.init_kv(num_pages, page_size)
-                secs, kv, out, first = time_step(step, params, kv, b, repeats)
-                tokens.setdefault(w, {})[mode] = out
-                r = {"b_dense": b_dense, "workload": w, "mode": mode, "step_s": secs,
-                     "tokens_per_s": b_dense / secs, "compile_s": compile_s,
-                     # the same step twice on the same inputs: a race shows up here
-                     "repeat_same_tokens": float(np.mean(first[0] == out[0])),
-                     "repeat_logits_max_abs_diff": float(np.max(np.abs(
-                         np.asarray(first[1], np.float32) - np.asarray(out[1], np.float32)))),
-                     "num_decodes": b.num_decodes, "num_prefill_tokens": b.num_prefill_tokens,
-                     "kv_tokens_read_per_layer": b.kv_tokens_read}
-                if roof:
-                    r["fraction_of_optimal"] = r["tokens_per_s"] / roof["optimal_tokens_per_s"]
-                    r["fraction_of_optimal_at_790_tflops"] = r["tokens_per_s"] / (
-                        optimal_tokens_per_s(cfg, CARD_TFLOPS * 1e12))
-                    r["optimal_tokens_per_s"] = roof["optimal_tokens_per_s"]
-                    r["gemm_tflops"] = roof["gemm_flops_per_s"] / 1e12
-                # do the modes compute the same function on the same batch? (against the
-                # first mode, row by row, so a run cut short keeps the comparison)
-                ref_mode = next(iter(tokens[w]))
-                ref_tok, ref_logits = tokens[w][ref_mode]
-                r["same_tokens_as_" + ref_mode] = float(np.mean(out[0] == ref_tok))
-                # which sequences differ (decodes come first): where to look next
-                r["differing_sequences"] = np.flatnonzero(out[0] != ref_tok)[:32].tolist()
-                r["logits_max_diff_over_std"] = logits_distance(out[1], ref_logits)
-                if timeline_png and b_dense == b_dense_list[0] and w == workloads[0]:
-                    args = (b.tokens, b.meta, b.logit_idx)
-                    holder = {}
+def _roofline_fields(r: dict, cfg, roof: dict) -> None:
+    from nanojax.bench.roofline import CARD_TFLOPS, optimal_tokens_per_s
+    r["fraction_of_optimal"] = r["tokens_per_s"] / roof["optimal_tokens_per_s"]
+    r["fraction_of_optimal_at_790_tflops"] = r["tokens_per_s"] / (
+        optimal_tokens_per_s(cfg, CARD_TFLOPS * 1e12))
+    r["optimal_tokens_per_s"] = roof["optimal_tokens_per_s"]
+    r["gemm_tflops"] = roof["gemm_flops_per_s"] / 1e12
 
-                    def once(step=step, kv=kv):
-                        holder["kv"], o = step(params, kv, *args)
-                        jax.block_until_ready(o)
-                    ev = timeline.capture(once)
-                    kv = holder["kv"]
-                    timelines[mode] = ev
-                    r["timeline"] = timeline.summarize(ev)
-                results.append(r)
-                bar.update(1)
-            del step, fwd
-            if checkpoint:
-                checkpoint({"partial": True, "results": results})
-        if f32_reference:
-            ref = f32_reference_outputs(bundle, sized, batches, num_pages, page_size)
-            for r in results:
-                if r["b_dense"] == b_dense and "error" not in r:
-                    (tok, logits), (ref_tok, ref_logits) = (tokens[r["workload"]][r["mode"]],
-                                                            ref[r["workload"]])
-                    r["same_tokens_as_f32"] = float(np.mean(tok == ref_tok))
-                    r["logits_max_diff_over_std_vs_f32"] = logits_distance(logits, ref_logits)
-    bar.close()
+
+def _compare(r: dict, out, outputs: dict) -> None:
+    """Do the modes compute the same function on the same batch? Against the first mode
+    run, row by row, so a run cut short keeps the comparison."""
+    ref_mode = next(iter(outputs))
+    ref_tok, ref_logits = outputs[ref_mode]
+    r["same_tokens_as_" + ref_mode] = float(np.mean(out[0] == ref_tok))
+    # which sequences differ (decodes come first): where to look next
+    r["differing_sequences"] = np.flatnonzero(out[0] != ref_tok)[:32].tolist()
+    r["logits_max_diff_over_std"] = logits_distance(out[1], ref_logits)
+
+
+def _capture_timeline(step, fwd, params, batch: SyntheticBatch, num_pages: int,
+                      page_size: int) -> list:
+    from nanojax.profiling import timeline
+    kv = fwd.init_kv(num_pages, page_size)
+    args = (batch.tokens, batch.meta, batch.logit_idx)
+    kv, _ = step(params, kv, *args)  # warm: the trace holds one steady call
+    holder = {}
+
+    def once():
+        holder["kv"], o = step(params, kv, *args)
+        jax.block_until_ready(o)
+    return timeline.capture(once)
+
+
+def _ratios(results: list, b_dense_list: list[int], workloads: list[str]) -> list[dict]:
     ratios = []
     for b_dense in b_dense_list:
         for w in workloads:
@@ -348,12 +180,96 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
             if "overlap" in t and "nanobatch-only" in t:
                 row["overlap_over_nanobatch_only"] = t["overlap"] / t["nanobatch-only"]
             ratios.append(row)
+    return ratios
+
+
+def _add_f32_distance(results: list, b_dense: int, outputs: dict, ref: dict) -> None:
+    for r in results:
+        if r["b_dense"] == b_dense and "error" not in r:
+            (tok, logits), (ref_tok, ref_logits) = (outputs[r["workload"]][r["mode"]],
+                                                    ref[r["workload"]])
+            r["same_tokens_as_f32"] = float(np.mean(tok == ref_tok))
+            r["logits_max_diff_over_std_vs_f32"] = logits_distance(logits, ref_logits)
+
+
+def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[str],
+                   modes: list[str], page_size: int = 16, num_pages: int = 16384,
+                   max_model_len: int = 2048, repeats: int = 10, timeline_png: str | None = None,
+                   progress: bool = True, checkpoint=None, f32_reference: bool = False,
+                   kernels: KernelConfig = KernelConfig()) -> dict:
+    """Every mode at every B_dense and workload, in one process: ratios between modes come
+    from the same run. Optimal = the GEMM rate measured here at that B_dense.
+    checkpoint(results) is called after every mode, so a run cut short keeps what it has.
+    f32_reference: also run the step in float32 and say how far each mode's logits are
+    from it (what a mode's difference from another must be measured against on a GPU,
+    where each GEMM shape may get another kernel and so another rounding)."""
+    from tqdm.auto import tqdm
+
+    from nanojax.bench.roofline import measure_gemm_rate
+    from nanojax.pipeline.executor import PipelineForward
+    from nanojax.pipeline.plan import resize
+    from nanojax.profiling import timeline
+
+    cfg = bundle.config
+    max_pages = -(-max_model_len // page_size)
+    block_q = kernels.prefill_block_q if kernels.prefill_kernel else None
+    results, timelines = [], {}
+    bar = tqdm(total=len(b_dense_list) * len(workloads) * len(modes), desc="steps",
+               disable=not progress)
+    params = None
+    for b_dense in b_dense_list:
+        roof = measure_gemm_rate(cfg, b_dense) if jax.default_backend() == "gpu" else None
+        sized = resize(plan, b_dense)
+        cuts = tuple(a for a, _ in sized["nano_batches"]["attention"][1:])
+        batches = {w: synthetic_batch(cfg, b_dense, workload_lengths(w, max_model_len),
+                                      page_size, num_pages, max_pages, cuts,
+                                      prefill_block_q=block_q)
+                   for w in workloads}
+        outputs = {}  # workload -> mode -> (tokens, checked logits)
+        for mode in modes:
+            p, base, options = _variant(sized, mode, kernels)
+            fwd = PipelineForward(cfg, p, base, **options)
+            if params is None:
+                params = fwd.prepare(bundle.params)
+            step = make_step(fwd)
+            b0 = batches[workloads[0]]
+            t0 = time.perf_counter()
+            try:
+                kv_shape = jax.eval_shape(lambda: fwd.init_kv(num_pages, page_size))
+                step.lower(params, kv_shape, b0.tokens, b0.meta, b0.logit_idx).compile()
+            except Exception as e:  # record the mode's failure, measure the others
+                results.append({"b_dense": b_dense, "mode": mode,
+                                "error": f"{type(e).__name__}: {str(e)[:1500]}"})
+                bar.update(len(workloads))
+                continue
+            compile_s = time.perf_counter() - t0
+            for w in workloads:
+                r, out = _measure(step, fwd, params, batches[w], num_pages, page_size,
+                                  repeats)
+                r = {"b_dense": b_dense, "workload": w, "mode": mode, **r,
+                     "compile_s": compile_s}
+                if roof:
+                    _roofline_fields(r, cfg, roof)
+                outputs.setdefault(w, {})[mode] = out
+                _compare(r, out, outputs[w])
+                if timeline_png and b_dense == b_dense_list[0] and w == workloads[0]:
+                    timelines[mode] = _capture_timeline(step, fwd, params, batches[w],
+                                                        num_pages, page_size)
+                    r["timeline"] = timeline.summarize(timelines[mode])
+                results.append(r)
+                bar.update(1)
+            del step, fwd
+            if checkpoint:
+                checkpoint({"partial": True, "results": results})
+        if f32_reference:
+            _add_f32_distance(results, b_dense, outputs, f32_reference_outputs(
+                bundle, sized, batches, num_pages, page_size))
+    bar.close()
     if timeline_png and timelines:
-        events_path = str(Path(timeline_png).with_suffix(".events.json"))
-        Path(events_path).write_text(json.dumps(timelines))
+        Path(timeline_png).with_suffix(".events.json").write_text(json.dumps(timelines))
         try:
             timeline.plot(timelines, timeline_png,
                           f"one iteration, B_dense {b_dense_list[0]}, workload {workloads[0]}")
         except ImportError:  # matplotlib absent: the events file can be plotted elsewhere
             pass
-    return {"results": results, "ratios": ratios}
+    return {"results": results, "ratios": _ratios(results, b_dense_list, workloads)}

@@ -5,42 +5,18 @@ ignores EOS, so every request produces exactly its output length.
 """
 from __future__ import annotations
 
-import csv
+import argparse
 import dataclasses
-import json
-from importlib import resources
-from pathlib import Path
 
 import numpy as np
 
 from nanojax.errors import NanojaxError
-
-TRACES = ("splitwise", "lmsys", "sharegpt")
-
+from nanojax.traces import TRACES, trace_lengths  # noqa: F401 (re-exported)
 
 @dataclasses.dataclass
 class BenchRequest:
     prompt_ids: list[int]
     output_len: int
-
-
-def trace_lengths(trace: str) -> list[tuple[int, int]]:
-    """(prompt, output) lengths: a shipped trace name or an Azure-format CSV path."""
-    if trace in TRACES:
-        data = json.loads(resources.files("nanojax.data").joinpath("traces.json").read_text())
-        return [tuple(r) for r in data["traces"][trace]]
-    path = Path(trace)
-    if not path.is_file():
-        raise NanojaxError(f"unknown trace {trace!r}: not one of {TRACES} and not a file")
-    rows = []
-    with open(path) as f:
-        for row in csv.DictReader(f):
-            try:
-                rows.append((int(float(row["ContextTokens"])), int(float(row["GeneratedTokens"]))))
-            except (KeyError, ValueError):
-                raise NanojaxError(f"{path} is not a TIMESTAMP,ContextTokens,GeneratedTokens "
-                                   "trace") from None
-    return rows
 
 
 def make_requests(num: int, vocab_size: int, input_len: int | None = None,
@@ -62,3 +38,14 @@ def make_requests(num: int, vocab_size: int, input_len: int | None = None,
     # avoid the first ids (special tokens in most vocabularies)
     low = min(1000, vocab_size // 2)
     return [BenchRequest(rng.integers(low, vocab_size, size=p).tolist(), o) for p, o in pairs]
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload flags of the offline and online benchmarks."""
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=None)
+    p.add_argument("--output-len", type=int, default=None)
+    p.add_argument("--trace", default=None,
+                   help="splitwise, lmsys, sharegpt, or a TIMESTAMP,ContextTokens,"
+                        "GeneratedTokens CSV")
+    p.add_argument("--seed", type=int, default=0)

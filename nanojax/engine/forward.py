@@ -1,8 +1,5 @@
-"""The per-iteration model forward, behind one small interface the runner calls.
-
-    prepare(params)              -> parameters as this forward wants them on device
-    init_kv(num_pages, page_size) -> the paged KV cache in this forward's layout
-    __call__(params, tokens, kv, meta, logit_idx) -> (logits [R, V] f32, kv)
+"""The per-iteration model forward, behind one small interface the engine calls
+(`Forward`, below).
 
 `ScanForward` stacks the layers and runs them with lax.scan: one layer is compiled once,
 so compiles stay short on the CPU. `UnrolledForward` runs the layers as straight-line
@@ -10,17 +7,40 @@ code, which is what stream annotation and the nano-batch executor need on the GP
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import jax
 import jax.numpy as jnp
 
-from nanojax.config import ModelConfig
+from nanojax.config import KernelConfig, ModelConfig
 from nanojax.engine.kv_cache import init_kv_pages
-from nanojax.layers.attention import paged_attention, paged_attention_pallas
+from nanojax.layers.attention import AttentionBackend, paged_attention, pallas_backend
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
 
 
+class Forward(Protocol):
+    """What the engine (scheduler and runner) needs of a model forward."""
+
+    attention: AttentionBackend  # how the step appends to and reads the paged cache
+    # batch positions no prefill chunk may straddle (the nano-batch executor's attention
+    # cuts); () for a forward without nano-batches
+    chunk_cuts: tuple[int, ...]
+
+    def prepare(self, params):
+        """Parameters as this forward wants them on device."""
+
+    def init_kv(self, num_pages: int, page_size: int):
+        """The paged KV cache in this forward's layout."""
+
+    def __call__(self, params, tokens, kv, meta, logit_idx):
+        """One iteration over the packed tokens -> (logits [R, V] f32 of the rows
+        logit_idx, new kv)."""
+
+
 class UnrolledForward:
-    def __init__(self, cfg: ModelConfig, attention=paged_attention):
+    chunk_cuts: tuple[int, ...] = ()
+
+    def __init__(self, cfg: ModelConfig, attention: AttentionBackend = paged_attention):
         self.cfg = cfg
         self.attention = attention
         self.model = LlamaForCausalLM(cfg)
@@ -64,8 +84,9 @@ class ScanForward(UnrolledForward):
         return model.apply(rest, x[logit_idx], method=LlamaForCausalLM.logits), kv
 
 
-def default_forward(cfg: ModelConfig):
-    """GPU: straight-line layers with the Pallas attention kernel; CPU: scan, pure JAX."""
+def default_forward(cfg: ModelConfig, kernels: KernelConfig = KernelConfig()) -> Forward:
+    """GPU: straight-line layers with the Pallas kernels the KernelConfig names; CPU:
+    scan, pure JAX."""
     if jax.default_backend() == "gpu":
-        return UnrolledForward(cfg, attention=paged_attention_pallas)
+        return UnrolledForward(cfg, attention=pallas_backend(kernels))
     return ScanForward(cfg)

@@ -65,10 +65,6 @@ class CacheSizing:
     max_num_seqs: int   # most sequences that may run at once (decodes)
     max_model_len: int
 
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_pages * self.page_size
-
 
 def free_device_bytes(utilization: float = 0.9) -> int | None:
     """Bytes the KV cache may take on the first device, or None where unknown (CPU)."""

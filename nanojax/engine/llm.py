@@ -3,17 +3,30 @@ from __future__ import annotations
 
 from tqdm.auto import tqdm
 
-from nanojax.engine.llm_engine import EngineConfig, LLMEngine
+from checkpoints.bundle import ModelBundle
+from nanojax.config import EngineConfig
+from nanojax.engine.llm_engine import LLMEngine
 from nanojax.engine.outputs import RequestOutput
 from nanojax.engine.sampling import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m", dtype: str | None = None,
-                 cache_dir=None, forward=None, **engine_kw):
-        from checkpoints.loader import load_model
-        bundle = load_model(model, dtype=dtype, cache_dir=cache_dir)
-        self.engine = LLMEngine(bundle, EngineConfig(**engine_kw), forward=forward)
+    """model: a name, path or `random:<shape>` (loaded here), or a loaded ModelBundle.
+    The engine's options come as an EngineConfig (`config`) or as its fields
+    (`b_dense=...`), not both."""
+
+    def __init__(self, model: str | ModelBundle = "smollm2-135m", dtype: str | None = None,
+                 cache_dir=None, forward=None, config: EngineConfig | None = None,
+                 **engine_kw):
+        if config is not None and engine_kw:
+            raise ValueError(f"give either config or engine options, not both "
+                             f"({sorted(engine_kw)})")
+        if isinstance(model, ModelBundle):
+            bundle = model
+        else:
+            from checkpoints.loader import load_model
+            bundle = load_model(model, dtype=dtype, cache_dir=cache_dir)
+        self.engine = LLMEngine(bundle, config or EngineConfig(**engine_kw), forward=forward)
         self.tokenizer = bundle.tokenizer
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,

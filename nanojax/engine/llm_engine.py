@@ -14,6 +14,8 @@ import time
 import numpy as np
 
 from checkpoints.bundle import ModelBundle
+from nanojax.config import EngineConfig
+from nanojax.engine.forward import Forward, default_forward
 from nanojax.engine.kv_cache import PageAllocator, size_cache
 from nanojax.engine.outputs import CompletionOutput, RequestOutput
 from nanojax.engine.runner import ModelRunner
@@ -29,21 +31,6 @@ class RequestError(NanojaxError, ValueError):
 
 
 @dataclasses.dataclass
-class EngineConfig:
-    page_size: int = 16
-    num_pages: int | None = None      # None: size from free device memory
-    b_dense: int = 256                # tokens per iteration
-    max_num_seqs: int | None = None   # None: derived from KV capacity
-    max_model_len: int = 2048
-    async_scheduling: bool = True
-    constant_batch: bool = False      # pad every iteration to B_dense (NanoFlow, GPU)
-    memory_utilization: float = 0.9
-    admission: str = "greedy"         # "predicted": NanoFlow's memory-usage prediction
-    fixed_shapes: bool = False        # one row count and page width: warmup() compiles all
-    seed: int = 0
-
-
-@dataclasses.dataclass
 class EngineStats:
     prompt_tokens: int = 0        # prompt tokens run through the model (incl. recompute)
     generation_tokens: int = 0    # tokens sampled and kept
@@ -54,31 +41,37 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, bundle: ModelBundle, config: EngineConfig | None = None,
-                 forward=None):
+                 forward: Forward | None = None):
+        """forward: the step's model forward (default: default_forward of the config's
+        kernels; the nano-batch executor, PipelineForward, for a plan)."""
+        import jax
         self.bundle = bundle
         self.model_config = bundle.config
         self.tokenizer = bundle.tokenizer
         self.config = cfg = config or EngineConfig()
         self.max_model_len = min(cfg.max_model_len, self.model_config.max_position_embeddings)
-        free = None
-        if cfg.num_pages is None:
+        num_pages, free = cfg.num_pages, None
+        if num_pages is None:
             from nanojax.engine.kv_cache import free_device_bytes
             free = free_device_bytes(cfg.memory_utilization)
             if free is None:  # CPU: enough for a modest batch of full-length requests
-                cfg.num_pages = max(64, 8 * self.max_model_len // cfg.page_size)
+                num_pages = max(64, 8 * self.max_model_len // cfg.page_size)
         self.sizing = size_cache(self.model_config, cfg.page_size, self.max_model_len,
-                                 cfg.b_dense, num_pages=cfg.num_pages, memory_bytes=free)
+                                 cfg.b_dense, num_pages=num_pages, memory_bytes=free)
         max_seqs = cfg.max_num_seqs or self.sizing.max_num_seqs
+        forward = forward or default_forward(self.model_config, cfg.kernels)
         self.allocator = PageAllocator(self.sizing.num_pages)
         self.scheduler = Scheduler(self.allocator, cfg.page_size, cfg.b_dense, max_seqs,
-                                   self.max_model_len,
-                                   chunk_cuts=getattr(forward, "chunk_cuts", ()),
+                                   self.max_model_len, chunk_cuts=forward.chunk_cuts,
                                    admission=cfg.admission)
+        fixed = cfg.fixed_shapes
+        if fixed is None:  # a GPU compiles every shape at start; the CPU pays per row
+            fixed = jax.default_backend() == "gpu"
         self.runner = ModelRunner(self.model_config, bundle.params, self.sizing.num_pages,
                                   cfg.page_size, self.scheduler.max_num_seqs, cfg.b_dense,
                                   forward=forward, constant_batch=cfg.constant_batch,
                                   max_pages_per_seq=-(-self.max_model_len // cfg.page_size),
-                                  fixed_shapes=cfg.fixed_shapes)
+                                  fixed_shapes=fixed)
         self.eos_ids = tuple(self.tokenizer.eos_token_ids if self.tokenizer
                              else self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
@@ -88,11 +81,6 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(cfg.seed)
         self._ids = itertools.count()
         self.stats = EngineStats()
-
-    @classmethod
-    def from_model(cls, model: str, dtype: str | None = None, cache_dir=None, **kw):
-        from checkpoints.loader import load_model
-        return cls(load_model(model, dtype=dtype, cache_dir=cache_dir), EngineConfig(**kw))
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -149,10 +137,6 @@ class LLMEngine:
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
 
     @property
     def kv_usage(self) -> float:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nanojax.config import ModelConfig
-from nanojax.engine.forward import default_forward
+from nanojax.engine.forward import Forward, default_forward
 from nanojax.engine.sampling import sample
 from nanojax.engine.scheduler import ScheduledBatch
 from nanojax.layers.attention import PagedMetadata, prefill_metadata
@@ -42,7 +42,7 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, num_pages: int, page_size: int,
-                 max_rows: int, b_dense: int, forward=None,
+                 max_rows: int, b_dense: int, forward: Forward | None = None,
                  constant_batch: bool = False, min_token_bucket: int = 16,
                  max_pages_per_seq: int | None = None, fixed_shapes: bool = False):
         self.cfg = cfg
@@ -153,7 +153,7 @@ class ModelRunner:
             steps[row] = seq.num_generated - (1 if e.samples else 0)
             i += n
         blocks = slot = None
-        block_q = getattr(getattr(self.forward, "attention", None), "prefill_block_q", None)
+        block_q = self.forward.attention.prefill_block_q
         if block_q:  # query blocks for the chunked-prefill kernel
             blocks, slot = prefill_metadata(seq_ids, positions, batch.num_decodes, i,
                                             block_q, r)

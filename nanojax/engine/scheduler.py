@@ -19,11 +19,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from nanojax.config import ADMISSION
 from nanojax.engine.kv_cache import OutOfPages, PageAllocator, pages_needed
 from nanojax.engine.sequence import Sequence, Status
 from nanojax.errors import ConfigError
-
-ADMISSION = ("greedy", "predicted")
 
 
 @dataclasses.dataclass
@@ -84,9 +83,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._free(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def _free(self, seq: Sequence) -> None:
         if seq.pages:

@@ -9,21 +9,39 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-from typing import Protocol
+from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nanojax.config import KernelConfig
 from nanojax.layers.rotary import apply_rope
 
 NEG_INF = -1e30
 
 
-class AttentionBackend(Protocol):
+class Attention(Protocol):
+    """What a decoder layer calls: store this step's keys and values, attend."""
+
     def __call__(self, q, k, v, kv_layer, meta, inv_freq: np.ndarray):
         """q: [T, H, D], k/v: [T, KVH, D] -> (out [T, H, D], new kv_layer)."""
+
+
+class AttentionBackend(Attention, Protocol):
+    """The engine's attention over the paged cache, in two halves (append, then attend)
+    so that the nano-batch executor can run an attention nano-op that only reads."""
+
+    prefill_block_q: int | None  # query block of the chunked-prefill kernel, if it runs
+
+    def append(self, k, v, kv_layer, meta, inv_freq):
+        """RoPE on k, then k and v written into their pages -> the new kv_layer."""
+
+    def attend(self, q, kv_layer, meta, inv_freq):
+        """Attention of q over pages that already hold this step's keys."""
+
+    def attend_at(self, share: float, num_sms: int = 132, ctas_per_sm: int = 4) -> Callable:
+        """attend limited to a share of the GPU (where the kernel has a bounded grid)."""
 
 
 def _softmax_attend(q, keys, values, mask):
@@ -165,9 +183,6 @@ def attend_reference(q, kv_layer, meta: PagedMetadata, inv_freq):
     return paged_attention_reference(q, *kv_layer, meta)
 
 
-DECODE_KERNELS = ("auto", "triton", "mosaic")
-
-
 def _decode_kernel(name: str):
     """The paged decode kernel: Triton (pallas_kernels/decode_attention.py, any GPU) or
     Mosaic GPU (decode_attention_mgpu.py, Hopper; a TMA ring that keeps its bandwidth on
@@ -204,7 +219,8 @@ def decode_programs(kernel: str, share: float | None, num_sms: int, ctas_per_sm:
 
 def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, share: float | None = None,
                   num_sms: int = 132, ctas_per_sm: int = 4, block_q: int = 16,
-                  decode_kernel: str = "auto", interpret: bool = False):
+                  decode_kernel: str = "auto", decode_prefetch: bool | None = None,
+                  interpret: bool = False):
     """GPU path: the Pallas paged kernels. share: the decode kernel's resource share.
 
     Without query blocks every token is a row of the decode kernel with its own sequence's
@@ -214,6 +230,8 @@ def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, share: float | Non
     chunked-prefill kernel the rest."""
     kernel = choose_decode_kernel(decode_kernel, q, kv_layer[0])
     decode = _decode_kernel(kernel)
+    if kernel == "triton":
+        decode = functools.partial(decode, prefetch=decode_prefetch)
     num_programs = decode_programs(kernel, share, num_sms, ctas_per_sm)
     q = apply_rope(q, meta.positions, inv_freq)
     k_pages, v_pages = kv_layer
@@ -233,17 +251,16 @@ def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, share: float | Non
 
 @dataclasses.dataclass(frozen=True)
 class PagedAttention:
-    """An AttentionBackend in two halves, append then attend. The nano-batch executor calls
-    the halves itself so that attention nano-ops only read the cache."""
+    """An AttentionBackend from an append and an attend function. takes_share: attend
+    accepts share/num_sms/ctas_per_sm (the Pallas decode kernel's bounded grid)."""
 
-    attend: callable
-    prefill_block_q: int | None = None  # query block of the chunked-prefill kernel, if used
-    append: callable = append_kv
+    attend: Callable
+    prefill_block_q: int | None = None
+    append: Callable = append_kv
+    takes_share: bool = False
 
-    def attend_at(self, share: float, num_sms: int = 132, ctas_per_sm: int = 4):
-        """attend limited to a share of the GPU: the Pallas decode kernel gets that share of
-        its persistent grid (decode_programs); other backends ignore it."""
-        if getattr(self.attend, "func", self.attend) is attend_pallas and share < 1.0:
+    def attend_at(self, share: float, num_sms: int = 132, ctas_per_sm: int = 4) -> Callable:
+        if self.takes_share and share < 1.0:
             return functools.partial(self.attend, share=share, num_sms=num_sms,
                                      ctas_per_sm=ctas_per_sm)
         return self.attend
@@ -256,29 +273,16 @@ class PagedAttention:
 paged_attention = PagedAttention(attend_reference)  # the pure-JAX backend (CPU)
 
 
-def pallas_backend(prefill_block_q: int | None = None, fused_append: bool = False,
-                   decode_kernel: str = "auto", interpret: bool = False):
-    """The Pallas backend; with prefill_block_q, prefill tokens go to the chunked-prefill
-    kernel in query blocks of that many tokens (the runner builds them); fused_append
-    writes the cache with the fused RoPE + append kernel; decode_kernel picks the decode
-    kernel (DECODE_KERNELS)."""
-    if decode_kernel not in DECODE_KERNELS:  # fail here, not at the first step
-        raise ValueError(f"unknown decode kernel {decode_kernel!r}; known: "
-                         f"{', '.join(DECODE_KERNELS)}")
-    attend = functools.partial(attend_pallas, block_q=prefill_block_q or 16,
-                               decode_kernel=decode_kernel, interpret=interpret)
-    append = (functools.partial(append_kv_pallas, interpret=interpret) if fused_append
-              else append_kv)
-    return PagedAttention(attend, prefill_block_q, append)
-
-
-# The chunked-prefill and fused-append kernels are opt-in (NANOJAX_PREFILL_KERNEL=1,
-# NANOJAX_FUSED_APPEND=1) until they win in the step on the GPU. The Mosaic GPU decode
-# kernel (NANOJAX_DECODE_KERNEL=auto: Mosaic where it fits, else Triton) passes the
-# engine's GPU test and makes the 32-layer step 9% faster, but compiled 52 s against
-# Triton's 7 s per step shape (bench/results/README.md), and the engine compiles one per
-# batch bucket, so it stays opt-in until its compile time is measured again.
-paged_attention_pallas = pallas_backend(
-    16 if os.environ.get("NANOJAX_PREFILL_KERNEL", "0") == "1" else None,
-    os.environ.get("NANOJAX_FUSED_APPEND", "0") == "1",
-    os.environ.get("NANOJAX_DECODE_KERNEL", "triton"))
+def pallas_backend(kernels: KernelConfig = KernelConfig()) -> PagedAttention:
+    """The Pallas backend the KernelConfig describes: the decode kernel it names; with
+    prefill_kernel, prefill tokens go to the chunked-prefill kernel in query blocks of
+    prefill_block_q tokens (the runner builds them); fused_append writes the cache with
+    the fused RoPE + append kernel."""
+    block_q = kernels.prefill_block_q if kernels.prefill_kernel else None
+    attend = functools.partial(attend_pallas, block_q=kernels.prefill_block_q,
+                               decode_kernel=kernels.decode_kernel,
+                               decode_prefetch=kernels.decode_prefetch,
+                               interpret=kernels.interpret)
+    append = (functools.partial(append_kv_pallas, interpret=kernels.interpret)
+              if kernels.fused_append else append_kv)
+    return PagedAttention(attend, block_q, append, takes_share=True)

@@ -4,26 +4,20 @@ XLA's GEMMs (cuBLAS) launch on every SM, so beside a decode attention bounded to
 the GPU the two streams' kernels mostly take turns. A GEMM nano-op whose plan share is
 below 1 can instead run on that share of the SMs (pallas_kernels/matmul_mgpu.py, Hopper),
 leaving the rest to the attention. At share 1, off Hopper, and for operands the kernel
-cannot tile, a GEMM is XLA's dot. Opt-in (NANOJAX_GEMM_SHARES=1) until a bounded pair is
-measured to beat the two kernels back to back (bench/scripts/bounded_overlap_probe.py).
+cannot tile, a GEMM is XLA's dot. Opt-in (KernelConfig.gemm_shares) until a bounded pair
+is measured to beat the two kernels back to back (bench/scripts/bounded_overlap_probe.py).
 """
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import jax.numpy as jnp
 
 
-def gemm_shares_enabled() -> bool:
-    return os.environ.get("NANOJAX_GEMM_SHARES", "0") == "1"
-
-
-def matmul_at(share: float, num_sms: int = 132, enabled: bool | None = None,
+def matmul_at(share: float, num_sms: int = 132, enabled: bool = False,
               interpret: bool = False) -> Callable | None:
     """A matmul(x, w) limited to share x SMs programs, or None for the layers' own dot
     (share 1, not enabled, or no Hopper GPU; interpret runs the kernel on the CPU)."""
-    enabled = gemm_shares_enabled() if enabled is None else enabled
     if share >= 1.0 or not enabled:
         return None
     from pallas_kernels.mosaic_gpu_support import on_hopper

@@ -28,9 +28,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from nanojax.config import ModelConfig
+from nanojax.config import KernelConfig, ModelConfig
 from nanojax.engine.forward import UnrolledForward, default_forward
-from nanojax.layers.attention import PagedMetadata, slice_metadata
+from nanojax.layers.attention import AttentionBackend, PagedMetadata, slice_metadata
 from nanojax.layers.matmul import matmul_at
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
 from nanojax.pipeline.plan import (OP_GROUPS, PRODUCER, PlanError, ablation, check_model,
@@ -108,19 +108,22 @@ KEEP_BYTES = 256 << 20  # keep="values" leaves out larger values (a layer's KV p
 class PipelineForward(UnrolledForward):
     """The Forward interface (see engine/forward.py) driven by a plan."""
 
-    def __init__(self, cfg: ModelConfig, plan: dict, mode: str = "overlap", attention=None,
-                 num_sms: int = 132, ctas_per_sm: int = 4, scheduling_groups: bool = True,
-                 gemm_shares: bool | None = None, keep: str = ""):
+    def __init__(self, cfg: ModelConfig, plan: dict, mode: str = "overlap",
+                 kernels: KernelConfig = KernelConfig(),
+                 attention: AttentionBackend | None = None, num_sms: int = 132,
+                 ctas_per_sm: int = 4, scheduling_groups: bool = True, keep: str = ""):
+        """kernels: the kernels and placement (streams, GEMM shares); attention: a backend
+        other than the one the kernels describe (tests)."""
         validate(plan)
         check_model(plan, cfg)
         self.plan = ablation(plan, mode)
         _check_order(self.plan)
         self.mode = mode
+        self.kernels = kernels
         if attention is None:
-            attention = default_forward(cfg).attention
+            attention = default_forward(cfg, kernels).attention
         super().__init__(cfg, attention)
         self.num_sms, self.ctas_per_sm = num_sms, ctas_per_sm
-        self.gemm_shares = gemm_shares  # None: NANOJAX_GEMM_SHARES decides
         # a diagnostic for cross-stream buffer reuse: each side-stream region also returns
         # its inputs ("inputs") or every value it computes ("values"), so they stay alive
         # to its done. On the H200 neither changed the overlap mode's tokens: those differ
@@ -130,7 +133,7 @@ class PipelineForward(UnrolledForward):
         self.keep = keep
         self.chunk_cuts = tuple(a for a, _ in self.plan["nano_batches"]["attention"][1:])
         self.groups = (overlap_groups(self.plan)
-                       if scheduling_groups and streams_enabled() else {})
+                       if scheduling_groups and streams_enabled(kernels.streams) else {})
         if self.groups and not carry_metadata_to_stream_calls():
             import warnings
             warnings.warn("this jax's compute_on lowering could not be extended: "
@@ -153,14 +156,16 @@ class PipelineForward(UnrolledForward):
             nonlocal chain
             if stream == 0 and chain is not None:
                 args, _ = jax.lax.optimization_barrier((args, chain))
+            enabled = self.kernels.streams
             if stream == 0 or not self.keep:
-                out = on_stream(f, stream)(*args)
+                out = on_stream(f, stream, enabled=enabled)(*args)
             else:
                 if self.keep == "values":  # every value inside the region: its own buffer
-                    region = on_stream(f, stream, KEEP_BYTES)
+                    region = on_stream(f, stream, KEEP_BYTES, enabled=enabled)
                 else:  # the region's inputs come out of it, so they live until it is done
                     idx = range(len(args)) if keep is None else keep
-                    region = on_stream(lambda *a: (f(*a), [a[i] for i in idx]), stream)
+                    region = on_stream(lambda *a: (f(*a), [a[i] for i in idx]), stream,
+                                       enabled=enabled)
                 out, kept = region(*args)
                 out, _ = jax.lax.optimization_barrier((out, kept))
             if stream == 0:
@@ -185,7 +190,7 @@ class PipelineForward(UnrolledForward):
         g, k = op["op"], op["batch"]
         share = float(op.get("share", 1.0))
         layer = DecoderLayer(self.cfg, matmul=None if g == "attention" else
-                             matmul_at(share, self.num_sms, self.gemm_shares))
+                             matmul_at(share, self.num_sms, self.kernels.gemm_shares))
         inv_freq = self.model.inv_freq
         a, b = ranges[g][k]
         stream = op.get("stream", 0)

@@ -20,8 +20,28 @@ _CALL_PARAMS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
                 "remat": "jaxpr", "checkpoint": "jaxpr"}
 
 
-def streams_enabled() -> bool:
-    return jax.default_backend() == "gpu" and os.environ.get("NANOJAX_STREAMS", "1") != "0"
+# XLA needs these before the backend starts for stream-annotated regions to run
+# concurrently; harmless off the GPU. Command buffers (CUDA graphs) are off: inside one,
+# the H200 trace showed every kernel of the step serialised on one stream, stream
+# annotations notwithstanding (XLA chains a command buffer's async regions serially).
+STREAM_XLA_FLAGS = ("--xla_gpu_experimental_stream_annotation=true",
+                    "--xla_gpu_enable_latency_hiding_scheduler=true",
+                    "--xla_gpu_experimental_parallel_async_compute_limit=2",
+                    "--xla_gpu_enable_command_buffer=")
+
+
+def add_stream_xla_flags() -> None:
+    """Adds STREAM_XLA_FLAGS to XLA_FLAGS (those not already set there). Call it before
+    the first jax computation: XLA reads its flags once, when the backend starts."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    missing = [f for f in STREAM_XLA_FLAGS if f.split("=")[0] not in flags]
+    if missing:
+        os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
+
+
+def streams_enabled(enabled: bool = True) -> bool:
+    """Stream placement happens on a GPU, when the KernelConfig asks for it."""
+    return enabled and jax.default_backend() == "gpu"
 
 
 def _eval_inlined(jaxpr, consts, args, seen=None):
@@ -136,11 +156,12 @@ def carry_metadata_to_stream_calls() -> bool:
     return ok
 
 
-def on_stream(fn, stream: int, keep_intermediates: int = 0):
-    """Place fn on XLA execution stream `stream` (0: the main stream, left alone). jax 0.10
-    spells the function form `compute_on2(f, ...)`, jax 0.11 `compute_on(f, ...)`.
-    keep_intermediates: see inline_calls (then the result is (outputs, intermediates))."""
-    if stream == 0 or not streams_enabled():
+def on_stream(fn, stream: int, keep_intermediates: int = 0, enabled: bool = True):
+    """Place fn on XLA execution stream `stream` (0: the main stream, left alone; also
+    when not `enabled` or off the GPU). jax 0.10 spells the function form
+    `compute_on2(f, ...)`, jax 0.11 `compute_on(f, ...)`. keep_intermediates: see
+    inline_calls (then the result is (outputs, intermediates))."""
+    if stream == 0 or not streams_enabled(enabled):
         if keep_intermediates:
             return inline_calls(fn, keep_intermediates)
         return fn

@@ -1,11 +1,12 @@
 """`nanojax serve`: load a model, start the engine thread, serve the OpenAI API."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import sys
 import time
+
+from nanojax.config_flags import add_engine_args, add_model_args, engine_config_from_args
 
 
 def cmd_serve(args) -> int:
@@ -13,20 +14,14 @@ def cmd_serve(args) -> int:
 
     from checkpoints.loader import load_model
     from nanojax.engine.async_engine import AsyncLLMEngine
-    from nanojax.engine.llm_engine import EngineConfig, LLMEngine
+    from nanojax.engine.llm_engine import LLMEngine
     from nanojax.server.app import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    config = engine_config_from_args(args)
     bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
-    compile_at_start = args.compile_at_start
-    if compile_at_start is None:  # on a GPU: a 32-layer step compiles in ~7 s
-        import jax
-        compile_at_start = jax.default_backend() == "gpu"
-    engine = LLMEngine(bundle, EngineConfig(
-        b_dense=args.b_dense, num_pages=args.num_pages, page_size=args.page_size,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        admission=args.admission, fixed_shapes=compile_at_start))
-    if compile_at_start:  # no request waits on a compile once the port is open
+    engine = LLMEngine(bundle, config)
+    if engine.runner.fixed_shapes:  # no request waits on a compile once the port is open
         n = engine.runner.warmup()
         print(f"nanojax: compiled {n} step shapes", file=sys.stderr, flush=True)
     aeng = AsyncLLMEngine(engine)
@@ -51,26 +46,13 @@ def cmd_serve(args) -> int:
 
 
 def register(sub) -> None:
-    from nanojax.cli import _add_model_args
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _add_model_args(s)
+    add_model_args(s)
+    add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    s.add_argument("--b-dense", type=int, default=256)
-    s.add_argument("--page-size", type=int, default=16)
-    s.add_argument("--num-pages", type=int, default=None)
-    s.add_argument("--max-num-seqs", type=int, default=None)
-    s.add_argument("--admission", choices=["greedy", "predicted"], default="greedy",
-                   help="predicted: NanoFlow's memory-usage prediction at admission")
-    s.add_argument("--max-model-len", type=int, default=2048)
-    s.add_argument("--compile-at-start", action=argparse.BooleanOptionalAction,
-                   default=None,
-                   help="fix the row count and page-table width and compile every step "
-                        "shape before listening (one per token bucket), so no request "
-                        "waits on a compile; default: on a GPU (a 32-layer step compiles "
-                        "in ~7 s there), off on the CPU (fixed rows cost logits per row)")
     s.add_argument("--max-waiting", type=int, default=256,
                    help="requests allowed to wait; beyond it: 503")
     s.add_argument("--max-body", type=int, default=1 << 20, help="bytes; beyond it: 413")

@@ -7,7 +7,7 @@ programs and reports GB/s per run (one JSON file):
 - mosaic_contiguous: the contiguous stream through a TMA pipeline into shared memory
   (Mosaic GPU, `plgpu.emit_pipeline`, 2 and 4 stages in flight).
 
-    python -m pallas_kernels.bench_load_probe --out bench/results/load_probe_h200.json
+    python bench/kernels/load_probe.py --out bench/results/load_probe_h200.json
 
 Against the decode kernel's rate at the same grid (bench_decode --variants), this says
 whether the per-SM ceiling comes from the loads or from the attention arithmetic, and
@@ -25,8 +25,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from nanojax.bench.timing import device_seconds
-from pallas_kernels.bench_decode import D, KVH, copy_bandwidth, make_case, measure
+from nanojax.profiling.timing import device_seconds
+from bench_decode import D, KVH, copy_bandwidth, make_case, measure
 
 
 def _triton_params(warps):
@@ -123,7 +123,7 @@ def main():
     dev = jax.devices()[0]
     sms = getattr(dev, "core_count", None) or 132
     bw = copy_bandwidth()
-    res = {"command": "python -m pallas_kernels.bench_load_probe --out " + args.out,
+    res = {"command": "python bench/kernels/load_probe.py --out " + args.out,
            "device": dev.device_kind, "jax": jax.__version__, "num_sms": sms,
            "copy_bandwidth_GBps": bw / 1e9, "rows": []}
     b, ctx, ps = 512, 1024, 16

@@ -1,6 +1,6 @@
 """GPU benchmark of the paged decode-attention kernel (writes one JSON file).
 
-    python -m pallas_kernels.bench_decode --out bench/results/decode_attention_h200.json
+    python bench/kernels/bench_decode.py --out bench/results/decode_attention_h200.json
 
 Measures, in one run: device copy bandwidth; the Triton and the Mosaic GPU kernels'
 achieved bandwidth for batches 64..1024, contexts 512..4096 and persistent-grid program
@@ -8,15 +8,15 @@ counts from 16 to a full grid; and jax's own Pallas `decode_attention.gqa` on th
 shapes ([B, S, KVH, D] layout).
 Bytes counted: K and V of every sequence's context, read once.
 
-    python -m pallas_kernels.bench_decode --prefill-only --out PATH
+    python bench/kernels/bench_decode.py --prefill-only --out PATH
 
-    python -m pallas_kernels.bench_decode --variants --out PATH
+    python bench/kernels/bench_decode.py --variants --out PATH
 
 compares launch variants (keys per step, warps, pipelining stages, hand prefetch) at the
 target shape (batch 512, context 1024) for bounded and full grids, then the Mosaic GPU
 kernel (decode_attention_mgpu.py) at the same grids.
 
-    python -m pallas_kernels.bench_decode --prefill-only --out PATH
+    python bench/kernels/bench_decode.py --prefill-only --out PATH
 
 times, instead, chunked prefill two ways on the same batch (every token a row of the
 decode kernel, as the engine does by default, against the chunked-prefill kernel) and the
@@ -99,7 +99,7 @@ def main():
     rng = np.random.default_rng(0)
     dev = jax.devices()[0]
     sms = getattr(dev, "core_count", None) or 132
-    res = {"command": "python -m pallas_kernels.bench_decode --out " + args.out,
+    res = {"command": "python bench/kernels/bench_decode.py --out " + args.out,
            "device": dev.device_kind, "jax": jax.__version__, "num_sms": sms,
            "heads": H, "kv_heads": KVH, "head_dim": D, "dtype": "bfloat16"}
     bw = copy_bandwidth()
@@ -251,7 +251,7 @@ def _variants(args):
     sms = getattr(dev, "core_count", None) or 132
     bw = copy_bandwidth()
     kernels = args.kernels.split(",")
-    res = {"command": f"python -m pallas_kernels.bench_decode --variants --kernels "
+    res = {"command": f"python bench/kernels/bench_decode.py --variants --kernels "
                       f"{args.kernels} --out {args.out}",
            "device": dev.device_kind, "jax": jax.__version__, "num_sms": sms,
            "copy_bandwidth_GBps": bw / 1e9, "batch": 512, "context": 1024, "page_size": 16,
@@ -295,12 +295,12 @@ def _variants(args):
 
 
 def _prefill_and_append(args):
-    from nanojax.bench.timing import device_seconds
+    from nanojax.profiling.timing import device_seconds
     from nanojax.layers.rotary import inverse_frequencies
     from pallas_kernels.prefill_attention import prefill_attention_impl, query_blocks
     from pallas_kernels.rope_append import rope_append_impl
     rng = np.random.default_rng(0)
-    res = {"command": "python -m pallas_kernels.bench_decode --prefill-only --out "
+    res = {"command": "python bench/kernels/bench_decode.py --prefill-only --out "
                       + args.out, "device": jax.devices()[0].device_kind,
            "jax": jax.__version__, "prefill": [], "append": []}
     ps = 16

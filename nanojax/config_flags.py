@@ -1,0 +1,92 @@
+"""CLI flags generated from the config dataclasses, so each option is declared once.
+
+Every field of EngineConfig (and of its KernelConfig) becomes a flag named after it
+(`b_dense` -> `--b-dense`, or the field's `flag` metadata), with the field's help text and
+choices; booleans get `--x/--no-x`. generate, serve and bench all call
+`add_engine_args` and build their config with `engine_config_from_args`, which also
+checks the values (the dataclasses validate themselves).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from nanojax.config import EngineConfig, KernelConfig
+from nanojax.errors import ConfigError
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Which model to load: shared by every command that loads one."""
+    p.add_argument("--model", default="smollm2-135m",
+                   help="registered name (smollm2-135m), random:<shape>, or a path to a "
+                        "nanojax checkpoint, GGUF file or HF directory")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="parameter dtype (default: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--cache-dir", default=None,
+                   help="where the default model is cached (env NANOJAX_CACHE)")
+
+
+def _flag(field: dataclasses.Field) -> str:
+    return "--" + field.metadata.get("flag", field.name.replace("_", "-"))
+
+
+def _scalar_type(tp):
+    """int / float / str / bool of a field annotation such as `int | None`."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if args else tp
+
+
+def _add_fields(parser, cls, dest_prefix: str, skip: tuple[str, ...]) -> None:
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(cls.__name__)
+    for f in dataclasses.fields(cls):
+        if f.name in skip or not f.metadata.get("cli", True):
+            continue
+        tp = _scalar_type(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            _add_fields(parser, tp, f"{dest_prefix}{f.name}.", skip)
+            continue
+        text = f.metadata.get("help", "")
+        if f.default is not None:
+            text += f" (default: {f.default})"
+        kw = {"dest": dest_prefix + f.name, "default": argparse.SUPPRESS, "help": text}
+        if tp is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = tp
+            if "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
+            else:
+                kw["metavar"] = {int: "N", float: "X"}.get(tp, "S")
+        group.add_argument(_flag(f), **kw)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),
+                    kernels_only: bool = False) -> None:
+    """Flags for every EngineConfig field (kernels_only: KernelConfig's alone), except
+    `skip`. Unset flags keep the dataclass default."""
+    if kernels_only:
+        _add_fields(parser, KernelConfig, "kernels.", skip)
+    else:
+        _add_fields(parser, EngineConfig, "", skip)
+
+
+def _given(args: argparse.Namespace, prefix: str) -> dict:
+    return {k[len(prefix):]: v for k, v in vars(args).items()
+            if k.startswith(prefix) and "." not in k[len(prefix):]}
+
+
+def kernel_config_from_args(args: argparse.Namespace, **overrides) -> KernelConfig:
+    return KernelConfig(**{**_given(args, "kernels."), **overrides})
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    """The EngineConfig of the parsed flags; overrides win (values a command fixes)."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    given = {k: v for k, v in vars(args).items() if k in names}
+    try:
+        return EngineConfig(**{**given, "kernels": kernel_config_from_args(args),
+                               **overrides})
+    except TypeError as e:
+        raise ConfigError(f"bad engine options: {e}") from None
