@@ -80,14 +80,18 @@ def unsupported(q, k_pages) -> str | None:
 
 def default_splits(batch: int, kv_heads: int, max_context: int, workers: int,
                    block_k: int = 64) -> int:
-    """Splits of each sequence's keys so that the items fill the workers: none when
-    B x KVH already gives every worker an item, else enough to reach ~1 item per worker
-    while each split keeps >= 4 blocks (a split's fixed cost is a few blocks' worth)."""
+    """Key ranges per (sequence, kv head): 1 when B x KVH items give every worker one,
+    else the count that minimises the busiest worker's blocks, ceil(items x S / workers)
+    x (blocks / S + 2) (2: a range's fixed cost, its first copies and its output), with
+    >= 4 blocks a range and at most 16 ranges."""
     items = batch * kv_heads
     if items >= workers:
         return 1
     blocks = -(-max_context // block_k)
-    return int(max(1, min(-(-workers // items), blocks // 4, 16)))
+
+    def busiest(s):
+        return -(-items * s // workers) * (-(-blocks // s) + 2)
+    return min(range(1, max(1, min(16, blocks // 4)) + 1), key=busiest)
 
 
 def combine_splits(o_parts, lse_parts, splits_valid):
