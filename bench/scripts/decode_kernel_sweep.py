@@ -1,0 +1,303 @@
+"""Decode attention on few SMs, one call: the swap-AB Mosaic GPU kernel against the current
+Mosaic GPU kernel, the Triton kernel and PyTorch's SDPA on green-context SM subsets.
+
+    PYTHONPATH=. python3 bench/scripts/decode_kernel_sweep.py OUT.json [--quick]
+
+Expected run time on one H200: ~4-6 minutes (a time budget skips what is left after 7 min
+and says so in the JSON). Writes OUT.json and prints a table last. What it measures, in
+this order:
+
+1. PyTorch SDPA decode (q [B, 32, 1, 128], contiguous k/v [B, 8, ctx, 128], enable_gqa) on
+   the full GPU and on green contexts of 32/44/48/64 SMs (CUDA driver API through
+   cuda.bindings, as ../shared/probes/overlap_green_streams.py), in a subprocess that runs
+   before JAX takes the GPU's memory. Green contexts round an SM count to what the
+   hardware allows; the JSON records the count granted.
+2. Copy bandwidth (read + write of 2 x 4 GiB), the reference every fraction divides by.
+3. Correctness on the GPU against the f32 reference (random lengths, poisoned unused
+   pages) for every kernel and variant before it is timed; a variant that fails is
+   recorded and not timed.
+4. Compile time of each kernel for the B 512 ctx 1024 shape (lower + compile, one call).
+5. Achieved bandwidth (K and V bytes of every context, read once / time) as a fraction of
+   copy for B 512 ctx 1024 (LLaMA-3-8B heads, D 128, bf16, pages of 16) at 22/33/44/66/
+   99/132 programs, and B 16 ctx 4096, B 1024 ctx 4096 at the full grid.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+H, KVH, D, PS = 32, 8, 128, 16
+GRIDS = (22, 33, 44, 66, 99, 132)
+GREEN_SMS = (32, 44, 48, 64)
+SHAPES = ((512, 1024), (16, 4096), (1024, 4096))
+BUDGET_S = 420  # stop timing new rows after this (the call must end within 8 minutes)
+
+
+def torch_part(out_path: str, quick: bool):
+    """SDPA decode on the full GPU and on green-context SM subsets (own process)."""
+    import torch
+    import torch.nn.functional as F
+    res = {"torch": torch.__version__, "rows": []}
+
+    def timeit(fn, reps=20):
+        fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            ts.append(start.elapsed_time(end) / 1e3)
+        ts.sort()
+        return ts[len(ts) // 2]
+
+    dev = torch.device("cuda")
+    torch.zeros(1, device=dev)
+    subsets = []
+    try:
+        from cuda.bindings import driver as cu
+
+        def ok(r):
+            err, rest = (r[0], r[1:]) if isinstance(r, tuple) else (r, ())
+            if int(err) != 0:
+                raise RuntimeError(f"CUDA driver error {err}")
+            return rest[0] if len(rest) == 1 else rest
+
+        cudev = ok(cu.cuDeviceGet(0))
+        sm = ok(cu.cuDeviceGetDevResource(cudev, cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
+        res["total_sms"] = int(sm.sm.smCount)
+        for n in GREEN_SMS:
+            try:
+                groups, _, _ = ok(cu.cuDevSmResourceSplitByCount(1, sm, 0, n))[:3]
+                desc = ok(cu.cuDevResourceGenerateDesc([groups[0]], 1))
+                g = ok(cu.cuGreenCtxCreate(desc, cudev,
+                                           cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
+                s = ok(cu.cuGreenCtxStreamCreate(g, cu.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
+                subsets.append((n, int(groups[0].sm.smCount), torch.cuda.ExternalStream(int(s))))
+            except Exception as e:  # record and go on with the others
+                res["rows"].append({"sms_requested": n, "error": repr(e)[:300]})
+    except Exception as e:
+        res["green_context_error"] = repr(e)[:300]
+    for b, ctx in SHAPES[:1] if quick else SHAPES:
+        q = torch.randn(b, H, 1, D, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(b, KVH, ctx, D, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(b, KVH, ctx, D, device=dev, dtype=torch.bfloat16)
+        nbytes = 2 * b * KVH * ctx * D * 2
+
+        def attn():
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+        t = timeit(attn)
+        res["rows"].append({"batch": b, "context": ctx, "sms": "all", "seconds": t,
+                            "GBps": nbytes / t / 1e9})
+        for n, granted, stream in subsets:
+            def on_subset():
+                cur = torch.cuda.current_stream()
+                stream.wait_stream(cur)
+                with torch.cuda.stream(stream):
+                    attn()
+                cur.wait_stream(stream)
+            try:
+                t = timeit(on_subset)
+                res["rows"].append({"batch": b, "context": ctx, "sms_requested": n,
+                                    "sms": granted, "seconds": t, "GBps": nbytes / t / 1e9})
+            except Exception as e:
+                res["rows"].append({"batch": b, "context": ctx, "sms_requested": n,
+                                    "error": repr(e)[:300]})
+        del q, k, v
+        torch.cuda.empty_cache()
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def main():
+    out_path = sys.argv[1]
+    quick = "--quick" in sys.argv
+    t_start = time.perf_counter()
+    res = {"command": "PYTHONPATH=. python3 bench/scripts/decode_kernel_sweep.py "
+                      + " ".join(sys.argv[1:])}
+
+    def save():
+        with open(out_path, "w") as f:
+            json.dump(res, f, indent=1)
+
+    # 1. PyTorch first, in its own process, before JAX preallocates the GPU's memory
+    torch_out = out_path + ".torch.json"
+    try:
+        subprocess.run([sys.executable, __file__, "--torch-part", torch_out]
+                       + (["--quick"] if quick else []), check=True, timeout=200)
+        with open(torch_out) as f:
+            res["torch_sdpa"] = json.load(f)
+        os.remove(torch_out)
+    except Exception as e:
+        res["torch_sdpa"] = {"error": repr(e)[:300]}
+    save()
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from pallas_kernels.bench_decode import copy_bandwidth, make_case, measure, timed
+    from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
+    from pallas_kernels.decode_attention_mgpu import decode_attention_mgpu
+    from pallas_kernels.decode_attention_swapab import decode_attention_swapab, default_splits
+
+    dev = jax.devices()[0]
+    sms = getattr(dev, "core_count", None) or 132
+    res.update(device=dev.device_kind, jax=jax.__version__, num_sms=sms, heads=H,
+               kv_heads=KVH, head_dim=D, page_size=PS, dtype="bfloat16")
+    bw = copy_bandwidth()
+    res["copy_bandwidth_GBps"] = bw / 1e9
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    for row in res["torch_sdpa"].get("rows", []):
+        if "GBps" in row:
+            row["fraction_of_copy"] = row["GBps"] * 1e9 / bw
+    save()
+
+    # the kernels and variants: name -> fn(q, k, v, pt, lens, programs)
+    def swapab(**kw):
+        return lambda q, k, v, pt, lens, n: decode_attention_swapab(q, k, v, pt, lens,
+                                                                    num_programs=n, **kw)
+    kernels = {
+        "swapab": swapab(),  # 2 workers x 3 stages x 64 keys (the default)
+        "swapab_w3s2": swapab(warpgroups=3, stages=2),
+        "swapab_w4s1": swapab(warpgroups=4, stages=1),
+        "swapab_w1s3_k128": swapab(warpgroups=1, stages=3, block_k=128),
+        "mosaic_rows": lambda q, k, v, pt, lens, n: decode_attention_mgpu(
+            q, k, v, pt, lens, num_programs=n),
+        "triton": lambda q, k, v, pt, lens, n: decode_attention(q, k, v, pt, lens,
+                                                                num_programs=n),
+    }
+    if quick:
+        kernels = {k: kernels[k] for k in ("swapab", "mosaic_rows", "triton")}
+
+    # 3. correctness on the GPU: random lengths (not multiples of a block), poisoned
+    # unused pages, and a split-KV case
+    rng = np.random.default_rng(0)
+    checks, failed = [], set()
+    for b, max_pages, nprog, splits in ((7, 19, 66, None), (64, 64, 44, None),
+                                        (16, 256, 132, None), (33, 40, 132, 3)):
+        n = b * max_pages + 1
+        pt = rng.permutation(n)[: b * max_pages].reshape(b, max_pages).astype(np.int32)
+        lens = rng.integers(1, max_pages * PS + 1, b).astype(np.int32)
+        k = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (n, KVH, PS, D), jnp.float32))
+        v = np.asarray(jax.random.normal(jax.random.PRNGKey(2), (n, KVH, PS, D), jnp.float32))
+        used = np.zeros(n, bool)
+        for i in range(b):
+            used[pt[i, : -(-lens[i] // PS)]] = True
+        k[~used], v[~used] = np.nan, np.nan
+        for i in range(b):
+            pt[i, -(-lens[i] // PS):] = np.flatnonzero(~used)[0]
+        q = jax.random.normal(jax.random.PRNGKey(3), (b, H, D), jnp.bfloat16)
+        k, v = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
+        pt, lens = jnp.asarray(pt), jnp.asarray(lens)
+        ref = decode_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
+                                         v.astype(jnp.float32), pt, lens)
+        for name, fn in kernels.items():
+            if splits is not None and not name.startswith("swapab"):
+                continue
+            row = {"kernel": name, "batch": b, "max_context": max_pages * PS,
+                   "programs": nprog, "splits": splits}
+            try:
+                if splits is None:
+                    o = fn(q, k, v, pt, lens, nprog)
+                else:
+                    o = decode_attention_swapab(q, k, v, pt, lens, num_programs=nprog,
+                                                splits=splits)
+                o = o.astype(jnp.float32)
+                row["finite"] = bool(jnp.isfinite(o).all())
+                row["rel_error"] = float(jnp.linalg.norm(jnp.nan_to_num(o) - ref)
+                                         / jnp.linalg.norm(ref))
+                if name.startswith("swapab") or name == "triton":  # they mask poisoned V
+                    if not row["finite"] or row["rel_error"] > 1e-2:
+                        failed.add(name)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:600]
+                failed.add(name)
+            checks.append(row)
+            print("check", row, flush=True)
+    res["correctness"] = checks
+    res["failed_correctness"] = sorted(failed)
+    save()
+
+    # 4. compile time for the target shape (lower + compile of one call)
+    q, k, v, pt, lens = make_case(512, 1024, PS, rng)
+    compile_s = {}
+    for name in ("swapab", "mosaic_rows", "triton"):
+        fn = kernels[name]
+        t = time.perf_counter()
+        try:
+            jax.jit(lambda *a, fn=fn: fn(*a, sms)).lower(q, k, v, pt, lens).compile()
+            compile_s[name] = time.perf_counter() - t
+        except Exception as e:
+            compile_s[name] = f"{type(e).__name__}: {e}"[:300]
+    res["compile_seconds_b512_ctx1024_full_grid"] = compile_s
+    print("compile seconds", compile_s, flush=True)
+    save()
+
+    # 5. bandwidth sweeps
+    rows = []
+    res["rows"] = rows
+
+    def run(name, b, ctx, nprog, case, extra=None):
+        if time.perf_counter() - t_start > BUDGET_S:
+            rows.append({"kernel": name, "batch": b, "context": ctx, "programs": nprog,
+                         "skipped": "time budget"})
+            return
+        nbytes = 2 * b * ctx * KVH * D * 2
+        row = measure({"kernel": name, "batch": b, "context": ctx, "programs": nprog,
+                       **(extra or {})},
+                      lambda *a: kernels[name](*a, nprog), case, nbytes, bw)
+        rows.append(row)
+        print(row, flush=True)
+        save()
+
+    names = [n for n in kernels if n not in failed]
+    case = (q, k, v, pt, lens)
+    for nprog in sorted(set(GRIDS) | {sms}, reverse=True):
+        if nprog > sms:
+            continue
+        for name in names:
+            run(name, 512, 1024, nprog, case)
+    del q, k, v, pt, lens, case
+    for b, ctx in SHAPES[1:1 if quick else None]:
+        case = make_case(b, ctx, PS, rng)
+        for name in names:
+            run(name, b, ctx, sms, case)
+        if b * KVH < 2 * sms and "swapab" in names:  # the split count, by measurement
+            for splits in (2, 4, 8):
+                kernels[f"swapab_splits{splits}"] = swapab(splits=splits)
+                run(f"swapab_splits{splits}", b, ctx, sms, case)
+            res["default_splits_b16"] = default_splits(b, KVH, ctx, sms * 2)
+        del case
+    res["seconds_total"] = time.perf_counter() - t_start
+    save()
+
+    # the table: fraction of copy bandwidth by kernel and grid
+    print("\nfraction of copy bandwidth (copy %.0f GB/s)" % (bw / 1e9))
+    cols = sorted({(r["batch"], r["context"], r["programs"]) for r in rows})
+    print("%-18s" % "kernel" + "".join("%11s" % f"{b}/{c}@{p}" for b, c, p in cols))
+    for name in dict.fromkeys(r["kernel"] for r in rows):
+        cells = []
+        for col in cols:
+            r = [x for x in rows if x["kernel"] == name and
+                 (x["batch"], x["context"], x["programs"]) == col]
+            cells.append("%10.1f%%" % (100 * r[0]["fraction_of_copy"])
+                         if r and "fraction_of_copy" in r[0] else "%11s" % "-")
+        print("%-18s" % name + "".join(cells))
+    for r in res["torch_sdpa"].get("rows", []):
+        if "fraction_of_copy" in r:
+            print("torch_sdpa %s/%s on %s SMs: %.1f%%" % (r["batch"], r["context"], r["sms"],
+                                                         100 * r["fraction_of_copy"]))
+    print("compile seconds", compile_s)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--torch-part":
+        torch_part(sys.argv[2], "--quick" in sys.argv)
+    else:
+        main()
