@@ -69,7 +69,10 @@ def unsupported(q, k_pages) -> str | None:
     kvh, ps = k_pages.shape[1:3]
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {jnp.dtype(q.dtype).name}: the WGMMA tiles here are 16-bit"
-    if jnp.dtype(k_pages.dtype) != jnp.dtype(q.dtype):
+    if jnp.dtype(k_pages.dtype) == jnp.dtype(jnp.float8_e4m3fn):
+        if d % 128:  # an 8-bit row of 128 bytes is one swizzled TMA tile
+            return f"float8 pages need a head dim multiple of 128, not {d}"
+    elif jnp.dtype(k_pages.dtype) != jnp.dtype(q.dtype):
         return f"pages of {jnp.dtype(k_pages.dtype).name} with a {jnp.dtype(q.dtype).name} query"
     if h % kvh or h // kvh > _MAX_GROUP:
         return f"query group of {h}/{kvh} heads: must divide and be <= {_MAX_GROUP}"
@@ -113,13 +116,18 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
                             num_programs: int | None = None, block_k: int = 64,
                             stages: int = 3, warpgroups: int = 2,
                             splits: int | None = None, approx_math: bool = True,
-                            interpret: bool = False):
+                            k_scale=None, v_scale=None, interpret: bool = False):
     """q [B, H, D]; pages [N, KVH, ps, D]; page_table [B, P]; context_lens [B] -> [B, H, D].
 
     num_programs: the persistent grid, one program per SM (None: every SM).
     warpgroups: independent workers per program; stages: blocks of block_k keys in
     flight per worker. splits: key ranges per (sequence, kv head) combined afterwards
     (None: default_splits). approx_math: the hardware exp2, as jax's own attention uses.
+
+    float8_e4m3fn pages take per-kv-head float32 scales k_scale, v_scale [KVH] (real
+    key = page value x k_scale[h]): each block is widened to f16 in shared memory (exact)
+    and multiplied in f16 with the query in f16; scores are scaled by k_scale[h] inside
+    the exp2's FMA and the output by v_scale[h].
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
     if (why := unsupported(q, k_pages)) is not None:
@@ -142,9 +150,18 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
     nprog = max(1, min(num_programs, -(-items // wgs)))
     workers = nprog * wgs
     dtype = q.dtype
+    fp8 = jnp.dtype(k_pages.dtype) == jnp.dtype(jnp.float8_e4m3fn)
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("float8 pages need k_scale and v_scale, float32 [KVH]")
+    mm_dtype = jnp.float16 if fp8 else dtype  # the WGMMA operands' type
+    scales = (jnp.ones((kvh,), jnp.float32) if k_scale is None
+              else jnp.asarray(k_scale, jnp.float32).reshape(kvh),
+              jnp.ones((kvh,), jnp.float32) if v_scale is None
+              else jnp.asarray(v_scale, jnp.float32).reshape(kvh))
     qg = q.reshape(b, kvh, g, d)
     if ncol > g:  # lax.pad: no nested jit (stream regions refuse them)
         qg = lax.pad(qg, jnp.zeros((), dtype), [(0, 0, 0)] * 2 + [(0, ncol - g, 0), (0, 0, 0)])
+    qg = qg.astype(mm_dtype)
     log2_scale = math.log2(math.e) / math.sqrt(d)  # exp(x / sqrt(d)) = exp2(x * this)
     red_elems = 32 * ncol * (block_k // 64)  # cross-warp reduction scratch per worker
 
@@ -195,6 +212,14 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
             plgpu.transpose_ref(tile_ref, (1, 0))[...] = plgpu.layout_cast(
                 x, plgpu.Layout.WGMMA_TRANSPOSED)
 
+    def widen(src, dst):  # a float8 tile -> f16 in shared memory (exact), for the WGMMA
+        if interpret:
+            dst[...] = src[...].astype(jnp.float16)
+        else:
+            dst[...] = plgpu.load(src, (), layout=plgpu.Layout.WGMMA).astype(jnp.float16)
+        plgpu.commit_smem()
+        return dst
+
     def bcast_cols(v, shape):  # [ncol] -> shape [rows, ncol]
         return lax.broadcast_in_dim(v, shape, [1])
 
@@ -212,19 +237,26 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
         first = s * chunk
         return first, jnp.maximum(jnp.minimum(nb - first, chunk), 1)
 
-    def kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, *rest):
+    def kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, ks_ref, vs_ref, *rest):
         if splits == 1:
-            (o_ref, q_smems, p_smems, o_smems, red_smems, k_smems, v_smems,
-             q_bars, k_bars, v_bars) = rest
+            o_ref, *rest = rest
         else:
-            (o_ref, lse_ref, q_smems, p_smems, o_smems, lse_smems, red_smems, k_smems,
-             v_smems, q_bars, k_bars, v_bars) = rest
+            o_ref, lse_ref, *rest = rest
+        q_smems, p_smems, o_smems, *rest = rest
+        if splits > 1:
+            lse_smems, *rest = rest
+        red_smems, k_smems, v_smems, *rest = rest
+        if fp8:
+            k16s, v16s, *rest = rest
+        q_bars, k_bars, v_bars = rest
         wg = lax.axis_index("wg") if wgs > 1 else 0
         worker = lax.axis_index("p") * wgs + wg
         n_items = (items - worker + workers - 1) // workers  # this worker's items
         q_smem, p_smem, o_smem, red, k_smem, v_smem = (
             r.at[wg] for r in (q_smems, p_smems, o_smems, red_smems, k_smems, v_smems))
         lse_smem = lse_smems.at[wg] if splits > 1 else None
+        if fp8:
+            k16, v16 = k16s.at[wg], v16s.at[wg]
         qbar0, bar0 = wg * 2, wg * stages
 
         def item_of(i):  # the worker's i-th item
@@ -280,7 +312,7 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
             for t in range(stages - 1):  # the prologue: the first stages - 1 blocks
                 def pro(cur=cur, t=t):
                     issue(t, cur[0], pages(cur[0], cur[1], cur[3]))
-                pl.when(cur[0] < n_items)(pro)
+                pl.when((cur[0] < n_items) & (cur[3] > 0))(pro)
                 cur = cursor_next(cur)
             iss = cur
             comp = cursor_first()
@@ -296,7 +328,9 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
             def step(carry):
                 t, comp, iss, pgs, acc, m, l = carry
                 # issue: block t + stages - 1 reuses the slot of block t - 1 (done)
-                pl.when(iss[0] < n_items)(lambda: issue(t + stages - 1, iss[0], pgs))
+                # (a row with no keys, e.g. a prefill token in a decode call, loads nothing)
+                pl.when((iss[0] < n_items) & (iss[3] > 0))(
+                    lambda: issue(t + stages - 1, iss[0], pgs))
                 iss = cursor_next(iss)
                 pgs = pages(iss[0], iss[1], iss[3])
                 i, j, end, ctx, *_ = comp
@@ -304,20 +338,28 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
                 first = item_range(ctx, item_coords(item_of(i))[2])[0]
                 pl.when(j == first)(lambda: plgpu.barrier_wait(q_bars.at[qbar0 + qbuf]))
                 slot = lax.rem(t, stages)
-                plgpu.barrier_wait(k_bars.at[bar0 + slot])
-                s = matmul_kq(k_smem.at[slot], q_smem.at[qbuf])  # [block_k, ncol]
-                key = key_iota((block_k, ncol)) + j * block_k
-                s = jnp.where(key < ctx, s, -jnp.inf)
-                m_new = jnp.maximum(m, col_reduce(s, red, "max"))
-                m_use = jnp.where(m_new > -jnp.inf, m_new, 0.0) * log2_scale
-                alpha = jnp.exp2(m * log2_scale - m_use)
-                p = jnp.exp2(s * log2_scale - bcast_cols(m_use, s.shape))
-                l = l * bcast_cols(alpha, l.shape) + p
-                acc = acc * bcast_cols(alpha, acc.shape)
-                store_transposed(p_smem, p.astype(dtype))
-                plgpu.commit_smem()
-                plgpu.barrier_wait(v_bars.at[bar0 + slot])
-                acc = matmul_vp(acc, v_smem.at[slot], p_smem)
+                # scores x log2(e) / sqrt(d) (x k_scale[h] for float8 keys), in the FMA
+                c = log2_scale * ks_ref[item_coords(item_of(i))[1]] if fp8 else log2_scale
+
+                def attend(acc, m, l):  # one block of keys
+                    plgpu.barrier_wait(k_bars.at[bar0 + slot])
+                    k_tile = widen(k_smem.at[slot], k16) if fp8 else k_smem.at[slot]
+                    s = matmul_kq(k_tile, q_smem.at[qbuf])  # [block_k, ncol]
+                    key = key_iota((block_k, ncol)) + j * block_k
+                    s = jnp.where(key < ctx, s, -jnp.inf)
+                    m_new = jnp.maximum(m, col_reduce(s, red, "max"))
+                    m_use = jnp.where(m_new > -jnp.inf, m_new, 0.0) * c
+                    alpha = jnp.exp2(m * c - m_use)
+                    p = jnp.exp2(s * c - bcast_cols(m_use, s.shape))
+                    l = l * bcast_cols(alpha, l.shape) + p
+                    acc = acc * bcast_cols(alpha, acc.shape)
+                    store_transposed(p_smem, p.astype(mm_dtype))
+                    plgpu.commit_smem()
+                    plgpu.barrier_wait(v_bars.at[bar0 + slot])
+                    v_tile = widen(v_smem.at[slot], v16) if fp8 else v_smem.at[slot]
+                    return matmul_vp(acc, v_tile, p_smem), m_new, l
+
+                acc, m_new, l = lax.cond(ctx > 0, attend, lambda *a: a, acc, m, l)
                 last = j + 1 == end
 
                 @pl.when(last)
@@ -325,6 +367,8 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
                     bb, hh, sp = item_coords(item_of(i))
                     tot = col_reduce(l, red, "add")
                     o = acc / bcast_cols(jnp.where(tot > 0, tot, 1.0), acc.shape)
+                    if fp8:
+                        o = o * vs_ref[hh]
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_smem is free
                     if splits == 1:
                         store_transposed(o_smem, o.astype(dtype))
@@ -332,7 +376,7 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
                         plgpu.copy_smem_to_gmem(o_smem, o_ref.at[bb, hh])
                     else:
                         o_smem[...] = o
-                        lse_smem[...] = m_new * log2_scale + jnp.log2(tot)
+                        lse_smem[...] = m_new * c + jnp.log2(tot)
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(o_smem, o_ref.at[bb, hh, sp])
                         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bb, hh, sp])
@@ -357,12 +401,18 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
                     jax.ShapeDtypeStruct((b, kvh, splits, ncol), jnp.float32))
         o_scratch = [plgpu.SMEM((wgs, d, ncol), jnp.float32),
                      plgpu.SMEM((wgs, ncol), jnp.float32)]
-    scratch = [plgpu.SMEM((wgs, 2, ncol, d), dtype, transforms=tiles),
-               plgpu.SMEM((wgs, ncol, block_k), dtype, transforms=tiles),
-               *o_scratch,
+    kv_dtype, kv_tiles = dtype, tiles
+    if fp8:  # 8-bit rows of 128 bytes; the widened f16 copies are WGMMA tiles
+        kv_dtype = k_pages.dtype
+        kv_tiles = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+        o_scratch += [plgpu.SMEM((wgs, block_k, d), jnp.float16, transforms=tiles)] * 2
+    scratch = [plgpu.SMEM((wgs, 2, ncol, d), mm_dtype, transforms=tiles),
+               plgpu.SMEM((wgs, ncol, block_k), mm_dtype, transforms=tiles),
+               *o_scratch[:2 if splits > 1 else 1],
                plgpu.SMEM((wgs, red_elems), jnp.float32),
-               plgpu.SMEM((wgs, stages, block_k, d), dtype, transforms=tiles),
-               plgpu.SMEM((wgs, stages, block_k, d), dtype, transforms=tiles),
+               plgpu.SMEM((wgs, stages, block_k, d), kv_dtype, transforms=kv_tiles),
+               plgpu.SMEM((wgs, stages, block_k, d), kv_dtype, transforms=kv_tiles),
+               *o_scratch[2 if splits > 1 else 1:],
                plgpu.Barrier(num_barriers=wgs * 2),
                plgpu.Barrier(num_arrivals=ppb, num_barriers=wgs * stages),
                plgpu.Barrier(num_arrivals=ppb, num_barriers=wgs * stages)]
@@ -373,7 +423,7 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
         compiler_params=None if interpret else plgpu.CompilerParams(approx_math=approx_math),
         interpret=interpret_params() if interpret else None,
     )(qg, k_pages.reshape(n_pages * kvh, ps, d), v_pages.reshape(n_pages * kvh, ps, d),
-      page_table.astype(jnp.int32), context_lens.astype(jnp.int32))
+      page_table.astype(jnp.int32), context_lens.astype(jnp.int32), *scales)
     if splits == 1:
         return out[:, :, :g].reshape(b, h, d)
     o_parts, lse_parts = out

@@ -3,6 +3,9 @@ Mosaic GPU kernel, the Triton kernel and PyTorch's SDPA on green-context SM subs
 
     PYTHONPATH=. python3 bench/scripts/decode_kernel_sweep.py OUT.json [--quick]
 
+`--dry-run` runs the same flow on the CPU (tiny shapes, Pallas interpret mode, no
+PyTorch part) to check the script itself before spending GPU time (~3 min on 2 cores).
+
 Expected run time on one H200: ~4-6 minutes (a time budget skips what is left after 7 min
 and says so in the JSON). Writes OUT.json and prints a table last. What it measures, in
 this order:
@@ -19,7 +22,9 @@ this order:
 4. Compile time of each kernel for the B 512 ctx 1024 shape (lower + compile, one call).
 5. Achieved bandwidth (K and V bytes of every context, read once / time) as a fraction of
    copy for B 512 ctx 1024 (LLaMA-3-8B heads, D 128, bf16, pages of 16) at 22/33/44/66/
-   99/132 programs, and B 16 ctx 4096, B 1024 ctx 4096 at the full grid.
+   99/132 programs, and B 16 ctx 4096, B 1024 ctx 4096 at the full grid. `swapab_fp8`:
+   the same kernel on float8_e4m3fn pages with per-kv-head scales (its bytes are half;
+   its fraction counts the bytes it reads).
 """
 from __future__ import annotations
 
@@ -118,6 +123,7 @@ def torch_part(out_path: str, quick: bool):
 def main():
     out_path = sys.argv[1]
     quick = "--quick" in sys.argv
+    dry = "--dry-run" in sys.argv  # CPU: tiny shapes, interpret mode
     t_start = time.perf_counter()
     res = {"command": "PYTHONPATH=. python3 bench/scripts/decode_kernel_sweep.py "
                       + " ".join(sys.argv[1:])}
@@ -129,6 +135,8 @@ def main():
     # 1. PyTorch first, in its own process, before JAX preallocates the GPU's memory
     torch_out = out_path + ".torch.json"
     try:
+        if dry:
+            raise RuntimeError("dry run: no PyTorch part")
         subprocess.run([sys.executable, __file__, "--torch-part", torch_out]
                        + (["--quick"] if quick else []), check=True, timeout=200)
         with open(torch_out) as f:
@@ -146,11 +154,23 @@ def main():
     from pallas_kernels.decode_attention_mgpu import decode_attention_mgpu
     from pallas_kernels.decode_attention_swapab import decode_attention_swapab, default_splits
 
+    global GRIDS, SHAPES, PS, BUDGET_S
     dev = jax.devices()[0]
     sms = getattr(dev, "core_count", None) or 132
+    timer = timed
+    if dry:
+        import pallas_kernels.bench_decode as bd
+        sms, GRIDS, SHAPES, PS = 2, (1,), ((2, 128), (1, 256)), 16
+        BUDGET_S = 1e9
+        bd.H, bd.KVH, bd.D = H, KVH, D
+
+        def timer(fn, *a):
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*a))
+            return time.perf_counter() - t
     res.update(device=dev.device_kind, jax=jax.__version__, num_sms=sms, heads=H,
                kv_heads=KVH, head_dim=D, page_size=PS, dtype="bfloat16")
-    bw = copy_bandwidth()
+    bw = 1e10 if dry else copy_bandwidth()
     res["copy_bandwidth_GBps"] = bw / 1e9
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     for row in res["torch_sdpa"].get("rows", []):
@@ -160,32 +180,49 @@ def main():
 
     # the kernels and variants: name -> fn(q, k, v, pt, lens, programs)
     def swapab(**kw):
-        return lambda q, k, v, pt, lens, n: decode_attention_swapab(q, k, v, pt, lens,
-                                                                    num_programs=n, **kw)
+        return lambda q, k, v, pt, lens, n: decode_attention_swapab(
+            q, k, v, pt, lens, num_programs=n, interpret=dry, **kw)
     kernels = {
         "swapab": swapab(),  # 2 workers x 3 stages x 64 keys (the default)
         "swapab_w3s2": swapab(warpgroups=3, stages=2),
-        "swapab_w4s1": swapab(warpgroups=4, stages=1),
+        "swapab_w2s2": swapab(warpgroups=2, stages=2),
+        "swapab_w1s6": swapab(warpgroups=1, stages=6),
         "swapab_w1s3_k128": swapab(warpgroups=1, stages=3, block_k=128),
         "mosaic_rows": lambda q, k, v, pt, lens, n: decode_attention_mgpu(
-            q, k, v, pt, lens, num_programs=n),
+            q, k, v, pt, lens, num_programs=n, interpret=dry),
         "triton": lambda q, k, v, pt, lens, n: decode_attention(q, k, v, pt, lens,
-                                                                num_programs=n),
+                                                                num_programs=n,
+                                                                interpret=dry),
     }
-    if quick:
+    if quick or dry:
         kernels = {k: kernels[k] for k in ("swapab", "mosaic_rows", "triton")}
+
+    def quantize(x):  # per-kv-head scale to e4m3's range; NaN pages stay NaN. In the
+        # pages' own dtype: no f32 copy of 8 GiB of keys
+        sc = (jnp.nanmax(jnp.abs(x), axis=(0, 2, 3)) / 448).astype(x.dtype)
+        return (x / sc[None, :, None, None]).astype(jnp.float8_e4m3fn), sc.astype(jnp.float32)
+
+    def fp8_inputs(q, k, v, pt, lens):
+        (k8, ks), (v8, vs) = quantize(k), quantize(v)
+        return (q, k8, v8, pt, lens, ks, vs)
+
+    kernels["swapab_fp8"] = lambda q, k8, v8, pt, lens, ks, vs, n: decode_attention_swapab(
+        q, k8, v8, pt, lens, k_scale=ks, v_scale=vs, num_programs=n, interpret=dry)
 
     # 3. correctness on the GPU: random lengths (not multiples of a block), poisoned
     # unused pages, and a split-KV case
     rng = np.random.default_rng(0)
     checks, failed = [], set()
-    for b, max_pages, nprog, splits in ((7, 19, 66, None), (64, 64, 44, None),
-                                        (16, 256, 132, None), (33, 40, 132, 3)):
+    check_cases = ((7, 19, 66, None), (64, 64, 44, None), (16, 256, 132, None),
+                   (33, 40, 132, 3))
+    if dry:
+        check_cases = ((2, 5, 1, None), (1, 9, 2, 2))
+    for b, max_pages, nprog, splits in check_cases:
         n = b * max_pages + 1
         pt = rng.permutation(n)[: b * max_pages].reshape(b, max_pages).astype(np.int32)
         lens = rng.integers(1, max_pages * PS + 1, b).astype(np.int32)
-        k = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (n, KVH, PS, D), jnp.float32))
-        v = np.asarray(jax.random.normal(jax.random.PRNGKey(2), (n, KVH, PS, D), jnp.float32))
+        k = np.array(jax.random.normal(jax.random.PRNGKey(1), (n, KVH, PS, D), jnp.float32))
+        v = np.array(jax.random.normal(jax.random.PRNGKey(2), (n, KVH, PS, D), jnp.float32))
         used = np.zeros(n, bool)
         for i in range(b):
             used[pt[i, : -(-lens[i] // PS)]] = True
@@ -197,21 +234,30 @@ def main():
         pt, lens = jnp.asarray(pt), jnp.asarray(lens)
         ref = decode_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
                                          v.astype(jnp.float32), pt, lens)
+        fp8_case = fp8_inputs(q, k, v, pt, lens)
+        ref8 = decode_attention_reference(
+            q.astype(jnp.float32), *(x.astype(jnp.float32) * sc[None, :, None, None]
+                                     for x, sc in zip(fp8_case[1:3], fp8_case[5:])), pt, lens)
         for name, fn in kernels.items():
             if splits is not None and not name.startswith("swapab"):
                 continue
             row = {"kernel": name, "batch": b, "max_context": max_pages * PS,
                    "programs": nprog, "splits": splits}
             try:
-                if splits is None:
+                if name == "swapab_fp8":
+                    o = fn(*fp8_case, nprog) if splits is None else decode_attention_swapab(
+                        *fp8_case[:5], k_scale=fp8_case[5], v_scale=fp8_case[6],
+                        num_programs=nprog, splits=splits, interpret=dry)
+                elif splits is None:
                     o = fn(q, k, v, pt, lens, nprog)
                 else:
                     o = decode_attention_swapab(q, k, v, pt, lens, num_programs=nprog,
-                                                splits=splits)
+                                                splits=splits, interpret=dry)
                 o = o.astype(jnp.float32)
                 row["finite"] = bool(jnp.isfinite(o).all())
-                row["rel_error"] = float(jnp.linalg.norm(jnp.nan_to_num(o) - ref)
-                                         / jnp.linalg.norm(ref))
+                r = ref8 if name == "swapab_fp8" else ref
+                row["rel_error"] = float(jnp.linalg.norm(jnp.nan_to_num(o) - r)
+                                         / jnp.linalg.norm(r))
                 if name.startswith("swapab") or name == "triton":  # they mask poisoned V
                     if not row["finite"] or row["rel_error"] > 1e-2:
                         failed.add(name)
@@ -225,7 +271,8 @@ def main():
     save()
 
     # 4. compile time for the target shape (lower + compile of one call)
-    q, k, v, pt, lens = make_case(512, 1024, PS, rng)
+    b0, ctx0 = SHAPES[0]
+    q, k, v, pt, lens = make_case(b0, ctx0, PS, rng)
     compile_s = {}
     for name in ("swapab", "mosaic_rows", "triton"):
         fn = kernels[name]
@@ -235,7 +282,7 @@ def main():
             compile_s[name] = time.perf_counter() - t
         except Exception as e:
             compile_s[name] = f"{type(e).__name__}: {e}"[:300]
-    res["compile_seconds_b512_ctx1024_full_grid"] = compile_s
+    res[f"compile_seconds_b{b0}_ctx{ctx0}_full_grid"] = compile_s
     print("compile seconds", compile_s, flush=True)
     save()
 
@@ -248,28 +295,34 @@ def main():
             rows.append({"kernel": name, "batch": b, "context": ctx, "programs": nprog,
                          "skipped": "time budget"})
             return
-        nbytes = 2 * b * ctx * KVH * D * 2
+        nbytes = 2 * b * ctx * KVH * D * case[1].dtype.itemsize
         row = measure({"kernel": name, "batch": b, "context": ctx, "programs": nprog,
                        **(extra or {})},
-                      lambda *a: kernels[name](*a, nprog), case, nbytes, bw)
+                      lambda *a: kernels[name](*a, nprog), case, nbytes, bw, timer=timer)
         rows.append(row)
         print(row, flush=True)
         save()
 
     names = [n for n in kernels if n not in failed]
     case = (q, k, v, pt, lens)
+    case8 = fp8_inputs(*case)
     for nprog in sorted(set(GRIDS) | {sms}, reverse=True):
         if nprog > sms:
             continue
         for name in names:
-            run(name, 512, 1024, nprog, case)
-    del q, k, v, pt, lens, case
+            run(name, b0, ctx0, nprog, case8 if name == "swapab_fp8" else case)
+    del q, k, v, pt, lens, case, case8
     for b, ctx in SHAPES[1:1 if quick else None]:
         case = make_case(b, ctx, PS, rng)
         for name in names:
-            run(name, b, ctx, sms, case)
+            if name == "swapab_fp8":
+                case8 = fp8_inputs(*case)
+                run(name, b, ctx, sms, case8)
+                del case8
+            else:
+                run(name, b, ctx, sms, case)
         if b * KVH < 2 * sms and "swapab" in names:  # the split count, by measurement
-            for splits in (2, 4, 8):
+            for splits in (2,) if dry else (2, 4, 8):
                 kernels[f"swapab_splits{splits}"] = swapab(splits=splits)
                 run(f"swapab_splits{splits}", b, ctx, sms, case)
             res["default_splits_b16"] = default_splits(b, KVH, ctx, sms * 2)
