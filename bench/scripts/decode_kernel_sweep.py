@@ -38,7 +38,8 @@ H, KVH, D, PS = 32, 8, 128, 16
 GRIDS = (22, 33, 44, 66, 99, 132)
 GREEN_SMS = (32, 44, 48, 64)
 SHAPES = ((512, 1024), (16, 4096), (1024, 4096))
-BUDGET_S = 420  # stop timing new rows after this (the call must end within 8 minutes)
+BUDGET_S = 400  # stop timing new rows after this (the call must end within 8 minutes)
+HANG_S = 120  # no row, check or step finished for this long: a hung kernel
 
 
 def torch_part(out_path: str, quick: bool):
@@ -131,6 +132,23 @@ def main():
     def save():
         with open(out_path, "w") as f:
             json.dump(res, f, indent=1)
+        progress[0] = time.perf_counter()
+
+    # a watchdog: a kernel that hangs (a barrier never completes) would hold the GPU until
+    # the call's limit; after HANG_S without progress, record where and exit
+    import threading
+    progress = [float("inf"), "start"]  # armed by the first save, after the PyTorch part
+
+    def watchdog():
+        while True:
+            time.sleep(5)
+            if time.perf_counter() - progress[0] > HANG_S and not dry:
+                res["hung"] = f"no progress for {HANG_S} s during: {progress[1]}"
+                with open(out_path, "w") as f:
+                    json.dump(res, f, indent=1)
+                print("HUNG:", res["hung"], flush=True)
+                os._exit(3)
+    threading.Thread(target=watchdog, daemon=True).start()
 
     # 1. PyTorch first, in its own process, before JAX preallocates the GPU's memory
     torch_out = out_path + ".torch.json"
@@ -243,6 +261,7 @@ def main():
                 continue
             row = {"kernel": name, "batch": b, "max_context": max_pages * PS,
                    "programs": nprog, "splits": splits}
+            progress[1] = f"correctness {row}"
             try:
                 if name == "swapab_fp8":
                     o = fn(*fp8_case, nprog) if splits is None else decode_attention_swapab(
@@ -266,6 +285,7 @@ def main():
                 failed.add(name)
             checks.append(row)
             print("check", row, flush=True)
+            save()
     res["correctness"] = checks
     res["failed_correctness"] = sorted(failed)
     save()
@@ -276,6 +296,7 @@ def main():
     compile_s = {}
     for name in ("swapab", "mosaic_rows", "triton"):
         fn = kernels[name]
+        progress[1] = f"compile {name}"
         t = time.perf_counter()
         try:
             jax.jit(lambda *a, fn=fn: fn(*a, sms)).lower(q, k, v, pt, lens).compile()
@@ -296,6 +317,7 @@ def main():
                          "skipped": "time budget"})
             return
         nbytes = 2 * b * ctx * KVH * D * case[1].dtype.itemsize
+        progress[1] = f"timing {name} B {b} ctx {ctx} programs {nprog}"
         row = measure({"kernel": name, "batch": b, "context": ctx, "programs": nprog,
                        **(extra or {})},
                       lambda *a: kernels[name](*a, nprog), case, nbytes, bw, timer=timer)
@@ -303,30 +325,35 @@ def main():
         print(row, flush=True)
         save()
 
+    # order: what matters most first (the budget skips the tail): the full grid, 66 and 44
+    # programs at the target shape, then the other shapes, then the other grids
     names = [n for n in kernels if n not in failed]
     case = (q, k, v, pt, lens)
     case8 = fp8_inputs(*case)
-    for nprog in sorted(set(GRIDS) | {sms}, reverse=True):
-        if nprog > sms:
-            continue
-        for name in names:
-            run(name, b0, ctx0, nprog, case8 if name == "swapab_fp8" else case)
-    del q, k, v, pt, lens, case, case8
+    grids = [g for g in sorted(set(GRIDS) | {sms}, reverse=True) if g <= sms]
+
+    def target_shape(grid_list):
+        for nprog in grid_list:
+            for name in names:
+                run(name, b0, ctx0, nprog, case8 if name == "swapab_fp8" else case)
+
+    target_shape([g for g in grids if g in (sms, 66, 44)])
     for b, ctx in SHAPES[1:1 if quick else None]:
-        case = make_case(b, ctx, PS, rng)
+        other = make_case(b, ctx, PS, rng)
         for name in names:
             if name == "swapab_fp8":
-                case8 = fp8_inputs(*case)
-                run(name, b, ctx, sms, case8)
-                del case8
+                other8 = fp8_inputs(*other)
+                run(name, b, ctx, sms, other8)
+                del other8
             else:
-                run(name, b, ctx, sms, case)
+                run(name, b, ctx, sms, other)
         if b * KVH < 2 * sms and "swapab" in names:  # the split count, by measurement
             for splits in (2,) if dry else (2, 4, 8):
                 kernels[f"swapab_splits{splits}"] = swapab(splits=splits)
-                run(f"swapab_splits{splits}", b, ctx, sms, case)
+                run(f"swapab_splits{splits}", b, ctx, sms, other)
             res["default_splits_b16"] = default_splits(b, KVH, ctx, sms * 2)
-        del case
+        del other
+    target_shape([g for g in grids if g not in (sms, 66, 44)])
     res["seconds_total"] = time.perf_counter() - t_start
     save()
 
