@@ -110,19 +110,21 @@ def combine_splits(o_parts, lse_parts, splits_valid):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "num_programs", "block_k", "stages", "warpgroups", "splits", "approx_math",
+    "num_programs", "block_k", "stages", "warpgroups", "splits", "columns", "approx_math",
     "interpret"))
 def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
                             num_programs: int | None = None, block_k: int = 64,
                             stages: int = 3, warpgroups: int = 2,
-                            splits: int | None = None, approx_math: bool = True,
-                            k_scale=None, v_scale=None, interpret: bool = False):
+                            splits: int | None = None, columns: int | None = None,
+                            approx_math: bool = True, k_scale=None, v_scale=None,
+                            interpret: bool = False):
     """q [B, H, D]; pages [N, KVH, ps, D]; page_table [B, P]; context_lens [B] -> [B, H, D].
 
     num_programs: the persistent grid, one program per SM (None: every SM).
     warpgroups: independent workers per program; stages: blocks of block_k keys in
     flight per worker. splits: key ranges per (sequence, kv head) combined afterwards
-    (None: default_splits). approx_math: the hardware exp2, as jax's own attention uses.
+    (None: default_splits). columns: the WGMMA N, the query group padded (None: to a
+    multiple of 8). approx_math: the hardware exp2, as jax's own attention uses.
 
     float8_e4m3fn pages take per-kv-head float32 scales k_scale, v_scale [KVH] (real
     key = page value x k_scale[h]): each block is widened to f16 in shared memory (exact)
@@ -141,7 +143,9 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
     if num_programs is None:
         num_programs = getattr(jax.devices()[0], "core_count", None) or 132
     wgs = warpgroups
-    ncol = -(-g // 8) * 8  # the WGMMA N dimension: the group padded to 8
+    ncol = columns or -(-g // 8) * 8  # the WGMMA N dimension: the group padded to 8
+    if ncol % 8 or ncol < g or ncol > _MAX_GROUP:
+        raise ValueError(f"columns {ncol}: a multiple of 8 from the group {g} to {_MAX_GROUP}")
     ppb = block_k // ps
     pw = page_table.shape[1]
     if splits is None:

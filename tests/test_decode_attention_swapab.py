@@ -65,8 +65,8 @@ def _rel(out, q, k, v, pt, lens):
     (3, 2, 4, 64, 16, 7, dict(num_programs=2, warpgroups=2, stages=2)),
     # a group of 8, split-KV (3 key ranges per sequence, combined after the kernel)
     (2, 1, 8, 64, 16, 10, dict(num_programs=3, warpgroups=1, stages=2, splits=3)),
-    # no GQA (a group of 1, padded to 8 columns), 8-row pages, a 3-slot ring, one program
-    (3, 2, 1, 64, 8, 9, dict(num_programs=1, warpgroups=2, stages=3)),
+    # no GQA (a group of 1, padded to 16 columns), 8-row pages, a 3-slot ring, one program
+    (3, 2, 1, 64, 8, 9, dict(num_programs=1, warpgroups=2, stages=3, columns=16)),
     # float8 pages with per-kv-head scales; a group of 12 (16 columns), 128-key blocks of
     # 32-row pages, D 128
     (2, 2, 12, 128, 32, 5, dict(num_programs=2, warpgroups=1, stages=2, block_k=128,
@@ -119,6 +119,8 @@ def test_operands_it_cannot_take_are_refused():
     with pytest.raises(ValueError, match="k_scale and v_scale"):
         decode_attention_swapab(*_case(0, 1, 1, 4, 128, 16, 2, fp8=True)[:5],
                                 interpret=True)
+    with pytest.raises(ValueError, match="columns 12"):
+        decode_attention_swapab(q, k, v, pt, lens, columns=12, interpret=True)
     with pytest.raises(ValueError, match="block_k 96"):
         decode_attention_swapab(q, k, v, pt, lens, block_k=96, interpret=True)
     with pytest.raises(ValueError, match="multiple of 64"):

@@ -206,6 +206,7 @@ def main():
         "swapab_w2s2": swapab(warpgroups=2, stages=2),
         "swapab_w1s6": swapab(warpgroups=1, stages=6),
         "swapab_w1s3_k128": swapab(warpgroups=1, stages=3, block_k=128),
+        "swapab_n16": swapab(columns=16),  # the group padded to 16 columns, not 8
         "mosaic_rows": lambda q, k, v, pt, lens, n: decode_attention_mgpu(
             q, k, v, pt, lens, num_programs=n, interpret=dry),
         "triton": lambda q, k, v, pt, lens, n: decode_attention(q, k, v, pt, lens,
