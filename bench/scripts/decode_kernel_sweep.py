@@ -4,11 +4,16 @@ Mosaic GPU kernel, the Triton kernel and PyTorch's SDPA on green-context SM subs
     PYTHONPATH=. python3 bench/scripts/decode_kernel_sweep.py OUT.json [--quick]
 
 `--dry-run` runs the same flow on the CPU (tiny shapes, Pallas interpret mode, no
-PyTorch part) to check the script itself before spending GPU time (~3 min on 2 cores).
+PyTorch part) to check the script itself before spending GPU time (~6 min on 2 cores).
 
-Expected run time on one H200: ~4-6 minutes (a time budget skips what is left after 7 min
-and says so in the JSON). Writes OUT.json and prints a table last. What it measures, in
-this order:
+Expected run time on one H200: 6-7 minutes. Rows start in order of importance (full grid,
+66 and 44 programs at the target shape; the other shapes; the other grids); none starts
+after 400 s (a skipped row says so in the JSON), and a watchdog writes the JSON and exits
+if nothing finishes for 120 s (a hung kernel). Writes OUT.json after every row and prints
+a table last. Kernels: `swapab` (pallas_kernels/decode_attention_swapab.py, defaults) and
+its launch variants (`_wWsS`: W workers x S stages; `_k128`: 128-key blocks; `_n16`: the
+group padded to 16 columns; `_splitsN`), `mosaic_rows` (decode_attention_mgpu.py),
+`triton` (decode_attention.py), `swapab_fp8`. What it measures, in this order:
 
 1. PyTorch SDPA decode (q [B, 32, 1, 128], contiguous k/v [B, 8, ctx, 128], enable_gqa) on
    the full GPU and on green contexts of 32/44/48/64 SMs (CUDA driver API through
