@@ -194,7 +194,7 @@ def named_shape(name: str, dtype: str | None = None) -> ModelConfig:
     return cfg.replace(dtype=dtype) if dtype else cfg
 
 
-DECODE_KERNELS = ("auto", "triton", "mosaic")
+DECODE_KERNELS = ("auto", "triton", "mosaic", "mosaic-rows")
 
 
 def _opt(help: str, **kw) -> dict:
@@ -208,10 +208,10 @@ class KernelConfig:
     them. Off the GPU the step is pure JAX (ScanForward) and only `interpret` matters
     (tests run the Pallas kernels in interpret mode through it)."""
 
-    decode_kernel: str = dataclasses.field(default="triton", metadata=_opt(
-        "paged decode attention kernel: triton (any GPU), mosaic (Mosaic GPU, Hopper), "
-        "auto (Mosaic where it takes the operands on Hopper, else Triton)",
-        choices=DECODE_KERNELS))
+    decode_kernel: str = dataclasses.field(default="auto", metadata=_opt(
+        "paged decode attention kernel: triton (any GPU), mosaic (Mosaic GPU swap-AB "
+        "kernel, Hopper), mosaic-rows (the earlier Mosaic GPU kernel), auto (mosaic where "
+        "it takes the operands on Hopper, else triton)", choices=DECODE_KERNELS))
     decode_prefetch: bool | None = dataclasses.field(default=None, metadata=_opt(
         "Triton decode kernel: load the next block before computing this one (default: "
         "on for grids of two programs per SM or fewer)"))

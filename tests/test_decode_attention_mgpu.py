@@ -66,8 +66,9 @@ def test_kernel_on_gpu(programs, block_k, stages, wgs):
     assert _rel(out, q, k, v, pt, lens) < REL_TOL_BF16
 
 
-def test_the_attention_backend_can_route_decode_rows_to_it():
-    """pallas_backend(decode_kernel="mosaic"): a dense batch of decodes and a prefill chunk
+@pytest.mark.parametrize("kernel", ["mosaic", "mosaic-rows"])
+def test_the_attention_backend_can_route_decode_rows_to_it(kernel):
+    """pallas_backend(decode_kernel="mosaic" (swap-AB) or "mosaic-rows"): a dense batch of decodes and a prefill chunk
     (each token a decode row at its own position) against the pure-JAX backend, and a
     share maps to whole SMs (one program per SM)."""
     from nanojax.config import KernelConfig, named_shape
@@ -86,7 +87,7 @@ def test_the_attention_backend_can_route_decode_rows_to_it():
     kv = tuple(jnp.asarray(rng.standard_normal((64, cfg.num_kv_heads, 8, 64)), jnp.bfloat16)
                for _ in range(2))
     inv = inverse_frequencies(64, cfg.rope_theta)
-    backend = pallas_backend(KernelConfig(decode_kernel="mosaic", interpret=True))
+    backend = pallas_backend(KernelConfig(decode_kernel=kernel, interpret=True))
     out = backend.attend(q, kv, meta, inv)
     ref = attend_reference(q.astype(jnp.float32), tuple(x.astype(jnp.float32) for x in kv),
                            meta, inv)

@@ -184,10 +184,13 @@ def attend_reference(q, kv_layer, meta: PagedMetadata, inv_freq):
 
 
 def _decode_kernel(name: str):
-    """The paged decode kernel: Triton (pallas_kernels/decode_attention.py, any GPU) or
-    Mosaic GPU (decode_attention_mgpu.py, Hopper; a TMA ring that keeps its bandwidth on
-    a bounded grid)."""
+    """The paged decode kernel: Triton (pallas_kernels/decode_attention.py, any GPU), the
+    Mosaic GPU swap-AB kernel (decode_attention_swapab.py, Hopper: keeps its bandwidth on
+    a bounded grid) or the earlier Mosaic GPU row-tile kernel (decode_attention_mgpu.py)."""
     if name == "mosaic":
+        from pallas_kernels.decode_attention_swapab import decode_attention_swapab
+        return decode_attention_swapab
+    if name == "mosaic-rows":
         from pallas_kernels.decode_attention_mgpu import decode_attention_mgpu
         return decode_attention_mgpu
     if name == "triton":
@@ -197,23 +200,24 @@ def _decode_kernel(name: str):
 
 
 def choose_decode_kernel(name: str, q, k_pages) -> str:
-    """"auto": Mosaic GPU on a Hopper or newer GPU when it takes the operands (16-bit, head
-    dim % 64, page size % 8, group <= 8; at least as fast as Triton at every measured grid),
-    else Triton. Interpret mode (no GPU) gets Triton."""
+    """"auto": the Mosaic GPU swap-AB kernel on a Hopper or newer GPU when it takes the
+    operands (16-bit, head dim % 64, page size % 8, group <= its column limit; on the H200
+    it reads 98-102% of copy bandwidth on the full grid, 94% on half the SMs, where Triton
+    reads 61% and 34%), else Triton. Interpret mode (no GPU) gets Triton."""
     if name != "auto":
         return name
-    from pallas_kernels.decode_attention_mgpu import unsupported
+    from pallas_kernels.decode_attention_swapab import unsupported
     from pallas_kernels.mosaic_gpu_support import on_hopper
     return "mosaic" if on_hopper() and unsupported(q, k_pages) is None else "triton"
 
 
 def decode_programs(kernel: str, share: float | None, num_sms: int, ctas_per_sm: int = 4):
     """A resource share as the decode kernel's persistent grid (None: its full grid).
-    Triton: share x SMs x programs per SM; Mosaic GPU runs one program per SM, so a share
-    is whole SMs and leaves the others free."""
+    Triton: share x SMs x programs per SM; the Mosaic GPU kernels run one program per SM,
+    so a share is whole SMs and leaves the others free."""
     if share is None or share >= 1.0:
         return None
-    per_sm = 1 if kernel == "mosaic" else ctas_per_sm
+    per_sm = 1 if kernel.startswith("mosaic") else ctas_per_sm
     return max(1, round(share * num_sms * per_sm))
 
 

@@ -1,0 +1,164 @@
+"""The swap-AB Mosaic GPU decode-attention kernel against the pure-JAX reference: Mosaic
+GPU's interpreter on the CPU (TMA copies, barriers, the slot ring and the flat pipeline
+across items simulated; matmuls and reductions are jnp there), the CUDA lowering at the
+benchmark shapes (Mosaic GPU's own checks: shared memory, layouts, WGMMA operands), and
+compiled on a Hopper GPU when there is one."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.decode_attention import decode_attention_reference
+from pallas_kernels.decode_attention_swapab import (combine_splits, decode_attention_swapab,
+                                                    default_splits, unsupported)
+from pallas_kernels.mosaic_gpu_support import on_hopper
+
+REL_TOL_BF16 = 1e-2  # bf16 inputs and output, f32 accumulation
+
+
+def _case(seed, b, kvh, g, d, ps, max_pages, full=False, fp8=False):
+    """Random pages and lengths (one of 0 when b >= 3); every page no sequence reads
+    within its length is NaN, and table entries past a sequence's last page point at
+    such pages. fp8: float8_e4m3fn pages and per-kv-head scales (k, v of different
+    magnitudes), returned after the lengths."""
+    rng = np.random.default_rng(seed)
+    n = b * max_pages + 2
+    pt = rng.permutation(n)[: b * max_pages].reshape(b, max_pages).astype(np.int32)
+    lens = (np.full(b, max_pages * ps) if full
+            else rng.integers(1, max_pages * ps + 1, b)).astype(np.int32)
+    lens[0] = min(max_pages * ps, 64 + 5)  # one context past a block, not a multiple of it
+    if b >= 3:
+        lens[-1] = 0  # no keys (the engine's prefill rows in a decode call): zeros
+    q, k, v = (rng.standard_normal(s).astype(np.float32)
+               for s in ((b, kvh * g, d), (n, kvh, ps, d), (n, kvh, ps, d)))
+    used = np.zeros(n, bool)
+    for i in range(b):
+        used[pt[i, : -(-lens[i] // ps)]] = True
+    k[~used], v[~used] = np.nan, np.nan
+    poisoned = np.flatnonzero(~used)
+    for i in range(b):
+        pt[i, -(-lens[i] // ps):] = poisoned[i % len(poisoned)]
+    if not fp8:
+        return (*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), jnp.asarray(pt),
+                jnp.asarray(lens))
+    k, v = k * 3.0, v * 0.5
+    scales = [np.nanmax(np.abs(x), axis=(0, 2, 3)) / 448 for x in (k, v)]  # e4m3's max
+    k8, v8 = (jnp.asarray(x / sc[None, :, None, None], jnp.float8_e4m3fn)
+              for x, sc in zip((k, v), scales))
+    return (jnp.asarray(q, jnp.bfloat16), k8, v8, jnp.asarray(pt), jnp.asarray(lens),
+            *(jnp.asarray(sc, jnp.float32) for sc in scales))
+
+
+def _dequantized(x8, scale):
+    return x8.astype(jnp.float32) * scale[None, :, None, None]
+
+
+def _rel(out, q, k, v, pt, lens):
+    ref = decode_attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), pt, lens)
+    o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(o).all(), "NaN or inf in the kernel output"
+    return np.linalg.norm(o - r) / np.linalg.norm(r)
+
+
+@pytest.mark.parametrize("b,kvh,g,d,ps,max_pages,kw", [
+    # GQA 4, two workers in each of two programs stream 6 items through a 2-slot ring
+    (3, 2, 4, 64, 16, 7, dict(num_programs=2, warpgroups=2, stages=2)),
+    # a group of 8, split-KV (3 key ranges per sequence, combined after the kernel)
+    (2, 1, 8, 64, 16, 10, dict(num_programs=3, warpgroups=1, stages=2, splits=3)),
+    # no GQA (a group of 1, padded to 16 columns), 8-row pages, a 3-slot ring, one program
+    (3, 2, 1, 64, 8, 9, dict(num_programs=1, warpgroups=2, stages=3, columns=16)),
+    # float8 pages with per-kv-head scales; a group of 12 (16 columns), 128-key blocks of
+    # 32-row pages, D 128
+    (2, 2, 12, 128, 32, 5, dict(num_programs=2, warpgroups=1, stages=2, block_k=128,
+                                fp8=True)),
+])
+def test_kernel_matches_reference_interpret(b, kvh, g, d, ps, max_pages, kw):
+    fp8 = kw.pop("fp8", False)
+    q, k, v, pt, lens, *scales = _case(b + g, b, kvh, g, d, ps, max_pages, fp8=fp8)
+    if fp8:
+        kw.update(k_scale=scales[0], v_scale=scales[1])
+    out = decode_attention_swapab(q, k, v, pt, lens, interpret=True, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    if fp8:  # against the reference on the dequantized pages
+        k, v = _dequantized(k, scales[0]), _dequantized(v, scales[1])
+    assert _rel(out, q, k, v, pt, lens) < REL_TOL_BF16
+
+
+def test_split_count_and_combine():
+    assert default_splits(512, 8, 1024, 132 * 2) == 1  # 4,096 items fill 264 workers
+    assert default_splits(16, 8, 4096, 132 * 2) == 2  # 128 items: 2 ranges each
+    assert default_splits(16, 8, 4096, 132 * 4) == 4
+    assert default_splits(1, 8, 4096, 264) == 16  # 8 items: as many ranges as allowed
+    assert default_splits(1, 1, 256, 264) == 1  # 4 blocks: a split needs >= 4
+    # splits of one softmax combine to the softmax of all its keys
+    rng = np.random.default_rng(0)
+    s = rng.standard_normal((1, 1, 3, 8, 40)) * 3  # [B, KVH, S, N, keys]
+    vals = rng.standard_normal((1, 1, 3, 40, 16))  # [B, KVH, S, keys, D]
+    mx = s.max(-1)
+    part = np.einsum("bksnt,bkstd->bksdn", np.exp(s - mx[..., None]), vals)
+    l = np.exp(s - mx[..., None]).sum(-1)
+    lse = (mx + np.log(l)) / np.log(2)
+    valid = np.array([[True, True, False]])  # the third split is empty: ignored
+    part[:, :, 2] = np.nan
+    out = combine_splits(jnp.asarray(part / l[:, :, :, None, :], jnp.float32),
+                         jnp.asarray(lse, jnp.float32), jnp.asarray(valid))
+    s2, v2 = s[:, :, :2].transpose(0, 1, 3, 2, 4).reshape(1, 1, 8, 80), vals[:, :, :2].reshape(1, 1, 80, 16)
+    p = np.exp(s2 - s2.max(-1, keepdims=True))
+    ref = np.einsum("bknt,bktd->bknd", p / p.sum(-1, keepdims=True), v2)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_operands_it_cannot_take_are_refused():
+    q, k, v, pt, lens = _case(0, 1, 2, 2, 16, 16, 2)  # the tiny test model's head dim
+    assert "multiple of 64" in unsupported(q, k)
+    q, k, v, pt, lens = _case(0, 1, 1, 4, 64, 16, 2)
+    assert unsupported(q, k) is None
+    assert "16-bit" in unsupported(q.astype(jnp.float32), k)
+    assert "pages of float32" in unsupported(q, k.astype(jnp.float32))
+    assert "multiple of 128" in unsupported(q, k.astype(jnp.float8_e4m3fn))  # D 64
+    with pytest.raises(ValueError, match="k_scale and v_scale"):
+        decode_attention_swapab(*_case(0, 1, 1, 4, 128, 16, 2, fp8=True)[:5],
+                                interpret=True)
+    with pytest.raises(ValueError, match="columns 12"):
+        decode_attention_swapab(q, k, v, pt, lens, columns=12, interpret=True)
+    with pytest.raises(ValueError, match="block_k 96"):
+        decode_attention_swapab(q, k, v, pt, lens, block_k=96, interpret=True)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        decode_attention_swapab(*_case(0, 1, 2, 2, 16, 16, 2), interpret=True)
+
+
+@pytest.mark.parametrize("b,ctx,programs,page_dtype", [
+    (512, 1024, 44, "bf16"), (512, 1024, 66, "bf16"), (512, 1024, 132, "bf16"),
+    (16, 4096, 132, "bf16"),  # few sequences: the split-KV path
+    (1024, 4096, 132, "bf16"),  # a large batch (16 GiB of pages)
+    (512, 1024, 66, "fp8"), (16, 4096, 132, "fp8"),  # float8 pages, both paths
+])
+def test_benchmark_shapes_lower_for_cuda(b, ctx, programs, page_dtype):
+    """LLaMA-3-8B attention (32/8 heads, D 128, bf16 query, pages of 16): the CUDA
+    lowering runs Mosaic GPU's checks (shared memory per block, layouts, WGMMA operands)
+    on the CPU."""
+    sd = jax.ShapeDtypeStruct
+    n = b * ctx // 16
+    pages = jnp.bfloat16 if page_dtype == "bf16" else jnp.float8_e4m3fn
+    scales = {} if page_dtype == "bf16" else dict(k_scale=jnp.ones(8), v_scale=jnp.ones(8))
+    f = jax.jit(lambda *a: decode_attention_swapab(*a, num_programs=programs, **scales))
+    exported = jax.export.export(f, platforms=["cuda"])(
+        sd((b, 32, 128), jnp.bfloat16), sd((n, 8, 16, 128), pages),
+        sd((n, 8, 16, 128), pages), sd((b, ctx // 16), jnp.int32), sd((b,), jnp.int32))
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs,kw", [(44, {}), (132, dict(warpgroups=3, stages=2)),
+                                         (66, dict(splits=4)), (66, dict(fp8=True))])
+def test_kernel_on_gpu(programs, kw):
+    if not on_hopper():
+        pytest.skip("Mosaic GPU needs a Hopper (sm_90) or newer GPU")
+    fp8 = kw.pop("fp8", False)
+    q, k, v, pt, lens, *scales = _case(1, 64, 8, 4, 128, 16, 64, fp8=fp8)
+    if fp8:
+        kw.update(k_scale=scales[0], v_scale=scales[1])
+    out = decode_attention_swapab(q, k, v, pt, lens, num_programs=programs, **kw)
+    if fp8:
+        k, v = _dequantized(k, scales[0]), _dequantized(v, scales[1])
+    assert _rel(out, q, k, v, pt, lens) < REL_TOL_BF16
