@@ -1,0 +1,29 @@
+#!/bin/bash
+# Issue 17: the 32-layer step (LLaMA-3-8B shape, random bf16 weights, B_dense 2048) with
+# each decode-attention configuration, one process each, one GPU call:
+#   triton      the Triton decode kernel, prefill tokens as decode rows (the old default)
+#   mosaic      the Mosaic GPU swap-AB decode kernel (the new default on Hopper)
+#   mosaic_pf   + the chunked-prefill kernel, all three modes, with a timeline
+#   fp8_pf      FP8 KV pages (Triton decode + chunked-prefill kernels), when KV8=1
+# Usage: OUT=dir [WORKLOADS=512/512,sharegpt,lmsys,splitwise] [KV8=1] [ONLY="triton mosaic"]
+#        bash bench/scripts/attention_step.sh
+set -u
+OUT=${OUT:?set OUT}
+export PYTHONPATH=. PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
+step=(python3 -m nanojax bench step --model random:llama3-8b --plan llama3-8b-1gpu
+      --b-dense 2048 --workloads "${WORKLOADS:-512/512,sharegpt,lmsys,splitwise}" --quiet)
+quiet() { grep -v "^[WI]1" | tail -n "$1"; }
+run() {  # name limit args...
+  local name=$1 limit=$2; shift 2
+  case " ${ONLY:-triton mosaic mosaic_pf fp8_pf} " in *" $name "*) ;; *) return ;; esac
+  echo "== $name"
+  timeout "$limit" "${step[@]}" "$@" --json "$OUT/step_$name.json" 2>&1 | quiet 16
+}
+run triton 150 --decode-kernel triton --modes non-overlap
+run mosaic 200 --decode-kernel mosaic --modes non-overlap
+run mosaic_pf 330 --decode-kernel mosaic --prefill-kernel \
+  --modes non-overlap,nanobatch-only,overlap --timeline "$OUT/timeline_mosaic_pf.png"
+if [ -n "${KV8:-}" ]; then
+  run fp8_pf 150 --decode-kernel triton --prefill-kernel --kv-cache-dtype fp8 --modes non-overlap
+fi
+ls -la "$OUT"
