@@ -2,6 +2,7 @@
 
     prepare(params)              -> parameters as this forward wants them on device
     init_kv(num_pages, page_size) -> the paged KV cache in this forward's layout
+    kv_page_axis                 -> the page axis of the cache's paged arrays
     __call__(params, tokens, kv, meta, logit_idx) -> (logits [R, V] f32, kv)
 
 `ScanForward` stacks the layers and runs them with lax.scan: one layer is compiled once,
@@ -20,6 +21,8 @@ from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
 
 
 class UnrolledForward:
+    kv_page_axis = 0  # of every paged cache array: a list of per-layer [P, KVH, ps, D]
+
     def __init__(self, cfg: ModelConfig, attention=paged_attention):
         self.cfg = cfg
         self.attention = attention
@@ -37,6 +40,8 @@ class UnrolledForward:
 
 
 class ScanForward(UnrolledForward):
+    kv_page_axis = 1  # layers stacked first: [L, P, KVH, ps, D]
+
     def prepare(self, params):
         p = dict(params["params"])
         layers = [p.pop(f"layers_{i}") for i in range(self.cfg.num_layers)]
