@@ -39,8 +39,9 @@ def cmd_generate(args) -> int:
     from nanojax.engine.sampling import SamplingParams
 
     t0 = time.time()
+    from nanojax.engine.kv_reuse_args import kv_reuse_config
     llm = LLM(model=args.model, dtype=args.dtype, cache_dir=args.cache_dir,
-              max_model_len=args.max_model_len)
+              max_model_len=args.max_model_len, **kv_reuse_config(args))
     print(f"nanojax: loaded {args.model} in {time.time() - t0:.1f}s", file=sys.stderr)
     if args.no_chat_template:
         prompt = args.prompt
@@ -97,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--max-model-len", type=_positive_int, default=2048)
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt raw")
+    from nanojax.engine.kv_reuse_args import add_kv_reuse_args
+    add_kv_reuse_args(g)
     g.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token_ids) on stdout")
     g.set_defaults(func=cmd_generate)

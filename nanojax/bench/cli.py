@@ -27,6 +27,7 @@ def cmd_throughput(args) -> int:
     from checkpoints.loader import load_model
     from nanojax.bench.offline import run_offline
     from nanojax.bench.workload import make_requests
+    from nanojax.engine.kv_reuse_args import kv_reuse_config
     from nanojax.engine.llm_engine import EngineConfig, LLMEngine
 
     peer = None
@@ -44,6 +45,9 @@ def cmd_throughput(args) -> int:
         peer = run_peer_subprocess(peer_args, timeout=args.peer_timeout)
         print(f"peer: {json.dumps(peer)[:400]}", file=sys.stderr)
     bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
+    if args.multi_round or args.reuse_modes:  # conversations, KV reuse modes compared
+        from nanojax.bench.multi_round import cmd_multi_round
+        return cmd_multi_round(args, bundle)
     reqs = make_requests(args.num_prompts, bundle.config.vocab_size, args.input_len,
                          args.output_len, args.trace, args.max_model_len, args.seed)
     if args.plan:  # the nano-batch pipeline: compare its ablation modes in one run
@@ -63,8 +67,8 @@ def cmd_throughput(args) -> int:
                 b_dense=args.b_dense, num_pages=args.num_pages, page_size=args.page_size,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 async_scheduling=(mode != "sync"), constant_batch=args.constant_batch,
-                admission=args.admission, fixed_shapes=args.fixed_shapes),
-                forward=forward)
+                admission=args.admission, fixed_shapes=args.fixed_shapes,
+                **kv_reuse_config(args)), forward=forward)
             results[mode] = run_offline(eng, reqs, progress=not args.quiet)
         except Exception as e:  # record the failure of one mode, measure the others
             if not args.plan:
@@ -263,6 +267,10 @@ def register(sub) -> None:
                    help="requests for the peer (default: the same as ours)")
     t.add_argument("--peer-timeout", type=float, default=900,
                    help="seconds before the peer's process is stopped (recorded as its error)")
+    from nanojax.bench.multi_round import add_multi_round_args
+    from nanojax.engine.kv_reuse_args import add_kv_reuse_args
+    add_kv_reuse_args(t)
+    add_multi_round_args(t)
     t.add_argument("--quiet", action="store_true")
     t.add_argument("--json", default=None, help="write the full result here")
     t.set_defaults(func=cmd_throughput)

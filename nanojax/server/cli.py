@@ -13,6 +13,7 @@ def cmd_serve(args) -> int:
 
     from checkpoints.loader import load_model
     from nanojax.engine.async_engine import AsyncLLMEngine
+    from nanojax.engine.kv_reuse_args import kv_reuse_config
     from nanojax.engine.llm_engine import EngineConfig, LLMEngine
     from nanojax.server.app import build_app
 
@@ -25,7 +26,7 @@ def cmd_serve(args) -> int:
     engine = LLMEngine(bundle, EngineConfig(
         b_dense=args.b_dense, num_pages=args.num_pages, page_size=args.page_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        admission=args.admission, fixed_shapes=compile_at_start))
+        admission=args.admission, fixed_shapes=compile_at_start, **kv_reuse_config(args)))
     if compile_at_start:  # no request waits on a compile once the port is open
         n = engine.runner.warmup()
         print(f"nanojax: compiled {n} step shapes", file=sys.stderr, flush=True)
@@ -65,6 +66,8 @@ def register(sub) -> None:
     s.add_argument("--admission", choices=["greedy", "predicted"], default="greedy",
                    help="predicted: NanoFlow's memory-usage prediction at admission")
     s.add_argument("--max-model-len", type=int, default=2048)
+    from nanojax.engine.kv_reuse_args import add_kv_reuse_args
+    add_kv_reuse_args(s)
     s.add_argument("--compile-at-start", action=argparse.BooleanOptionalAction,
                    default=None,
                    help="fix the row count and page-table width and compile every step "
