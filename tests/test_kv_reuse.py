@@ -136,6 +136,19 @@ def test_disk_tier_survives_restart_and_rejects_bad_entries(tiny_bundle, recompu
     assert disk.get(system_page) is not None
     _assert_no_leaks(again)
     again.offloader.close()
+    # with a host tier, an arriving request's disk pages are read ahead into host memory
+    ahead = _engine(tiny_bundle, kv_offload_dir=str(tmp_path), kv_offload_disk_bytes=1 << 20,
+                    kv_offload_host_bytes=1 << 20)
+    prompt, params = convs[1].turns[0][0], SamplingParams(max_tokens=5, temperature=0)
+    rid = ahead.add_request(prompt, params)
+    ahead.offloader.drain()
+    assert ahead.offloader.stats.prefetched_disk_pages == (len(prompt) - 1) // PAGE
+    got = ahead.run_to_completion()[rid].token_ids
+    assert ahead.offloader.stats.loaded_host_pages == (len(prompt) - 1) // PAGE
+    ref = recompute[0]
+    ref_id = ref.add_request(prompt, params)
+    assert got == ref.run_to_completion()[ref_id].token_ids
+    ahead.offloader.close()
     # another model's engine on the same directory sees none of it
     other = types.SimpleNamespace(config=tiny_bundle.config, tokenizer=None,
                                   params=_perturbed(tiny_bundle.params))
@@ -207,9 +220,12 @@ def test_disk_tier_limit_and_restart_order(tmp_path):
     assert DiskTier(tmp_path, b"other", 1 << 20).get(b"\x02") is None
 
 
-def test_page_copier_is_generic_over_the_cache_tree():
+def test_page_copier_is_generic_over_the_cache_tree(monkeypatch):
     """Per-layer (k, v, scale) with the page axis first, and a leaf without pages."""
     import jax.numpy as jnp
+
+    from nanojax.engine import kv_offload
+    monkeypatch.setattr(kv_offload, "MAX_COPY_PAGES", 8)  # page buckets 4 and 8
     rng = np.random.default_rng(0)
     kv = [(jnp.asarray(rng.normal(size=(6, 2, 4, 3)), jnp.float32),
            jnp.asarray(rng.normal(size=(6, 2, 4, 3)), jnp.bfloat16),
@@ -223,6 +239,8 @@ def test_page_copier_is_generic_over_the_cache_tree():
         runner.kv = fn(runner.kv)
     runner.update_kv = update
     cp = PageCopier(runner, 6, 0)
+    assert cp.warmup() == 4  # compiles the copies, writes nothing
+    np.testing.assert_array_equal(np.asarray(runner.kv[1][0]), old[1][0])
     assert cp.paged == [True, True, True, False] * 2
     entries = cp.split(cp.start_gather([4, 1]), 2)
     assert len(entries) == 2 and len(entries[0]) == 6

@@ -208,6 +208,8 @@ def add_multi_round_args(p) -> None:
 def _warm(engine, vocab: int, n: int, seed: int) -> None:
     """Compiles common shapes outside the timed region with prompts that share nothing
     with the workload (a warm-up must not seed the prefix cache)."""
+    if engine.offloader is not None:  # the page copies' shapes too
+        engine.offloader.warmup()
     if engine.runner.fixed_shapes:
         engine.runner.warmup()
         return

@@ -5,12 +5,15 @@ loads it back when the conversation returns, instead of recomputing the prefill.
 full cached pages of a finished request are copied out by prefix hash:
 
 - device -> host: one jitted gather of the pages is dispatched between steps and its
-  transfer started (`copy_to_host_async`); a background thread waits for it, splits it
-  into per-page numpy arrays for the host tier and writes the disk tier. The engine thread
-  never waits on a copy out.
+  transfer started (`copy_to_host_async`); a background thread waits for it and splits it
+  into per-page numpy arrays for the host tier, and another writes the disk tier (pages
+  beyond a backlog limit are skipped, not waited for). The engine thread never waits on a
+  copy out.
 - host -> device: a request whose prefix continues in a tier gets fresh pages, and one
   scatter of the stacked pages is dispatched before its step (after the step in flight),
-  so the transfer overlaps the running step.
+  so the transfer overlaps the running step. When a request arrives, the pages of its
+  prefix that only the disk holds are read into host memory in the background
+  (`prefetch`); a page still on disk at admission is read there, synchronously.
 
 Both tiers are LRU with byte limits. The disk tier lives in DIR/<model fingerprint>/ so a
 restarted server with the same model and cache layout reuses it and another model never
@@ -43,8 +46,16 @@ log = logging.getLogger(__name__)
 Entry = tuple  # one page: a numpy array per paged cache leaf (page axis removed)
 
 
+MAX_COPY_PAGES = 256  # pages per gather / scatter: bounds the copy's device memory
+DISK_BACKLOG_BYTES = 2 << 30  # pages waiting for the disk beyond this are not written
+
+
 def _bucket(n: int) -> int:
     return max(4, 1 << (n - 1).bit_length())
+
+
+def _chunks(xs: list, n: int = MAX_COPY_PAGES):
+    return [xs[i:i + n] for i in range(0, len(xs), n)]
 
 
 def entry_bytes(entry: Entry) -> int:
@@ -88,6 +99,19 @@ class PageCopier:
         for a in out:
             a.copy_to_host_async()
         return out
+
+    def warmup(self) -> int:
+        """Compiles the gather and scatter for every page bucket (a serving start), so a
+        copy never waits on a compile mid-run; changes nothing. Returns the count."""
+        sizes = [4 << i for i in range((MAX_COPY_PAGES // 4).bit_length())]
+        for b in sizes:
+            zeros = np.zeros(b, np.int32)
+            out = jax.block_until_ready(self.runner.with_kv(lambda kv: self._gather(kv, zeros)))
+            vals = [np.zeros(a.shape, a.dtype) for a in out]
+            idx = np.full(b, self.num_pages, np.int32)  # all out of range: nothing written
+            self.runner.update_kv(lambda kv: self._scatter(kv, idx, vals))
+        jax.block_until_ready(self.runner.kv)
+        return 2 * len(sizes)
 
     def split(self, gathered: list, n: int) -> list[Entry]:
         """Waits for a gather's host copy; one contiguous entry per page."""
@@ -266,8 +290,10 @@ class DiskTier:
 class OffloadStats:
     saved_pages: int = 0         # pages copied out to a tier
     loaded_host_pages: int = 0   # pages loaded back from host memory
-    loaded_disk_pages: int = 0   # pages loaded back from disk
+    loaded_disk_pages: int = 0   # pages loaded back from disk at admission
+    prefetched_disk_pages: int = 0  # pages read from disk into host memory on arrival
     save_errors: int = 0
+    disk_writes_dropped: int = 0  # the disk fell behind by DISK_BACKLOG_BYTES: not written
 
 
 class KVOffloader:
@@ -288,9 +314,15 @@ class KVOffloader:
         self._to_save: list[tuple[int, bytes]] = []
         self._queued: set[bytes] = set()   # hashes between save() and their tier
         self._work: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._worker, name="nanojax-kv-offload",
-                                        daemon=True)
-        self._thread.start()
+        self._disk_q: queue.Queue = queue.Queue()
+        self._disk_backlog = 0
+        self._backlog_lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._worker, name="nanojax-kv-offload",
+                                          daemon=True),
+                         threading.Thread(target=self._disk_writer, name="nanojax-kv-disk",
+                                          daemon=True)]
+        for t in self._threads:
+            t.start()
 
     # ---- the tier protocol (engine thread) -------------------------------------------------
     def contains(self, h: bytes) -> bool:
@@ -329,23 +361,37 @@ class KVOffloader:
         them (the next schedule), so the gather reads them before any later write."""
         if not self._to_save:
             return
-        pages, hashes = zip(*self._to_save)
+        for chunk in _chunks(self._to_save):
+            pages, hashes = zip(*chunk)
+            self._work.put((list(hashes), self.copier.start_gather(list(pages))))
         self._to_save = []
-        self._work.put((list(hashes), self.copier.start_gather(list(pages))))
+
+    def prefetch(self, hashes: list[bytes]) -> None:
+        """A request arrived with these page hashes: read the ones only the disk holds
+        into host memory in the background, so its admission need not wait on the disk."""
+        if self.host is not None and self.disk is not None and hashes:
+            self._work.put(("prefetch", hashes))
 
     def load(self, loads: list[tuple[list[int], list[Entry]]]) -> None:
         pages = [p for ps, _ in loads for p in ps]
         entries = [e for _, es in loads for e in es]
-        self.copier.scatter(pages, entries)
+        for i in range(0, len(pages), MAX_COPY_PAGES):
+            self.copier.scatter(pages[i:i + MAX_COPY_PAGES], entries[i:i + MAX_COPY_PAGES])
+
+    def warmup(self) -> int:
+        return self.copier.warmup()
 
     def drain(self) -> None:
         """Waits until every dispatched copy out sits in its tier (tests, shutdown)."""
         self._work.join()
+        self._disk_q.join()
 
     def close(self) -> None:
         self.drain()
         self._work.put(None)
-        self._thread.join(timeout=10)
+        self._disk_q.put(None)
+        for t in self._threads:
+            t.join(timeout=10)
 
     # ---- background thread -------------------------------------------------------------------
     def _worker(self) -> None:
@@ -354,13 +400,16 @@ class KVOffloader:
             if item is None:
                 self._work.task_done()
                 return
+            if item[0] == "prefetch":
+                self._prefetch(item[1])
+                continue
             hashes, gathered = item
             try:
                 for h, e in zip(hashes, self.copier.split(gathered, len(hashes))):
                     if self.host is not None:
                         self.host.put(h, e)
                     if self.disk is not None:
-                        self.disk.put(h, e)
+                        self._to_disk(h, e)
                     self.stats.saved_pages += 1
             except Exception:  # a failed copy out costs a recompute, never the engine
                 self.stats.save_errors += 1
@@ -368,3 +417,44 @@ class KVOffloader:
             finally:
                 self._queued.difference_update(hashes)
                 self._work.task_done()
+
+    def _to_disk(self, h: bytes, e: Entry) -> None:
+        """Hands a page to the disk writer, unless the disk is that far behind (the page
+        then costs a recompute later, never a stall now)."""
+        with self._backlog_lock:
+            if self._disk_backlog + entry_bytes(e) > DISK_BACKLOG_BYTES:
+                self.stats.disk_writes_dropped += 1
+                return
+            self._disk_backlog += entry_bytes(e)
+        self._disk_q.put((h, e))
+
+    def _disk_writer(self) -> None:
+        while True:
+            item = self._disk_q.get()
+            if item is None:
+                self._disk_q.task_done()
+                return
+            h, e = item
+            try:
+                self.disk.put(h, e)
+            except OSError:
+                log.exception("kv offload: writing a page to %s failed", self.disk.dir)
+            finally:
+                with self._backlog_lock:
+                    self._disk_backlog -= entry_bytes(e)
+                self._disk_q.task_done()
+
+    def _prefetch(self, hashes: list[bytes]) -> None:
+        try:
+            for h in hashes:
+                if self.host.contains(h):
+                    continue
+                e = self.disk.get(h) if self.disk.contains(h) else None
+                if e is None:
+                    break
+                self.host.put(h, e)
+                self.stats.prefetched_disk_pages += 1
+        except Exception:
+            log.exception("kv offload: prefetch failed")
+        finally:
+            self._work.task_done()

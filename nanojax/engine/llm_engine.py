@@ -134,6 +134,9 @@ class LLMEngine:
             params = dataclasses.replace(params, seed=int(self._seed_rng.integers(2**31)))
         seq = Sequence(request_id, ids, params, self.eos_ids)
         self.requests[request_id] = seq
+        if self.offloader is not None:  # disk pages of its prefix to host memory, meanwhile
+            usable = (len(ids) - 1) // self.config.page_size
+            self.offloader.prefetch(self.prefix_cache.hashes(seq, usable))
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(seq)

@@ -29,6 +29,8 @@ def cmd_serve(args) -> int:
         admission=args.admission, fixed_shapes=compile_at_start, **kv_reuse_config(args)))
     if compile_at_start:  # no request waits on a compile once the port is open
         n = engine.runner.warmup()
+        if engine.offloader is not None:  # the KV offload's page copies too
+            n += engine.offloader.warmup()
         print(f"nanojax: compiled {n} step shapes", file=sys.stderr, flush=True)
     aeng = AsyncLLMEngine(engine)
     name = args.served_model_name or args.model
