@@ -56,9 +56,14 @@ def model_fingerprint(model_config, params, kv, page_size: int, page_axis: int,
 
 
 class OffloadTier(Protocol):
-    """Where pages evicted from (or never on) the GPU may still be found."""
+    """Where pages evicted from (or never on) the GPU may still be found (kv_offload.py)."""
 
-    def contains(self, block_hash: bytes) -> bool: ...
+    def contains(self, block_hash: bytes) -> bool:
+        """Cheap: whether a tier lists the page (admission sizing)."""
+
+    def fetch(self, hashes: list[bytes]) -> list:
+        """The leading pages' contents, stopping at the first that cannot be produced
+        intact (a corrupt disk entry): those are recomputed."""
 
 
 @dataclasses.dataclass
