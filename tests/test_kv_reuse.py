@@ -278,3 +278,33 @@ def test_metrics_report_prefix_cache_and_usage():
     assert got["nanojax:prefix_cache_hits_total"] == 48
     assert got["nanojax:kv_offload_hits_total"] == 16
     assert got["nanojax:kv_cache_usage_perc"] == 0.25
+
+
+def test_gpu_attention_kernels_prefill_after_cached_pages(tiny_bundle):
+    """The GPU path (chunked-prefill, decode and fused append kernels, interpret mode):
+    prefills that start after shared pages give the tokens of the pure-JAX forward
+    without reuse."""
+    from nanojax.engine.forward import UnrolledForward
+    from nanojax.layers.attention import paged_attention, pallas_backend
+    cfg = tiny_bundle.config
+    rng = np.random.default_rng(5)
+    first = [rng.integers(1, cfg.vocab_size, size=n).tolist() for n in (23, 13)]
+    second = [first[0] + rng.integers(1, cfg.vocab_size, size=6).tolist(), first[1][:9],
+              first[0][:17] + [3]]
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    outs, stats = [], None
+    for attention, reuse in ((paged_attention, {"enable_prefix_caching": False}),
+                             (pallas_backend(prefill_block_q=4, fused_append=True,
+                                             interpret=True), {})):
+        eng = LLMEngine(tiny_bundle, EngineConfig(b_dense=32, num_pages=40, page_size=4,
+                                                  max_model_len=64, **reuse),
+                        forward=UnrolledForward(cfg, attention))
+        got = []
+        for wave in (first, second):
+            ids = [eng.add_request(p, params) for p in wave]
+            done = eng.run_to_completion()
+            got += [done[i].token_ids for i in ids]
+        outs.append(got)
+        stats = eng.prefix_cache and eng.prefix_cache.stats
+    assert outs[0] == outs[1]
+    assert stats.hits > 0
