@@ -272,6 +272,16 @@ class EngineConfig:
         "cost logits for every row)"))
     seed: int = dataclasses.field(default=0, metadata=_opt(
         "seed of the per-request seeds of unseeded requests", cli=False))
+    # KV reuse (names as vLLM's --enable-prefix-caching; sizes take K/M/G/T suffixes)
+    enable_prefix_caching: bool = dataclasses.field(default=True, metadata=_opt(
+        "share the KV pages of common prompt prefixes (automatic prefix caching)"))
+    kv_offload_host_bytes: int = dataclasses.field(default=0, metadata=_opt(
+        "copy finished requests' KV pages to this much host memory and load them back "
+        "for a returning prefix (0: off)", parse="bytes"))
+    kv_offload_dir: str | None = dataclasses.field(default=None, metadata=_opt(
+        "also keep them in this directory (per model fingerprint), reused after a restart"))
+    kv_offload_disk_bytes: int = dataclasses.field(default=16 << 30, metadata=_opt(
+        "the disk tier's limit", parse="bytes"))
     kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
 
     def __post_init__(self):

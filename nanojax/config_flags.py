@@ -27,6 +27,25 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="where the default model is cached (env NANOJAX_CACHE)")
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(s: str) -> int:
+    """A byte count: 4096, 512M, 64G (powers of 1024)."""
+    t = s.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1:] if t[-1:] in _UNITS and t[-1:] else ""
+    try:
+        v = float(t[:-1] if unit else t) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte count: {s!r} (e.g. 4096, 512M, 64G)")
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"a byte count must be >= 0, got {s}")
+    return int(v)
+
+
+_PARSERS = {"bytes": parse_bytes}
+
+
 def _flag(field: dataclasses.Field) -> str:
     return "--" + field.metadata.get("flag", field.name.replace("_", "-"))
 
@@ -54,7 +73,7 @@ def _add_fields(parser, cls, dest_prefix: str, skip: tuple[str, ...]) -> None:
         if tp is bool:
             kw["action"] = argparse.BooleanOptionalAction
         else:
-            kw["type"] = tp
+            kw["type"] = _PARSERS.get(f.metadata.get("parse"), tp)
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
             else:

@@ -107,6 +107,9 @@ def cmd_throughput(args) -> int:
     config = engine_config_from_args(args)
     peer = _run_peer(args, config.max_model_len) if args.peer else None
     bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
+    if args.multi_round or args.reuse_modes:  # conversations, KV reuse modes compared
+        from nanojax.bench.multi_round import cmd_multi_round
+        return cmd_multi_round(args, bundle)
     reqs = make_requests(args.num_prompts, bundle.config.vocab_size, args.input_len,
                          args.output_len, args.trace, config.max_model_len, args.seed)
     if args.plan:  # the nano-batch pipeline: compare its ablation modes in one run
@@ -239,6 +242,8 @@ def register(sub) -> None:
                    help="requests for the peer (default: the same as ours)")
     t.add_argument("--peer-timeout", type=float, default=900,
                    help="seconds before the peer's process is stopped (recorded as its error)")
+    from nanojax.bench.multi_round import add_multi_round_args
+    add_multi_round_args(t)
     t.add_argument("--quiet", action="store_true")
     t.add_argument("--json", default=None, help="write the full result here")
     t.set_defaults(func=cmd_throughput)

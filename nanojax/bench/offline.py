@@ -14,12 +14,16 @@ from nanojax.engine.sampling import SamplingParams
 def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool = True,
                 warmup: bool = True) -> dict:
     """Tokens are counted from the outputs actually produced, not from the request list."""
+    if warmup and engine.offloader is not None:  # the KV offload's page copies
+        engine.offloader.warmup()
     if warmup and engine.runner.fixed_shapes:  # every shape it can launch, before timing
         engine.runner.warmup()
-    elif warmup:  # compile the common shapes outside the timed region
+    elif warmup:  # compile the common shapes outside the timed region, with prompts that
+        # share no prefix with the workload's (a warm-up must not seed the prefix cache)
+        vocab = engine.model_config.vocab_size
         for r in requests[: min(len(requests), engine.scheduler.max_num_seqs)]:
-            engine.add_request(r.prompt_ids[:64], SamplingParams(max_tokens=4, ignore_eos=True,
-                                                                 temperature=0))
+            engine.add_request([(t + 1) % vocab for t in r.prompt_ids[:64]],
+                               SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
         engine.run_to_completion()
     compiles_before = engine.runner.num_compiles
     steps_before, tokens_before = engine.stats.steps, engine.stats.scheduled_tokens

@@ -164,6 +164,19 @@ def cmd_bench_serve(args) -> int:
         info = json.load(r)["data"][0]
     model = args.served_model or info["id"]
     vocab = args.vocab_size
+    if args.multi_round:  # conversations: turns of one conversation in order
+        from nanojax.bench.multi_round import run_conversations_online
+        from nanojax.bench.workload import make_conversations
+        convs = make_conversations(args.num_prompts, args.multi_round, vocab, args.input_len,
+                                   args.output_len, args.trace, info.get("max_model_len"),
+                                   args.seed)
+        s = asyncio.run(run_conversations_online(url, model, convs, args.request_rate,
+                                                 args.seed, args.api_key, not args.quiet))
+        print(json.dumps({k: v for k, v in s.items() if k != "errors"}, indent=1))
+        write_json(args.json, {"command": " ".join(["nanojax"] + sys.argv[1:]),
+                               "base_url": url, "model": model,
+                               "multi_round": args.multi_round, **s})
+        return 0 if s["failed_turns"] == 0 else 1
     reqs = make_requests(args.num_prompts, vocab, args.input_len, args.output_len, args.trace,
                          info.get("max_model_len"), args.seed)
     s = asyncio.run(run_serve_bench(url, model, reqs, args.request_rate, args.seed,
@@ -184,6 +197,9 @@ def register_serve(bsub) -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second (Poisson); inf sends all at once")
     p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--multi-round", type=int, default=0, metavar="N",
+                   help="--num-prompts conversations of up to N turns, each sent when the "
+                        "previous one finished; --request-rate is then conversations per s")
     p.add_argument("--vocab-size", type=int, default=32000,
                    help="random prompt ids are drawn below this")
     p.add_argument("--quiet", action="store_true")

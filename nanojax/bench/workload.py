@@ -49,3 +49,32 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="splitwise, lmsys, sharegpt, or a TIMESTAMP,ContextTokens,"
                         "GeneratedTokens CSV")
     p.add_argument("--seed", type=int, default=0)
+
+
+@dataclasses.dataclass
+class Conversation:
+    """A multi-round chat: each turn appends the previous answer and a new user message to
+    the context, so every returning turn repeats the whole history as its prefix."""
+    turns: list[tuple[list[int], int]]   # (new user message ids, output length) per turn
+
+
+def make_conversations(num: int, rounds: int, vocab_size: int, input_len: int | None = None,
+                       output_len: int | None = None, trace: str | None = None,
+                       max_model_len: int | None = None, seed: int = 0) -> list[Conversation]:
+    """`num` conversations of up to `rounds` turns; each turn's (user message, answer)
+    lengths are drawn from the trace (or fixed). A conversation stops early where its next
+    turn would outgrow max_model_len, as a chat would have to."""
+    if rounds < 1:
+        raise NanojaxError(f"a conversation needs at least one round, got {rounds}")
+    pool = make_requests(num * rounds, vocab_size, input_len, output_len, trace,
+                         max_model_len, seed)
+    convs = []
+    for c in range(num):
+        turns, context = [], 0
+        for r in pool[c * rounds:(c + 1) * rounds]:
+            if max_model_len and context + len(r.prompt_ids) + r.output_len > max_model_len:
+                break
+            turns.append((r.prompt_ids, r.output_len))
+            context += len(r.prompt_ids) + r.output_len
+        convs.append(Conversation(turns))
+    return convs

@@ -25,6 +25,7 @@ class Forward(Protocol):
     # batch positions no prefill chunk may straddle (the nano-batch executor's attention
     # cuts); () for a forward without nano-batches
     chunk_cuts: tuple[int, ...]
+    kv_page_axis: int  # the page axis of the cache's paged arrays (prefix-cache copies)
 
     def prepare(self, params):
         """Parameters as this forward wants them on device."""
@@ -39,6 +40,7 @@ class Forward(Protocol):
 
 class UnrolledForward:
     chunk_cuts: tuple[int, ...] = ()
+    kv_page_axis = 0  # of every paged cache array: a list of per-layer [P, KVH, ps, D]
 
     def __init__(self, cfg: ModelConfig, attention: AttentionBackend = paged_attention):
         self.cfg = cfg
@@ -57,6 +59,8 @@ class UnrolledForward:
 
 
 class ScanForward(UnrolledForward):
+    kv_page_axis = 1  # layers stacked first: [L, P, KVH, ps, D]
+
     def prepare(self, params):
         p = dict(params["params"])
         layers = [p.pop(f"layers_{i}") for i in range(self.cfg.num_layers)]

@@ -5,6 +5,7 @@ page, so a decode kernel streams contiguous rows of one head.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import jax
@@ -19,32 +20,101 @@ class OutOfPages(Exception):
 
 
 class PageAllocator:
-    """Free list of page ids; every allocated page belongs to exactly one sequence."""
+    """Page ids with reference counts, and the GPU prefix cache's page index.
+
+    A page is in use (refcount > 0, owned or shared read-only by running sequences), or
+    free. A free page that holds a full page of some prefix keeps its hash (cached-free):
+    a later request with that prefix takes it back (`ref`) instead of recomputing it. New
+    pages come from plain free pages first, then from cached-free pages least recently
+    freed first, which drops their hash (eviction). With no page ever registered this is
+    a plain free list."""
 
     def __init__(self, num_pages: int):
         if num_pages < 1:
             raise ConfigError(f"KV cache needs at least one page, got {num_pages}")
         self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))
-        self._used: set[int] = set()
+        self._plain = list(range(num_pages - 1, -1, -1))   # free, no hash; pop() = lowest
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.refcount = [0] * num_pages
+        self._hash_of: dict[int, bytes] = {}    # page -> its prefix hash (cached pages)
+        self._page_of: dict[bytes, int] = {}    # prefix hash -> page
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages allocate() can hand out: plain free and cached-free ones."""
+        return len(self._plain) + len(self._evictable)
+
+    @property
+    def num_used(self) -> int:
+        """Pages some sequence references (what the KV usage gauge reports)."""
+        return self.num_pages - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._page_of)
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfPages(f"need {n} pages, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(n)]
-        self._used.update(pages)
+        if n > self.num_free:
+            raise OutOfPages(f"need {n} pages, {self.num_free} free")
+        pages = []
+        for _ in range(n):
+            if self._plain:
+                p = self._plain.pop()
+            else:  # evict the least recently freed cached page
+                p, _ = self._evictable.popitem(last=False)
+                del self._page_of[self._hash_of.pop(p)]
+                self.num_evictions += 1
+            self.refcount[p] = 1
+            pages.append(p)
         return pages
 
     def free(self, pages: list[int]) -> None:
+        """Drops one reference to each page. Give a sequence's pages tail first: cached
+        pages are evicted in the order they are freed, so a prefix outlives its tail."""
         for p in pages:
-            if p not in self._used:
+            if self.refcount[p] <= 0:
                 raise RuntimeError(f"page {p} freed twice or never allocated")
-            self._used.remove(p)
-            self._free.append(p)
+            self.refcount[p] -= 1
+            if self.refcount[p] == 0:
+                if p in self._hash_of:
+                    self._evictable[p] = None
+                else:
+                    self._plain.append(p)
+
+    # ---- the prefix cache's index ----------------------------------------------------------
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self._page_of.get(block_hash)
+
+    def ref(self, page: int) -> None:
+        """Shares a cached page with one more sequence (takes it off the free list)."""
+        if page not in self._hash_of:
+            raise RuntimeError(f"page {page} is not a cached page")
+        if self.refcount[page] == 0:
+            del self._evictable[page]
+        self.refcount[page] += 1
+
+    def register(self, page: int, block_hash: bytes) -> bool:
+        """Marks an in-use page as holding the full page `block_hash`. False where another
+        page already holds it (this one then stays private and is not cached)."""
+        if self.refcount[page] <= 0:
+            raise RuntimeError(f"page {page} is not in use")
+        if block_hash in self._page_of or page in self._hash_of:
+            return False
+        self._page_of[block_hash] = page
+        self._hash_of[page] = block_hash
+        return True
+
+    def check_consistent(self) -> None:
+        """Every page exactly once: in use, plain free or cached-free (tests call this)."""
+        plain, evictable = set(self._plain), set(self._evictable)
+        used = {p for p in range(self.num_pages) if self.refcount[p] > 0}
+        assert len(plain) == len(self._plain), "a page is twice on the free list"
+        assert not (plain & evictable) and not (used & (plain | evictable)), "page overlap"
+        assert len(plain | evictable | used) == self.num_pages, "a page went missing"
+        assert all(c >= 0 for c in self.refcount)
+        assert evictable <= set(self._hash_of) and not (plain & set(self._hash_of))
+        assert all(self._page_of[h] == p for p, h in self._hash_of.items())
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:

@@ -72,6 +72,11 @@ class LLMEngine:
                                   forward=forward, constant_batch=cfg.constant_batch,
                                   max_pages_per_seq=-(-self.max_model_len // cfg.page_size),
                                   fixed_shapes=fixed)
+        self.prefix_cache = self.offloader = None
+        if cfg.enable_prefix_caching:
+            self._start_prefix_cache()
+        elif cfg.kv_offload_host_bytes or cfg.kv_offload_dir:
+            raise NanojaxError("KV offload keeps pages by prefix hash: it needs prefix caching")
         self.eos_ids = tuple(self.tokenizer.eos_token_ids if self.tokenizer
                              else self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
@@ -81,6 +86,19 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(cfg.seed)
         self._ids = itertools.count()
         self.stats = EngineStats()
+
+    def _start_prefix_cache(self) -> None:
+        from nanojax.engine.prefix_cache import PrefixCache, model_fingerprint
+        cfg, axis = self.config, self.runner.forward.kv_page_axis
+        fp = model_fingerprint(self.model_config, self.bundle.params, self.runner.kv,
+                               cfg.page_size, axis)
+        if cfg.kv_offload_host_bytes or cfg.kv_offload_dir:
+            from nanojax.engine.kv_offload import KVOffloader
+            self.offloader = KVOffloader(self.runner, self.sizing.num_pages, axis, fp,
+                                         cfg.kv_offload_host_bytes, cfg.kv_offload_dir,
+                                         cfg.kv_offload_disk_bytes)
+        self.prefix_cache = PrefixCache(self.allocator, cfg.page_size, fp, self.offloader)
+        self.scheduler.prefix_cache = self.prefix_cache
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -100,6 +118,9 @@ class LLMEngine:
             params = dataclasses.replace(params, seed=int(self._seed_rng.integers(2**31)))
         seq = Sequence(request_id, ids, params, self.eos_ids)
         self.requests[request_id] = seq
+        if self.offloader is not None:  # disk pages of its prefix to host memory, meanwhile
+            usable = (len(ids) - 1) // self.config.page_size
+            self.offloader.prefetch(self.prefix_cache.hashes(seq, usable))
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(seq)
@@ -140,15 +161,21 @@ class LLMEngine:
 
     @property
     def kv_usage(self) -> float:
+        """Pages sequences reference; cached pages nobody references count as free."""
         a = self.allocator
-        return 1.0 - a.num_free / a.num_pages
+        return a.num_used / a.num_pages
 
     # ---- one iteration -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         prev_rows = {}
         if self._in_flight is not None:
             prev_rows = {id(e.seq): r for r, e in enumerate(self._in_flight[0].entries)}
+        if self.offloader is not None:  # pages of requests aborted since the last step
+            self.offloader.flush()
         batch = self.scheduler.schedule(prev_rows)
+        loads = self.scheduler.take_loads()
+        if loads:  # offloaded pages into fresh ones, ordered before this step
+            self.offloader.load(loads)
         launched = (batch, self.runner.launch(batch)) if batch else None
         if launched:
             self.stats.steps += 1
@@ -163,6 +190,8 @@ class LLMEngine:
             self._in_flight = launched
         elif launched:
             results += self._process(*launched)
+        if self.offloader is not None:  # finished requests' pages: copy out before reuse
+            self.offloader.flush()
         return results
 
     def _process(self, batch: ScheduledBatch, out) -> list[RequestOutput]:
@@ -186,6 +215,10 @@ class LLMEngine:
             self._check_finish(seq, tok)
             results.append(self._output(seq))
             if seq.is_finished:
+                if self.offloader is not None:
+                    self.prefix_cache.register(seq)
+                    n = seq.num_cached_pages
+                    self.offloader.save(seq.pages[:n], seq.block_hashes[:n])
                 self.scheduler.remove(seq)
                 self._retire(seq)
         return results

@@ -113,6 +113,16 @@ class ModelRunner:
             jax.block_until_ready(self.launch(empty).tokens)
         return self.num_compiles - before
 
+    def with_kv(self, fn):
+        """fn(cache) dispatched against the current cache (e.g. a copy of pages out)."""
+        with self._lock:
+            return fn(self.kv)
+
+    def update_kv(self, fn) -> None:
+        """cache = fn(cache), ordered between the steps (e.g. pages copied in)."""
+        with self._lock:
+            self.kv = fn(self.kv)
+
     def launch(self, batch: ScheduledBatch) -> StepOutput:
         """Builds the step's inputs on the host and dispatches it; does not block."""
         t, r, p = self.shapes_for(batch)

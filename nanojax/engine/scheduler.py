@@ -6,6 +6,10 @@ pages for its whole prompt (plus one for growth) are free after what running req
 still need; when a decode needs a page and none is free, the newest running request is
 preempted (recompute: its pages are freed and it re-enters the queue at the front).
 
+With a prefix cache, an admitted request first takes the cached pages of its leading
+tokens (shared read-only, see prefix_cache.py) and pages an offload tier holds (loaded into
+fresh pages before its step: `take_loads`), and prefills only the rest.
+
 `admission="predicted"` is NanoFlow's memory-usage prediction on top: a request is also
 admitted only if every running request plus it, each grown to its expected final length,
 fits the cache. The expected output is max_tokens where nothing can stop a request
@@ -21,6 +25,7 @@ import dataclasses
 
 from nanojax.config import ADMISSION
 from nanojax.engine.kv_cache import OutOfPages, PageAllocator, pages_needed
+from nanojax.engine.prefix_cache import PrefixCache, PrefixMatch
 from nanojax.engine.sequence import Sequence, Status
 from nanojax.errors import ConfigError
 
@@ -50,7 +55,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, b_dense: int,
                  max_num_seqs: int, max_model_len: int, chunk_cuts: tuple[int, ...] = (),
-                 admission: str = "greedy"):
+                 admission: str = "greedy", prefix_cache: PrefixCache | None = None):
         """chunk_cuts: positions in the dense batch that no prefill chunk may straddle (the
         forward's attention nano-batch boundaries: a nano-batch then holds whole chunks,
         so the nano-batches' attention can run in any order). admission: "greedy" or
@@ -68,6 +73,8 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []   # admission order: newest last
         self.num_preemptions = 0
+        self.prefix_cache = prefix_cache
+        self._loads: list[tuple[list[int], list]] = []  # (fresh pages, tier entries)
 
     # ---- queue management ------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -78,6 +85,8 @@ class Scheduler:
         if seq.finish_reason in ("stop", "length"):
             self.finished_outputs += len(seq.output_ids)
             self.finished_count += 1
+        if self.prefix_cache is not None:  # its last full pages stay cached
+            self.prefix_cache.register(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -86,8 +95,15 @@ class Scheduler:
 
     def _free(self, seq: Sequence) -> None:
         if seq.pages:
-            self.allocator.free(seq.pages)
+            self.allocator.free(seq.pages[::-1])  # tail first: a prefix outlives its tail
             seq.pages = []
+        seq.num_cached_pages = 0
+
+    def take_loads(self) -> list[tuple[list[int], list]]:
+        """Offload-tier pages admitted this iteration: (pages, entries) to copy in before
+        the step is launched."""
+        loads, self._loads = self._loads, []
+        return loads
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -126,6 +142,9 @@ class Scheduler:
         entries: list[BatchEntry] = []
         scheduled: set[int] = set()
         budget = self.b_dense
+        if self.prefix_cache is not None:  # pages completed by the steps launched so far
+            for seq in self.running:
+                self.prefix_cache.register(seq)
 
         # 1. decodes: every running request whose prompt is fully in the cache
         for seq in list(self.running):
@@ -163,13 +182,15 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.pending:  # preempted with a token still on the device: next iteration
                 break
-            if not self._admissible(seq):
+            match = self._match(seq)
+            if not self._admissible(seq, match):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            chunk = self._chunk(seq.num_known, budget)
-            ok = self._grow(seq, chunk)
+            self._take_prefix(seq, match)
+            chunk = self._chunk(seq.num_known - seq.num_computed, budget)
+            ok = self._grow(seq, seq.num_computed + chunk)
             assert ok, "admission checked the pages"
             entries.append(self._prefill_entry(seq, chunk))
             scheduled.add(id(seq))
@@ -191,13 +212,42 @@ class Scheduler:
         samples = seq.num_computed + chunk == seq.num_known and seq.pending == 0
         return BatchEntry(seq, seq.num_computed, chunk, samples)
 
-    def _admissible(self, seq: Sequence) -> bool:
-        """Pages for its whole known context plus one, after what running requests still
-        need to finish their prompts and one page of growth per running decode; with
-        predicted admission, also room for everyone's expected final length."""
+    def _match(self, seq: Sequence) -> PrefixMatch:
+        if self.prefix_cache is None:
+            return PrefixMatch([], [])
+        return self.prefix_cache.match(seq)
+
+    def _take_prefix(self, seq: Sequence, match: PrefixMatch) -> None:
+        """Shares the matched GPU pages, loads the tier's pages into fresh ones (as far as
+        the tier can produce them intact), and starts the prefill after them."""
+        pc = self.prefix_cache
+        if pc is None:
+            return
+        for p in match.gpu_pages:  # before allocating: a cached-free page must not be evicted
+            self.allocator.ref(p)
+        seq.pages = list(match.gpu_pages)
+        entries = pc.tier.fetch(match.tier_hashes) if match.tier_hashes else []
+        match.tier_hashes = match.tier_hashes[:len(entries)]
+        pc.count(seq, match)
+        if entries:
+            fresh = self.allocator.allocate(len(entries))
+            seq.pages += fresh
+            for p, h in zip(fresh, match.tier_hashes):
+                self.allocator.register(p, h)  # the copy in is launched before any reader
+            self._loads.append((fresh, entries))
+        seq.num_computed = len(seq.pages) * self.page_size
+        seq.num_cached_pages = len(seq.pages)
+
+    def _admissible(self, seq: Sequence, match: PrefixMatch) -> bool:
+        """Pages for its whole known context plus one (less the cached pages it shares),
+        after what running requests still need to finish their prompts and one page of
+        growth per running decode; with predicted admission, also room for everyone's
+        expected final length."""
         owed = sum(pages_needed(s.num_known + 1, self.page_size) - len(s.pages)
                    for s in self.running)
-        need = pages_needed(seq.num_known + 1, self.page_size)
+        shared = match.gpu_pages
+        need = pages_needed(seq.num_known + 1, self.page_size) - len(shared)
+        need += sum(self.allocator.refcount[p] == 0 for p in shared)  # leave the free list
         if need + owed + len(self.running) > self.allocator.num_free:
             return False
         if self.admission == "predicted" and self.running:

@@ -27,6 +27,8 @@ class Sequence:
         self.eos_ids = tuple(eos_ids)
         self.status = Status.WAITING
         self.pages: list[int] = []
+        self.block_hashes: list[bytes] = []   # hash chain of its full pages (prefix cache)
+        self.num_cached_pages = 0             # leading pages in the prefix cache
         self.num_computed = 0
         self.pending = 0
         self.finish_reason: str | None = None

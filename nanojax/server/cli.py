@@ -23,6 +23,8 @@ def cmd_serve(args) -> int:
     engine = LLMEngine(bundle, config)
     if engine.runner.fixed_shapes:  # no request waits on a compile once the port is open
         n = engine.runner.warmup()
+        if engine.offloader is not None:  # the KV offload's page copies too
+            n += engine.offloader.warmup()
         print(f"nanojax: compiled {n} step shapes", file=sys.stderr, flush=True)
     aeng = AsyncLLMEngine(engine)
     name = args.served_model_name or args.model

@@ -41,6 +41,7 @@ class ServerMetrics:
         self.errors = Counter("nanojax:request_errors", "Requests refused, by HTTP status.",
                               list(labels) + ["status"], registry=r)
         self.labels = labels
+        r.register(_KVReuseCollector(eng, labels))
 
     def finished(self, reason: str) -> None:
         self.request_success.labels(finished_reason=reason, **self.labels).inc()
@@ -50,3 +51,30 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _KVReuseCollector:
+    """The engine's prefix-cache and offload counters, read at scrape time (vLLM's
+    prefix_cache_queries / prefix_cache_hits, in tokens)."""
+
+    def __init__(self, engine, labels: dict):
+        self.engine, self.labels = engine, labels
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+        pc, off = self.engine.prefix_cache, self.engine.offloader
+        rows = []
+        if pc is not None:
+            rows += [("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      pc.stats.queries),
+                     ("prefix_cache_hits", "Of those, tokens whose KV was on the GPU.",
+                      pc.stats.hits),
+                     ("kv_offload_hits", "Prompt tokens whose KV was loaded back from host "
+                      "memory or disk.", pc.stats.tier_hits)]
+        if off is not None:
+            rows.append(("kv_offload_saved_pages", "KV pages copied out to the offload tiers.",
+                         off.stats.saved_pages))
+        for name, doc, value in rows:
+            c = CounterMetricFamily(f"nanojax:{name}", doc, labels=list(self.labels))
+            c.add_metric(list(self.labels.values()), value)
+            yield c

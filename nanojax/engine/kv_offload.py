@@ -1,0 +1,460 @@
+"""Offload tiers for the KV cache: host memory and a bounded directory on disk.
+
+NanoFlow keeps the KV of a finished conversation round in host memory and on SSD and
+loads it back when the conversation returns, instead of recomputing the prefill. Here the
+full cached pages of a finished request are copied out by prefix hash:
+
+- device -> host: one jitted gather of the pages is dispatched between steps and its
+  transfer started (`copy_to_host_async`); a background thread waits for it and splits it
+  into per-page numpy arrays for the host tier, and another writes the disk tier (pages
+  beyond a backlog limit are skipped, not waited for). The engine thread never waits on a
+  copy out.
+- host -> device: a request whose prefix continues in a tier gets fresh pages, and one
+  scatter of the stacked pages is dispatched before its step (after the step in flight),
+  so the transfer overlaps the running step. When a request arrives, the pages of its
+  prefix that only the disk holds are read into host memory in the background
+  (`prefetch`); a page still on disk at admission is read there, synchronously.
+
+Both tiers are LRU with byte limits. The disk tier lives in DIR/<model fingerprint>/ so a
+restarted server with the same model and cache layout reuses it and another model never
+sees it; each file carries its hash, fingerprint and a checksum of its payload, and an
+entry that fails any check is deleted and reported missing (the pages are recomputed).
+The copies work on the cache's pytree (any leaves with a page axis, e.g. k, v and scales),
+not on a fixed k/v pair.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nanojax.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+Entry = tuple  # one page: a numpy array per paged cache leaf (page axis removed)
+
+
+MAX_COPY_PAGES = 256  # pages per gather / scatter: bounds the copy's device memory
+DISK_BACKLOG_BYTES = 2 << 30  # pages waiting for the disk beyond this are not written
+
+
+def _bucket(n: int) -> int:
+    return max(4, 1 << (n - 1).bit_length())
+
+
+def _chunks(xs: list, n: int = MAX_COPY_PAGES):
+    return [xs[i:i + n] for i in range(0, len(xs), n)]
+
+
+def entry_bytes(entry: Entry) -> int:
+    return sum(a.nbytes for a in entry)
+
+
+class PageCopier:
+    """Jitted gather / scatter of whole pages over every leaf of the cache that has the
+    page axis (leaves without it, e.g. per-layer scales, are not per page)."""
+
+    def __init__(self, runner, num_pages: int, page_axis: int):
+        self.runner, self.num_pages, self.axis = runner, num_pages, page_axis
+        leaves = jax.tree_util.tree_leaves(runner.kv)
+        self.paged = [leaf.ndim > page_axis and leaf.shape[page_axis] == num_pages
+                      for leaf in leaves]
+        if not any(self.paged):
+            raise ConfigError(f"no cache array has {num_pages} pages on axis {page_axis}")
+        ax = page_axis
+
+        def gather(kv, idx):
+            return [jnp.take(leaf, idx, axis=ax)
+                    for leaf, p in zip(jax.tree_util.tree_leaves(kv), self.paged) if p]
+
+        def scatter(kv, idx, vals):
+            leaves, tree = jax.tree_util.tree_flatten(kv)
+            it = iter(vals)
+            where = (slice(None),) * ax + (idx,)
+            out = [leaf.at[where].set(next(it), mode="drop") if p else leaf
+                   for leaf, p in zip(leaves, self.paged)]
+            return jax.tree_util.tree_unflatten(tree, out)
+
+        self._gather = jax.jit(gather)
+        self._scatter = jax.jit(scatter, donate_argnums=(0,))
+
+    def start_gather(self, pages: list[int]) -> list[jax.Array]:
+        """Dispatches the copy out of `pages` (ordered after every step launched so far)
+        and starts its transfer to the host; returns at once."""
+        idx = np.zeros(_bucket(len(pages)), np.int32)
+        idx[:len(pages)] = pages
+        out = self.runner.with_kv(lambda kv: self._gather(kv, idx))
+        for a in out:
+            a.copy_to_host_async()
+        return out
+
+    def warmup(self) -> int:
+        """Compiles the gather and scatter for every page bucket (a serving start), so a
+        copy never waits on a compile mid-run; changes nothing. Returns the count."""
+        sizes = [4 << i for i in range((MAX_COPY_PAGES // 4).bit_length())]
+        for b in sizes:
+            zeros = np.zeros(b, np.int32)
+            out = jax.block_until_ready(self.runner.with_kv(lambda kv: self._gather(kv, zeros)))
+            vals = [np.zeros(a.shape, a.dtype) for a in out]
+            idx = np.full(b, self.num_pages, np.int32)  # all out of range: nothing written
+            self.runner.update_kv(lambda kv: self._scatter(kv, idx, vals))
+        jax.block_until_ready(self.runner.kv)
+        return 2 * len(sizes)
+
+    def split(self, gathered: list, n: int) -> list[Entry]:
+        """Waits for a gather's host copy; one contiguous entry per page."""
+        host = [np.asarray(a) for a in gathered]
+        return [tuple(np.ascontiguousarray(np.take(h, i, axis=self.axis)) for h in host)
+                for i in range(n)]
+
+    def scatter(self, pages: list[int], entries: list[Entry]) -> None:
+        """Dispatches the copy of entries into pages, before the next step."""
+        n = _bucket(len(pages))
+        idx = np.full(n, self.num_pages, np.int32)  # padding rows fall out of range: dropped
+        idx[:len(pages)] = pages
+        vals = []
+        for k in range(len(entries[0])):
+            col = [e[k] for e in entries]
+            col += [np.zeros_like(col[0])] * (n - len(col))
+            vals.append(np.stack(col, axis=self.axis))
+        self.runner.update_kv(lambda kv: self._scatter(kv, idx, vals))
+
+
+class HostTier:
+    """Pages in host memory by prefix hash, least recently used dropped beyond max_bytes."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._pages: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.num_evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def contains(self, h: bytes) -> bool:
+        return h in self._pages
+
+    def get(self, h: bytes) -> Entry | None:
+        with self._lock:
+            e = self._pages.get(h)
+            if e is not None:
+                self._pages.move_to_end(h)
+            return e
+
+    def put(self, h: bytes, entry: Entry) -> None:
+        size = entry_bytes(entry)
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            if h in self._pages:
+                self._pages.move_to_end(h)
+                return
+            while self.bytes + size > self.max_bytes:
+                _, old = self._pages.popitem(last=False)
+                self.bytes -= entry_bytes(old)
+                self.num_evictions += 1
+            self._pages[h] = entry
+            self.bytes += size
+
+
+MAGIC = b"NJKV1\n"
+
+
+class DiskTier:
+    """Pages as files in DIR/<fingerprint>/, least recently used deleted beyond max_bytes.
+
+    A file: MAGIC, an 8-byte header length, a JSON header (fingerprint, hash, each array's
+    shape and dtype, payload length and blake2b digest), then the arrays' bytes. Any
+    mismatch on reading (truncation, flipped bits, another model's file) deletes the file
+    and reads as a miss."""
+
+    def __init__(self, root: str | os.PathLike, fingerprint: bytes, max_bytes: int):
+        if max_bytes <= 0:
+            raise ConfigError(f"the disk tier needs a positive byte limit, got {max_bytes}")
+        self.fingerprint = fingerprint.hex()
+        self.dir = Path(root) / self.fingerprint
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._files: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.num_corrupt = self.num_evictions = 0
+        for f in self.dir.glob("*.tmp"):  # a write cut short by a crash
+            f.unlink(missing_ok=True)
+        found = []
+        for f in self.dir.glob("*.kv"):
+            try:
+                st = f.stat()
+                found.append((st.st_mtime, bytes.fromhex(f.stem), st.st_size))
+            except (OSError, ValueError):
+                continue
+        for _, h, size in sorted(found):  # oldest first: the LRU order across restarts
+            self._files[h] = size
+            self.bytes += size
+        self._evict(0)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def path(self, h: bytes) -> Path:
+        return self.dir / f"{h.hex()}.kv"
+
+    def contains(self, h: bytes) -> bool:
+        return h in self._files
+
+    def _evict(self, incoming: int) -> None:
+        while self._files and self.bytes + incoming > self.max_bytes:
+            h, size = self._files.popitem(last=False)
+            self.bytes -= size
+            self.num_evictions += 1
+            self.path(h).unlink(missing_ok=True)
+
+    def put(self, h: bytes, entry: Entry) -> None:
+        payload = b"".join(a.tobytes() for a in entry)
+        header = json.dumps({
+            "fingerprint": self.fingerprint, "hash": h.hex(),
+            "arrays": [[list(a.shape), str(a.dtype)] for a in entry],
+            "payload_bytes": len(payload),
+            "digest": hashlib.blake2b(payload, digest_size=16).hexdigest()}).encode()
+        blob = MAGIC + struct.pack("<Q", len(header)) + header + payload
+        if len(blob) > self.max_bytes:
+            return
+        with self._lock:
+            if h in self._files:
+                return
+            self._evict(len(blob))
+            tmp = self.path(h).with_suffix(".tmp")
+            tmp.write_bytes(blob)
+            os.replace(tmp, self.path(h))  # readers see a whole file or none
+            self._files[h] = len(blob)
+            self.bytes += len(blob)
+
+    def get(self, h: bytes) -> Entry | None:
+        with self._lock:
+            if h not in self._files:
+                return None
+            path = self.path(h)
+            try:
+                entry = self._read(path, h)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                log.warning("kv offload: dropping bad disk entry %s: %s", path.name, e)
+                self.num_corrupt += 1
+                self.bytes -= self._files.pop(h)
+                path.unlink(missing_ok=True)
+                return None
+            self._files.move_to_end(h)
+            os.utime(path)
+            return entry
+
+    def _read(self, path: Path, h: bytes) -> Entry:
+        blob = path.read_bytes()
+        if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + 8:
+            raise ValueError("not a nanojax KV page file")
+        (hlen,) = struct.unpack("<Q", blob[len(MAGIC):len(MAGIC) + 8])
+        start = len(MAGIC) + 8
+        head = json.loads(blob[start:start + hlen])
+        payload = blob[start + hlen:]
+        if head["fingerprint"] != self.fingerprint or head["hash"] != h.hex():
+            raise ValueError("written for another model or page")
+        if len(payload) != head["payload_bytes"]:
+            raise ValueError(f"truncated: {len(payload)} of {head['payload_bytes']} bytes")
+        if hashlib.blake2b(payload, digest_size=16).hexdigest() != head["digest"]:
+            raise ValueError("checksum mismatch")
+        out, off = [], 0
+        for shape, dtype in head["arrays"]:
+            dt = np.dtype(jnp.dtype(dtype))
+            n = int(np.prod(shape)) * dt.itemsize
+            out.append(np.frombuffer(payload, dt, count=n // dt.itemsize,
+                                     offset=off).reshape(shape))
+            off += n
+        if off != len(payload):
+            raise ValueError("arrays do not fill the payload")
+        return tuple(out)
+
+
+@dataclasses.dataclass
+class OffloadStats:
+    saved_pages: int = 0         # pages copied out to a tier
+    loaded_host_pages: int = 0   # pages loaded back from host memory
+    loaded_disk_pages: int = 0   # pages loaded back from disk at admission
+    prefetched_disk_pages: int = 0  # pages read from disk into host memory on arrival
+    save_errors: int = 0
+    disk_writes_dropped: int = 0  # the disk fell behind by DISK_BACKLOG_BYTES: not written
+
+
+class KVOffloader:
+    """The offload tiers as the prefix cache sees them (`contains`, `fetch`) and as the
+    engine drives them (`save` finished pages, `flush` between steps, `load` admitted
+    pages before a step)."""
+
+    def __init__(self, runner, num_pages: int, page_axis: int, fingerprint: bytes,
+                 host_bytes: int = 0, disk_dir: str | None = None, disk_bytes: int = 0):
+        if host_bytes < 0 or disk_bytes < 0:
+            raise ConfigError("offload byte limits must be >= 0")
+        if host_bytes == 0 and disk_dir is None:
+            raise ConfigError("KV offload needs host bytes or a disk directory")
+        self.copier = PageCopier(runner, num_pages, page_axis)
+        self.host = HostTier(host_bytes) if host_bytes else None
+        self.disk = DiskTier(disk_dir, fingerprint, disk_bytes) if disk_dir else None
+        self.stats = OffloadStats()
+        self._to_save: list[tuple[int, bytes]] = []
+        self._queued: set[bytes] = set()   # hashes between save() and their tier
+        self._work: queue.Queue = queue.Queue()
+        self._disk_q: queue.Queue = queue.Queue()
+        self._disk_backlog = 0
+        self._backlog_lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._worker, name="nanojax-kv-offload",
+                                          daemon=True),
+                         threading.Thread(target=self._disk_writer, name="nanojax-kv-disk",
+                                          daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # ---- the tier protocol (engine thread) -------------------------------------------------
+    def contains(self, h: bytes) -> bool:
+        return ((self.host is not None and self.host.contains(h))
+                or (self.disk is not None and self.disk.contains(h)))
+
+    def fetch(self, hashes: list[bytes]) -> list[Entry]:
+        """The entries of the leading hashes, stopping at the first one no tier can
+        produce intact."""
+        out = []
+        for h in hashes:
+            e = self.host.get(h) if self.host is not None else None
+            if e is not None:
+                self.stats.loaded_host_pages += 1
+            elif self.disk is not None and (e := self.disk.get(h)) is not None:
+                self.stats.loaded_disk_pages += 1
+                if self.host is not None:
+                    self.host.put(h, e)
+            if e is None:
+                break
+            out.append(e)
+        return out
+
+    # ---- engine side -----------------------------------------------------------------------
+    def save(self, pages: list[int], hashes: list[bytes]) -> None:
+        """Queues a finished request's cached pages for the tiers (those not there yet)."""
+        for p, h in zip(pages, hashes):
+            if h in self._queued or (self.host is not None and self.host.contains(h)) or (
+                    self.host is None and self.disk.contains(h)):
+                continue
+            self._queued.add(h)
+            self._to_save.append((p, h))
+
+    def flush(self) -> None:
+        """Dispatches the copy out of the queued pages: call before anything can reuse
+        them (the next schedule), so the gather reads them before any later write."""
+        if not self._to_save:
+            return
+        for chunk in _chunks(self._to_save):
+            pages, hashes = zip(*chunk)
+            self._work.put((list(hashes), self.copier.start_gather(list(pages))))
+        self._to_save = []
+
+    def prefetch(self, hashes: list[bytes]) -> None:
+        """A request arrived with these page hashes: read the ones only the disk holds
+        into host memory in the background, so its admission need not wait on the disk."""
+        if self.host is not None and self.disk is not None and hashes:
+            self._work.put(("prefetch", hashes))
+
+    def load(self, loads: list[tuple[list[int], list[Entry]]]) -> None:
+        pages = [p for ps, _ in loads for p in ps]
+        entries = [e for _, es in loads for e in es]
+        for i in range(0, len(pages), MAX_COPY_PAGES):
+            self.copier.scatter(pages[i:i + MAX_COPY_PAGES], entries[i:i + MAX_COPY_PAGES])
+
+    def warmup(self) -> int:
+        return self.copier.warmup()
+
+    def drain(self) -> None:
+        """Waits until every dispatched copy out sits in its tier (tests, shutdown)."""
+        self._work.join()
+        self._disk_q.join()
+
+    def close(self) -> None:
+        self.drain()
+        self._work.put(None)
+        self._disk_q.put(None)
+        for t in self._threads:
+            t.join(timeout=10)
+
+    # ---- background thread -------------------------------------------------------------------
+    def _worker(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                self._work.task_done()
+                return
+            if item[0] == "prefetch":
+                self._prefetch(item[1])
+                continue
+            hashes, gathered = item
+            try:
+                for h, e in zip(hashes, self.copier.split(gathered, len(hashes))):
+                    if self.host is not None:
+                        self.host.put(h, e)
+                    if self.disk is not None:
+                        self._to_disk(h, e)
+                    self.stats.saved_pages += 1
+            except Exception:  # a failed copy out costs a recompute, never the engine
+                self.stats.save_errors += 1
+                log.exception("kv offload: saving %d pages failed", len(hashes))
+            finally:
+                self._queued.difference_update(hashes)
+                self._work.task_done()
+
+    def _to_disk(self, h: bytes, e: Entry) -> None:
+        """Hands a page to the disk writer, unless the disk is that far behind (the page
+        then costs a recompute later, never a stall now)."""
+        with self._backlog_lock:
+            if self._disk_backlog + entry_bytes(e) > DISK_BACKLOG_BYTES:
+                self.stats.disk_writes_dropped += 1
+                return
+            self._disk_backlog += entry_bytes(e)
+        self._disk_q.put((h, e))
+
+    def _disk_writer(self) -> None:
+        while True:
+            item = self._disk_q.get()
+            if item is None:
+                self._disk_q.task_done()
+                return
+            h, e = item
+            try:
+                self.disk.put(h, e)
+            except OSError:
+                log.exception("kv offload: writing a page to %s failed", self.disk.dir)
+            finally:
+                with self._backlog_lock:
+                    self._disk_backlog -= entry_bytes(e)
+                self._disk_q.task_done()
+
+    def _prefetch(self, hashes: list[bytes]) -> None:
+        try:
+            for h in hashes:
+                if self.host.contains(h):
+                    continue
+                e = self.disk.get(h) if self.disk.contains(h) else None
+                if e is None:
+                    break
+                self.host.put(h, e)
+                self.stats.prefetched_disk_pages += 1
+        except Exception:
+            log.exception("kv offload: prefetch failed")
+        finally:
+            self._work.task_done()

@@ -1,0 +1,310 @@
+"""KV reuse: prefix caching on the GPU pages and the host / disk offload tiers.
+
+Every engine test runs multi-round conversations (each turn repeats the history) that
+share a system prompt, and checks greedy tokens against an engine that recomputes
+everything, that reuse really happened, and that no page leaked."""
+import types
+
+import numpy as np
+import pytest
+
+from nanojax.bench.multi_round import run_conversations_offline
+from nanojax.bench.workload import Conversation, make_conversations
+from nanojax.engine.kv_cache import OutOfPages, PageAllocator
+from nanojax.engine.kv_offload import DiskTier, HostTier, PageCopier
+from nanojax.engine.llm_engine import EngineConfig, LLMEngine
+from nanojax.engine.prefix_cache import block_hash
+from nanojax.engine.sampling import SamplingParams
+
+PAGE = 8
+# 16 pages of 8 tokens for up to 4 running conversations of up to ~110 tokens: the GPU
+# cache must evict, and a running request gets preempted
+SMALL = dict(b_dense=32, num_pages=16, page_size=PAGE, max_model_len=128, max_num_seqs=4,
+             fixed_shapes=True)
+
+
+def _conversations(seed=0, n=6, rounds=3):
+    rng = np.random.default_rng(seed)
+    system = rng.integers(10, 500, size=19).tolist()  # 2 full pages + 3 tokens, shared
+    return [Conversation([((system if k == 0 else []) + rng.integers(10, 500, size=int(
+        rng.integers(3, 11))).tolist(), int(rng.integers(6, 20))) for k in range(rounds)])
+        for _ in range(n)]
+
+
+def _engine(bundle, **kw):
+    return LLMEngine(bundle, EngineConfig(**{**SMALL, **kw}))
+
+
+def _assert_no_leaks(eng):
+    a = eng.allocator
+    a.check_consistent()
+    assert a.num_used == 0 and a.num_free == a.num_pages
+    assert all(c == 0 for c in a.refcount)
+    assert eng.kv_usage == 0.0
+
+
+@pytest.fixture(scope="module")
+def recompute(tiny_bundle):
+    """The engine without reuse, and its tokens for the standard conversations."""
+    eng = _engine(tiny_bundle, enable_prefix_caching=False)
+    return eng, run_conversations_offline(eng, _conversations())["output_digests"]
+
+
+def test_prefix_cache_same_tokens_under_pressure_and_preemption(tiny_bundle, recompute):
+    eng = _engine(tiny_bundle)
+    shared_at_preemption = []
+    preempt = eng.scheduler._preempt
+
+    def spy(seq):  # does the victim hold pages another request shares?
+        shared_at_preemption.append(any(eng.allocator.refcount[p] > 1 for p in seq.pages))
+        preempt(seq)
+
+    eng.scheduler._preempt = spy
+    r = run_conversations_offline(eng, _conversations())
+    assert r["output_digests"] == recompute[1]
+    assert r["prefix_cache"]["hits"] > 0 and r["prompt_tokens_computed"] < r["prompt_tokens"]
+    assert eng.allocator.num_evictions > 0            # the cache ran out and evicted
+    assert any(shared_at_preemption)                  # a preempted request held shared pages
+    _assert_no_leaks(eng)
+    assert eng.allocator.num_cached > 0  # cached pages stay, yet count as free
+
+
+def test_aborts_keep_counts(tiny_bundle, recompute):
+    ref_eng = recompute[0]
+    rng = np.random.default_rng(4)
+    system = rng.integers(10, 500, size=21).tolist()
+    prompts = [system + rng.integers(10, 500, size=int(rng.integers(1, 20))).tolist()
+               for _ in range(8)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    eng = _engine(tiny_bundle)
+    ids = [eng.add_request(p, params) for p in prompts]
+    for _ in range(3):
+        eng.step()
+    aborted = {ids[i] for i in (0, 3, 7)}  # running and waiting ones
+    assert any(eng.requests[i] in eng.scheduler.running for i in aborted)
+    for i in aborted:
+        assert eng.abort_request(i)
+    done = eng.run_to_completion()
+    want_ids = [ref_eng.add_request(p, params) for p in prompts]
+    want = ref_eng.run_to_completion()
+    for rid, wid in zip(ids, want_ids):
+        if rid not in aborted:
+            assert done[rid].token_ids == want[wid].token_ids
+    assert eng.prefix_cache.stats.hits > 0
+    _assert_no_leaks(eng)
+
+
+def test_host_tier_loads_instead_of_recomputing(tiny_bundle, recompute):
+    eng = _engine(tiny_bundle, kv_offload_host_bytes=1 << 20)
+    r = run_conversations_offline(eng, _conversations())
+    assert r["output_digests"] == recompute[1]
+    assert r["offload"]["saved_pages"] > 0 and r["offload"]["loaded_host_pages"] > 0
+    assert r["prefix_cache"]["tier_hits"] == r["offload"]["loaded_host_pages"] * PAGE
+    _assert_no_leaks(eng)
+    eng.offloader.close()
+
+
+def test_disk_tier_survives_restart_and_rejects_bad_entries(tiny_bundle, recompute, tmp_path):
+    convs = _conversations()
+    first = _engine(tiny_bundle, kv_offload_dir=str(tmp_path), kv_offload_disk_bytes=1 << 20)
+    assert run_conversations_offline(first, convs)["output_digests"] == recompute[1]
+    first.offloader.close()
+    disk_dir = first.offloader.disk.dir
+    files = sorted(disk_dir.glob("*.kv"))
+    assert len(files) > 4
+    # damage two entries: the system prompt's first page cut short (every conversation
+    # asks for it first), another page with a flipped payload byte
+    system_page = block_hash(first.prefix_cache.root, convs[0].turns[0][0][:PAGE])
+    truncated = disk_dir / f"{system_page.hex()}.kv"
+    flipped = next(f for f in files if f != truncated)
+    truncated.write_bytes(truncated.read_bytes()[:-7])
+    blob = bytearray(flipped.read_bytes())
+    blob[-3] ^= 0xFF
+    flipped.write_bytes(bytes(blob))
+    # a new engine, the same model and directory: the same conversations from disk
+    again = _engine(tiny_bundle, kv_offload_dir=str(tmp_path), kv_offload_disk_bytes=1 << 20)
+    assert len(again.offloader.disk) == len(files)
+    r = run_conversations_offline(again, convs)
+    assert r["output_digests"] == recompute[1]      # never served a bad entry
+    assert r["offload"]["loaded_disk_pages"] > 0
+    disk = again.offloader.disk
+    assert r["offload"]["disk_corrupt"] >= 1  # the system page: caught, recomputed
+    if disk.num_corrupt < 2:  # the other was not asked for: reading it fails the check
+        assert disk.get(bytes.fromhex(flipped.stem)) is None and not flipped.exists()
+    assert disk.num_corrupt == 2
+    again.offloader.drain()  # the recomputed system page was saved again, intact
+    assert disk.get(system_page) is not None
+    _assert_no_leaks(again)
+    again.offloader.close()
+    # with a host tier, an arriving request's disk pages are read ahead into host memory
+    ahead = _engine(tiny_bundle, kv_offload_dir=str(tmp_path), kv_offload_disk_bytes=1 << 20,
+                    kv_offload_host_bytes=1 << 20)
+    prompt, params = convs[1].turns[0][0], SamplingParams(max_tokens=5, temperature=0)
+    rid = ahead.add_request(prompt, params)
+    ahead.offloader.drain()
+    assert ahead.offloader.stats.prefetched_disk_pages == (len(prompt) - 1) // PAGE
+    got = ahead.run_to_completion()[rid].token_ids
+    assert ahead.offloader.stats.loaded_host_pages == (len(prompt) - 1) // PAGE
+    ref = recompute[0]
+    ref_id = ref.add_request(prompt, params)
+    assert got == ref.run_to_completion()[ref_id].token_ids
+    ahead.offloader.close()
+    # another model's engine on the same directory sees none of it
+    other = types.SimpleNamespace(config=tiny_bundle.config, tokenizer=None,
+                                  params=_perturbed(tiny_bundle.params))
+    stranger = _engine(other, kv_offload_dir=str(tmp_path), kv_offload_disk_bytes=1 << 20)
+    assert stranger.offloader.disk.dir != disk.dir and len(stranger.offloader.disk) == 0
+    stranger.offloader.close()
+
+
+def _perturbed(params):
+    import jax
+    leaves, tree = jax.tree_util.tree_flatten(params)
+    leaves[0] = leaves[0] * 1.5
+    return jax.tree_util.tree_unflatten(tree, leaves)
+
+
+# ---- units --------------------------------------------------------------------------------
+def test_allocator_refcounts_and_lru_eviction():
+    a = PageAllocator(4)
+    p = a.allocate(3)
+    assert [a.register(x, bytes([i])) for i, x in enumerate(p)] == [True] * 3
+    assert not a.register(p[0], b"\x09") and not a.register(a.allocate(1)[0], b"\x00")
+    a.ref(p[0])                      # shared by a second sequence
+    a.free(p[::-1])                  # the first sequence goes, tail first
+    assert a.refcount[p[0]] == 1 and a.num_used == 2 and a.num_cached == 3
+    new = a.allocate(1)              # the plain page list is empty: evict the LRU cached page
+    assert new == [p[2]] and a.lookup(bytes([2])) is None and a.num_evictions == 1
+    assert a.lookup(bytes([1])) == p[1]
+    a.ref(p[1])                      # a hit takes a cached-free page back
+    with pytest.raises(OutOfPages):
+        a.allocate(1)
+    with pytest.raises(RuntimeError):
+        a.ref(new[0])                # not cached
+    a.free([p[0], p[1], new[0], 3])
+    with pytest.raises(RuntimeError):
+        a.free([p[0]])
+    a.check_consistent()
+    assert a.num_free == 4
+
+
+def test_hash_chain_names_prefix_and_model():
+    a, b = block_hash(b"m1", [1, 2, 3]), block_hash(b"m1", [1, 2, 3])
+    assert a == b and block_hash(b"m2", [1, 2, 3]) != a
+    assert block_hash(a, [4]) != block_hash(block_hash(b"m1", [1, 2, 4]), [4])
+
+
+def test_host_tier_byte_limit_is_lru():
+    t = HostTier(3 * 64)
+    page = (np.zeros(8, np.float32), np.zeros(8, np.float32))  # 64 bytes
+    for i in range(3):
+        t.put(bytes([i]), page)
+    t.get(b"\x00")                   # recently used: survives
+    t.put(b"\x03", page)
+    assert t.contains(b"\x00") and not t.contains(b"\x01") and t.bytes == 3 * 64
+
+
+def test_disk_tier_limit_and_restart_order(tmp_path):
+    page = (np.arange(16, dtype=np.float32), np.ones((2, 3), np.int8))
+    d = DiskTier(tmp_path, b"fp", 1 << 20)
+    d.put(b"\x01", page)
+    size = d.bytes
+    small = DiskTier(tmp_path, b"fp", 2 * size + 1)   # restart with room for two
+    assert small.contains(b"\x01")
+    small.put(b"\x02", page)
+    small.put(b"\x03", page)                           # drops the oldest
+    assert not small.contains(b"\x01") and not (small.dir / "01.kv").exists()
+    got = small.get(b"\x02")
+    assert all(np.array_equal(x, y) for x, y in zip(got, page))
+    assert got[1].dtype == np.int8 and got[1].shape == (2, 3)
+    assert DiskTier(tmp_path, b"other", 1 << 20).get(b"\x02") is None
+
+
+def test_page_copier_is_generic_over_the_cache_tree(monkeypatch):
+    """Per-layer (k, v, scale) with the page axis first, and a leaf without pages."""
+    import jax.numpy as jnp
+
+    from nanojax.engine import kv_offload
+    monkeypatch.setattr(kv_offload, "MAX_COPY_PAGES", 8)  # page buckets 4 and 8
+    rng = np.random.default_rng(0)
+    kv = [(jnp.asarray(rng.normal(size=(6, 2, 4, 3)), jnp.float32),
+           jnp.asarray(rng.normal(size=(6, 2, 4, 3)), jnp.bfloat16),
+           jnp.asarray(rng.normal(size=(6, 2)), jnp.float32), jnp.ones((5,)))
+          for _ in range(2)]
+    old = [[np.asarray(x) for x in layer] for layer in kv]  # the scatter donates kv
+    runner = types.SimpleNamespace(kv=kv)
+    runner.with_kv = lambda fn: fn(runner.kv)
+
+    def update(fn):
+        runner.kv = fn(runner.kv)
+    runner.update_kv = update
+    cp = PageCopier(runner, 6, 0)
+    assert cp.warmup() == 4  # compiles the copies, writes nothing
+    np.testing.assert_array_equal(np.asarray(runner.kv[1][0]), old[1][0])
+    assert cp.paged == [True, True, True, False] * 2
+    entries = cp.split(cp.start_gather([4, 1]), 2)
+    assert len(entries) == 2 and len(entries[0]) == 6
+    np.testing.assert_array_equal(entries[0][1], old[0][1][4])
+    cp.scatter([0, 5], entries)
+    new = runner.kv
+    for layer in range(2):
+        for j in range(3):
+            got = np.asarray(new[layer][j])
+            np.testing.assert_array_equal(got[0], old[layer][j][4])
+            np.testing.assert_array_equal(got[5], old[layer][j][1])
+            np.testing.assert_array_equal(got[2], old[layer][j][2])
+
+
+def test_conversations_fit_max_model_len():
+    convs = make_conversations(20, 4, 500, trace="sharegpt", max_model_len=1024, seed=1)
+    assert all(c.turns for c in convs) and max(len(c.turns) for c in convs) > 1
+    for c in convs:
+        assert sum(len(u) + o for u, o in c.turns) <= 1024
+
+
+def test_metrics_report_prefix_cache_and_usage():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from nanojax.engine.prefix_cache import PrefixCacheStats
+    from nanojax.server.metrics import ServerMetrics
+    eng = types.SimpleNamespace(num_running=0, kv_usage=0.25,
+                                prefix_cache=types.SimpleNamespace(
+                                    stats=PrefixCacheStats(queries=100, hits=48, tier_hits=16)),
+                                offloader=None)
+    m = ServerMetrics(types.SimpleNamespace(engine=eng, num_pending=0), "m")
+    got = {s.name: s.value for f in text_string_to_metric_families(m.render().decode())
+           for s in f.samples}
+    assert got["nanojax:prefix_cache_queries_total"] == 100
+    assert got["nanojax:prefix_cache_hits_total"] == 48
+    assert got["nanojax:kv_offload_hits_total"] == 16
+    assert got["nanojax:kv_cache_usage_perc"] == 0.25
+
+
+def test_gpu_attention_kernels_prefill_after_cached_pages(tiny_bundle):
+    """The GPU path (chunked-prefill, decode and fused append kernels, interpret mode):
+    prefills that start after shared pages give the tokens of the pure-JAX forward
+    without reuse."""
+    from nanojax.engine.forward import UnrolledForward
+    from nanojax.layers.attention import paged_attention, pallas_backend
+    cfg = tiny_bundle.config
+    rng = np.random.default_rng(5)
+    first = [rng.integers(1, cfg.vocab_size, size=n).tolist() for n in (23, 13)]
+    second = [first[0] + rng.integers(1, cfg.vocab_size, size=6).tolist(), first[1][:9],
+              first[0][:17] + [3]]
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    outs, stats = [], None
+    for attention, reuse in ((paged_attention, {"enable_prefix_caching": False}),
+                             (pallas_backend(prefill_block_q=4, fused_append=True,
+                                             interpret=True), {})):
+        eng = LLMEngine(tiny_bundle, EngineConfig(b_dense=32, num_pages=40, page_size=4,
+                                                  max_model_len=64, **reuse),
+                        forward=UnrolledForward(cfg, attention))
+        got = []
+        for wave in (first, second):
+            ids = [eng.add_request(p, params) for p in wave]
+            done = eng.run_to_completion()
+            got += [done[i].token_ids for i in ids]
+        outs.append(got)
+        stats = eng.prefix_cache and eng.prefix_cache.stats
+    assert outs[0] == outs[1]
+    assert stats.hits > 0
