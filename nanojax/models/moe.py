@@ -27,8 +27,23 @@ import flax.linen as nn
 
 from nanojax.config import ModelConfig
 
-# parameter -> the axis tensor parallelism splits (the dense FFN's convention)
-TP_SHARDED_AXIS = {"gate_proj": 2, "up_proj": 2, "down_proj": 1}
+# parameter path in the block -> the axis tensor parallelism splits (the dense FFN's
+# convention: gate/up by columns, down by rows); the rest is replicated
+TP_SHARDED_AXIS = {("gate_proj",): 2, ("up_proj",): 2, ("down_proj",): 1,
+                   ("shared_gate_proj", "kernel"): 1, ("shared_up_proj", "kernel"): 1,
+                   ("shared_down_proj", "kernel"): 0}
+
+
+def tp_slice(block_params: dict, rank: int, tp: int) -> dict:
+    """Rank `rank`'s shard of one MoE block's parameters under TP degree `tp`: a block of
+    the config with ffn widths / tp computes this rank's partial sum of the output."""
+    def cut(path, x):
+        axis = TP_SHARDED_AXIS.get(tuple(k.key for k in path))
+        if axis is None:
+            return x
+        n = x.shape[axis] // tp
+        return jax.lax.slice_in_dim(x, rank * n, (rank + 1) * n, axis=axis)
+    return jax.tree_util.tree_map_with_path(cut, block_params)
 
 
 def route(logits, k: int, renormalise: bool):
