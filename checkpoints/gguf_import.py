@@ -80,6 +80,12 @@ def config_from_gguf(reader, dtype: str = "bfloat16") -> ModelConfig:
             raise ConfigError(f"GGUF metadata lacks {arch}.{key}")
         return v
 
+    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    if experts:  # llama.cpp writes Mixtral as "llama" with experts (ffn_*_exps tensors)
+        raise UnsupportedError(
+            f"GGUF {arch!r} model with {experts} experts (Mixtral-style mixture of experts) "
+            "is not imported yet: convert the HF checkpoint instead (`nanojax convert "
+            "<hf dir>`)")
     heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
     tokens = _field(reader, "tokenizer.ggml.tokens")

@@ -243,3 +243,22 @@ def test_unsupported_architectures_are_named(tmp_path):
              "mlp_only_layers": [1]}
     with pytest.raises(UnsupportedError, match="mlp_only_layers"):
         ModelConfig.from_hf(mixed)
+
+
+def test_gguf_mixtral_is_refused_by_name(tmp_path, monkeypatch):
+    import gguf
+
+    from checkpoints.gguf_import import load_gguf
+    from tests.gguf_fixtures import write_llama_gguf
+    cfg = named_shape("tiny")
+    params = jax.tree_util.tree_map(np.asarray, init_params(cfg))
+    real = gguf.GGUFWriter.add_block_count
+
+    def with_experts(self, n):  # the metadata llama.cpp writes for Mixtral
+        real(self, n)
+        self.add_expert_count(8)
+        self.add_expert_used_count(2)
+    monkeypatch.setattr(gguf.GGUFWriter, "add_block_count", with_experts)
+    write_llama_gguf(tmp_path / "moe.gguf", cfg, params)
+    with pytest.raises(UnsupportedError, match="8 experts.*Mixtral"):
+        load_gguf(tmp_path / "moe.gguf", progress=False)
