@@ -245,7 +245,32 @@ def test_unsupported_architectures_are_named(tmp_path):
         ModelConfig.from_hf(mixed)
 
 
-def test_gguf_mixtral_is_refused_by_name(tmp_path, monkeypatch):
+@pytest.mark.parametrize("quant", ["F32", "Q8_0"])
+def test_gguf_mixtral_imports_and_runs_like_its_source(quant, tmp_path):
+    """A Mixtral GGUF as llama.cpp writes it (arch llama, expert_count, q/k permuted,
+    ffn_*_exps [E, out, in]) loads back to the same weights and the same logits."""
+    from checkpoints.gguf_import import load_gguf
+    from nanojax.reference import ReferenceGenerator
+    from tests.gguf_fixtures import write_llama_gguf
+    cfg = _moe_cfg(0, True, architecture="mixtral", vocab_size=320, intermediate_size=32)
+    params = jax.tree_util.tree_map(np.asarray, init_params(cfg, seed=7))
+    write_llama_gguf(tmp_path / "mixtral.gguf", cfg, params, quant)
+    bundle = load_gguf(tmp_path / "mixtral.gguf", dtype="float32", progress=False)
+    assert bundle.config.replace(eos_token_ids=(), bos_token_id=None,
+                                 rms_norm_eps=cfg.rms_norm_eps) == cfg  # eps stored as f32
+    got = dict(jax.tree_util.tree_flatten_with_path(bundle.params)[0])
+    tol = 0.0 if quant == "F32" else 1e-2
+    for p, want in jax.tree_util.tree_flatten_with_path(params)[0]:
+        err = np.abs(got[p] - want).max() / (np.abs(want).max() + 1e-12)
+        assert err <= tol + 1e-7, (jax.tree_util.keystr(p), err)
+    if quant == "F32":
+        ids = list(range(5, 40))
+        ours = ReferenceGenerator(bundle.config, bundle.params, max_len=64).logits(ids)
+        want = ReferenceGenerator(bundle.config, params, max_len=64).logits(ids)
+        np.testing.assert_array_equal(ours, want)
+
+
+def test_gguf_moe_of_another_architecture_is_refused_by_name(tmp_path, monkeypatch):
     import gguf
 
     from checkpoints.gguf_import import load_gguf
@@ -254,11 +279,13 @@ def test_gguf_mixtral_is_refused_by_name(tmp_path, monkeypatch):
     params = jax.tree_util.tree_map(np.asarray, init_params(cfg))
     real = gguf.GGUFWriter.add_block_count
 
-    def with_experts(self, n):  # the metadata llama.cpp writes for Mixtral
+    def qwen2_with_experts(self, n):
         real(self, n)
         self.add_expert_count(8)
-        self.add_expert_used_count(2)
-    monkeypatch.setattr(gguf.GGUFWriter, "add_block_count", with_experts)
+    monkeypatch.setattr(gguf.GGUFWriter, "add_block_count", qwen2_with_experts)
     write_llama_gguf(tmp_path / "moe.gguf", cfg, params)
-    with pytest.raises(UnsupportedError, match="8 experts.*Mixtral"):
-        load_gguf(tmp_path / "moe.gguf", progress=False)
+    # the file says llama; relabel it qwen2 the way the writer stores the architecture
+    data = (tmp_path / "moe.gguf").read_bytes().replace(b"llama", b"qwen2")
+    (tmp_path / "q.gguf").write_bytes(data)
+    with pytest.raises(UnsupportedError, match="'qwen2' with 8 experts"):
+        load_gguf(tmp_path / "q.gguf", progress=False)
