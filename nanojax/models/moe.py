@@ -13,9 +13,11 @@ dense FFN's gate/up/down (TP_SHARDED_AXIS); the router and the shared expert's g
 replicated. Each rank then holds every expert's slice, so routing needs no all-to-all and
 the down projection's partial sums meet in the layer's one all-reduce.
 
-Where ragged_dot runs: jax lowers it on the CPU (and XLA may rewrite it on a GPU without a
-grouped-GEMM kernel) as masked dense dots over all experts, which costs E/k times the
-active FLOPs; bench/scripts/moe_grouped_gemm_probe.py measures which one an H200 gets.
+Where ragged_dot runs: jax lowers it on the CPU as masked dense dots over all experts, and
+XLA's GPU compiler rewrites it the same way (RaggedDotRewriter) unless its cuDNN ragged-dot
+fusion is on (--xla_gpu_experimental_use_ragged_dot_fusion): the masked form costs E/k
+times the active expert FLOPs. bench/scripts/moe_grouped_gemm_probe.py measures both on a
+GPU; the numbers are the same either way (tests run the masked form).
 """
 from __future__ import annotations
 
