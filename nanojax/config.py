@@ -237,6 +237,12 @@ NAMED_SHAPES: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_layers=2,
                         num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
                         max_position_embeddings=1024, dtype="float32"),
+    # a 2-layer Mixtral (4 experts, top 2) for CPU runs of the MoE paths
+    "tiny-moe": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_layers=2,
+                            num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+                            max_position_embeddings=1024, dtype="float32",
+                            architecture="mixtral", num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=96, norm_topk_prob=True),
     "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                 num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
                                 rope_theta=100000.0, max_position_embeddings=8192,

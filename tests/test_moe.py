@@ -289,3 +289,19 @@ def test_gguf_moe_of_another_architecture_is_refused_by_name(tmp_path, monkeypat
     (tmp_path / "q.gguf").write_bytes(data)
     with pytest.raises(UnsupportedError, match="'qwen2' with 8 experts"):
         load_gguf(tmp_path / "q.gguf", progress=False)
+
+
+def test_peer_builds_a_mixtral_of_the_shape_and_serves_it():
+    """The H200 comparison's peer: transformers' MixtralForCausalLM of the named shape
+    (every parameter accounted for) through generate_batch."""
+    pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from nanojax.bench.peer import hf_model_config, run_peer
+    for shape in ("mixtral-8x7b", "qwen2-57b-a14b"):
+        cls, hf_cfg = hf_model_config(named_shape(shape))
+        with torch.device("meta"):
+            n = sum(p.numel() for p in cls(hf_cfg).parameters())
+        assert n == named_shape(shape).param_count(), shape
+    r = run_peer("tiny-moe", num_prompts=3, input_len=12, output_len=4, trace=None,
+                 max_model_len=64)
+    assert r["requests"] == 3 and r["output_tokens"] == 12

@@ -45,14 +45,21 @@ def run_peer(shape: str, num_prompts: int, input_len: int | None, output_len: in
     gen = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None,
                            pad_token_id=0)
     prompts = [r.prompt_ids for r in reqs]
+    batching = {}
+    if device == "cpu":  # CPU smoke runs: transformers would size its cache from free RAM
+        from transformers import ContinuousBatchingConfig
+        batching["continuous_batching_config"] = ContinuousBatchingConfig(
+            num_blocks=16, max_batch_tokens=256)
     # no_grad, not inference_mode: generate_batch runs its scheduler in a thread outside
     # this context, and transformers 5.17 fails there on in-place updates of inference
     # tensors (every request "failed during generation", zero tokens)
     with torch.no_grad():
-        model.generate_batch(inputs=prompts[:8], generation_config=gen, progress_bar=False)
+        model.generate_batch(inputs=prompts[:8], generation_config=gen, progress_bar=False,
+                             **batching)
         _sync(torch)
         t0 = time.perf_counter()
-        out = model.generate_batch(inputs=prompts, generation_config=gen, progress_bar=False)
+        out = model.generate_batch(inputs=prompts, generation_config=gen, progress_bar=False,
+                                   **batching)
         _sync(torch)
         wall = time.perf_counter() - t0
     attn = getattr(model.config, "_attn_implementation", "?")
