@@ -11,25 +11,21 @@
 #                the three modes with the hand-written plan nanojax/plans/mixtral-8x7b-1gpu
 #                (the 8B plan on the Mixtral signature); % of optimal uses active
 #                parameters and the GEMM rate measured here at the expert shapes.
-#                Expect ~1-2 min to build the weights, ~2-3 min of compiles (overlap
-#                the longest), then seconds of timing: ~5-7 min.
+#                Expect ~1-2 min to build the weights, ~3-4 min of compiles (overlap
+#                the longest), then seconds of timing: ~6-8 min. If it runs short of
+#                the call, drop a workload (WORKLOADS=512/512).
 #   PART=engine  128 requests of 512/512 through the engine (--fixed-shapes) and through
 #                transformers' generate_batch on a MixtralForCausalLM of the same shape
 #                (built in bf16 on the GPU, run first in its own process), one run.
 #                Peer capped at PEER_LIMIT s (default 240); ~8-9 min in all.
-# RAGGED_FUSION=1 runs step/engine with XLA's cuDNN ragged-dot fusion (files get _fusion).
-# Usage: OUT=dir PART=probe|step|engine [KERNEL=triton] [RAGGED_FUSION=1] \
-#          bash bench/scripts/moe_mixtral.sh
+# MoE steps compile with XLA's cuDNN ragged-dot fusion on the GPU (models/moe.py); the step
+# PART also runs non-overlap without it (mode non-overlap::nofusion) for the A/B.
+# Usage: OUT=dir PART=probe|step|engine [KERNEL=triton] bash bench/scripts/moe_mixtral.sh
 set -u
 OUT=${OUT:?set OUT}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NANOJAX_DECODE_KERNEL=${KERNEL:-triton}
 FUSION_FLAG=--xla_gpu_experimental_use_ragged_dot_fusion=true
-sfx=""
-if [ -n "${RAGGED_FUSION:-}" ]; then
-  export XLA_FLAGS="${XLA_FLAGS:-} $FUSION_FLAG"
-  sfx=_fusion
-fi
 quiet() { grep -v "^[WI]1" | tail -n "$1"; }
 case "${PART:?set PART to probe, step or engine}" in
 probe)
@@ -42,8 +38,8 @@ probe)
 step)
   timeout "${LIMIT1:-560}" python3 -m nanojax bench step --model random:mixtral-8x7b \
     --plan mixtral-8x7b-1gpu --b-dense "${BDENSE:-2048}" \
-    --workloads "${WORKLOADS:-512/512,splitwise}" --modes non-overlap,nanobatch-only,overlap \
-    --repeats 5 --quiet --json "$OUT/step_mixtral-8x7b_1xh200$sfx.json" 2>&1 | quiet 16
+    --workloads "${WORKLOADS:-512/512,splitwise}" --modes non-overlap,nanobatch-only,overlap,non-overlap::nofusion \
+    --repeats 5 --quiet --json "$OUT/step_mixtral-8x7b_1xh200.json" 2>&1 | quiet 16
   ;;
 engine)
   n=${NUM_PROMPTS:-128}
@@ -51,7 +47,7 @@ engine)
     --b-dense 2048 --admission predicted --fixed-shapes --num-prompts "$n" \
     --input-len 512 --output-len 512 --max-model-len 1024 --max-num-seqs "$n" \
     --peer --peer-timeout "${PEER_LIMIT:-240}" \
-    --json "$OUT/engine_peer_mixtral-8x7b_512_512$sfx.json" 2>&1 | quiet 12
+    --json "$OUT/engine_peer_mixtral-8x7b_512_512.json" 2>&1 | quiet 12
   ;;
 esac
 ls -la "$OUT"

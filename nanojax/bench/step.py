@@ -124,7 +124,8 @@ def make_step(forward):
         logits, kv = forward(params, tokens, kv, meta, logit_idx)
         rows = np.linspace(0, logits.shape[0] - 1, min(_CHECK_ROWS, logits.shape[0]))
         return kv, (jnp.argmax(logits, axis=-1), logits[rows.astype(np.int32)])
-    return jax.jit(step, donate_argnums=(1,))
+    return jax.jit(step, donate_argnums=(1,),
+                   compiler_options=forward.compiler_options or None)
 
 
 def time_step(step, params, kv, batch: SyntheticBatch, repeats: int = 10):
@@ -163,7 +164,9 @@ def workload_lengths(spec: str, max_model_len: int) -> list[tuple[int, int]]:
 
 
 def parse_mode(mode: str) -> dict:
-    """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs|keepall][:gemmSHARE]:
+    """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs|keepall][:gemmSHARE]
+    [:nofusion] ('nofusion': an MoE step without XLA's cuDNN ragged-dot fusion, i.e. with
+    the masked dense expert GEMMs, for the A/B of models/moe.py):
     'overlap:0.25' runs the plan with every attention nano-op at share 0.25; 'nogroups'
     turns off the executor's XLA scheduling groups (the ablation that shows what they do);
     'gemm0.5' gives every GEMM nano-op share 0.5 and bounds its grid (layers/matmul.py,
@@ -173,7 +176,7 @@ def parse_mode(mode: str) -> dict:
     from nanojax.pipeline.plan import MODES
     base, *opts = mode.split(":")
     out = {"base": base, "attention_share": None, "gemm_share": None,
-           "scheduling_groups": True, "keep": ""}
+           "scheduling_groups": True, "keep": "", "ragged_fusion": True}
     try:
         if opts and opts[0]:
             out["attention_share"] = float(opts[0])
@@ -184,6 +187,8 @@ def parse_mode(mode: str) -> dict:
                 out["keep"] = "inputs" if o == "keepinputs" else "values"
             elif o.startswith("gemm"):
                 out["gemm_share"] = float(o[4:])
+            elif o == "nofusion":
+                out["ragged_fusion"] = False
             else:
                 raise ValueError
     except ValueError:
@@ -204,7 +209,8 @@ def _variant(plan: dict, mode: str):
             op["share"] = share
     return plan, m["base"], dict(scheduling_groups=m["scheduling_groups"],
                                  keep=m["keep"],
-                                 gemm_shares=True if m["gemm_share"] is not None else None)
+                                 gemm_shares=True if m["gemm_share"] is not None else None,
+                                 ragged_fusion=m["ragged_fusion"])
 
 
 def f32_reference_outputs(bundle, plan: dict, batches: dict, num_pages: int,
@@ -269,7 +275,10 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
         tokens = {}
         for mode in modes:
             p, base, options = _variant(sized, mode)
+            fusion = options.pop("ragged_fusion")
             fwd = PipelineForward(cfg, p, base, **options)
+            if not fusion:
+                fwd.compiler_options = {}
             if params is None:
                 params = fwd.prepare(bundle.params)
                 kv = fwd.init_kv(num_pages, page_size)

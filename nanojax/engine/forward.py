@@ -3,6 +3,7 @@
     prepare(params)              -> parameters as this forward wants them on device
     init_kv(num_pages, page_size) -> the paged KV cache in this forward's layout
     __call__(params, tokens, kv, meta, logit_idx) -> (logits [R, V] f32, kv)
+    compiler_options             -> XLA options the jitted step compiles with (a dict)
 
 `ScanForward` stacks the layers and runs them with lax.scan: one layer is compiled once,
 so compiles stay short on the CPU. `UnrolledForward` runs the layers as straight-line
@@ -17,6 +18,7 @@ from nanojax.config import ModelConfig
 from nanojax.engine.kv_cache import init_kv_pages
 from nanojax.layers.attention import paged_attention, paged_attention_pallas
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
+from nanojax.models.moe import compiler_options as moe_compiler_options
 
 
 class UnrolledForward:
@@ -24,6 +26,7 @@ class UnrolledForward:
         self.cfg = cfg
         self.attention = attention
         self.model = LlamaForCausalLM(cfg)
+        self.compiler_options = moe_compiler_options(cfg, jax.default_backend())
 
     def prepare(self, params):
         return jax.device_put(params)

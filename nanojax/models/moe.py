@@ -15,9 +15,9 @@ the down projection's partial sums meet in the layer's one all-reduce.
 
 Where ragged_dot runs: jax lowers it on the CPU as masked dense dots over all experts, and
 XLA's GPU compiler rewrites it the same way (RaggedDotRewriter) unless its cuDNN ragged-dot
-fusion is on (--xla_gpu_experimental_use_ragged_dot_fusion): the masked form costs E/k
-times the active expert FLOPs. bench/scripts/moe_grouped_gemm_probe.py measures both on a
-GPU; the numbers are the same either way (tests run the masked form).
+fusion is on: the masked form costs E/k times the active expert FLOPs. So the forwards
+compile MoE steps with that fusion on a GPU (compiler_options below; not yet measured:
+bench/scripts/moe_grouped_gemm_probe.py measures both forms on a GPU).
 """
 from __future__ import annotations
 
@@ -46,6 +46,16 @@ def tp_slice(block_params: dict, rank: int, tp: int) -> dict:
         n = x.shape[axis] // tp
         return jax.lax.slice_in_dim(x, rank * n, (rank + 1) * n, axis=axis)
     return jax.tree_util.tree_map_with_path(cut, block_params)
+
+
+RAGGED_DOT_FUSION = "xla_gpu_experimental_use_ragged_dot_fusion"
+
+
+def compiler_options(cfg: ModelConfig, backend: str) -> dict:
+    """XLA options a step of this model compiles with: on a GPU, an MoE model asks for
+    cuDNN's grouped GEMM for ragged_dot (where cuDNN cannot take one, XLA still rewrites
+    it into the masked dense dot)."""
+    return {RAGGED_DOT_FUSION: True} if cfg.is_moe and backend == "gpu" else {}
 
 
 def route(logits, k: int, renormalise: bool):
