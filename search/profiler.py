@@ -46,7 +46,9 @@ class _Layer:
         self.lengths = workload_lengths(workload, max_model_len)
         self.page_size, self.num_pages, self.num_sms = page_size, num_pages, num_sms
         self.max_pages = -(-max_model_len // page_size)
-        self.attention = default_forward(cfg).attention
+        forward = default_forward(cfg)
+        self.attention = forward.attention
+        self.compiler_options = forward.compiler_options  # an MoE MLP's grouped GEMMs
         self.inv_freq = LlamaForCausalLM(cfg).inv_freq
         self.dense = synthetic_batch(cfg, b_dense, self.lengths, page_size, num_pages,
                                      self.max_pages, tuple(range(granularity, b_dense,
@@ -91,7 +93,8 @@ class _Layer:
             q, k, v, kv, meta = self.inputs(op, n)
             return device_seconds_stateful(self.fn(op, share), kv, q, k, v, meta,
                                            iters=iters)
-        return device_seconds(self.fn(op, share), *self.inputs(op, n), iters=iters)
+        return device_seconds(self.fn(op, share), *self.inputs(op, n), iters=iters,
+                              compiler_options=self.compiler_options)
 
 
 def interference_table(lay: _Layer, n: int, shares, alone=None, progress=None) -> dict:

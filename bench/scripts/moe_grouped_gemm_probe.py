@@ -1,6 +1,8 @@
 """Which grouped GEMM does this jax give jax.lax.ragged_dot on this GPU? Times the MoE
 block's expert GEMM (Mixtral-8x7B gate projection: rows sorted by expert, 8 groups) as
-ragged_dot, with jax's Pallas Triton lowering where this jax has it, against one dense
+ragged_dot (XLA's default: a masked dense dot on NVIDIA GPUs), with XLA's cuDNN ragged-dot
+fusion (what nanojax compiles MoE steps with on a GPU), with jax's Pallas Triton lowering
+where this jax has it, against one dense
 GEMM of the same rows (the grouped GEMM's ideal) and the all-experts dense product (what a
 masked rewrite costs). Usage: python bench/scripts/moe_grouped_gemm_probe.py OUT.json
 [--small] (--small: toy shapes, a CPU smoke run of the script itself)
@@ -13,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nanojax.bench.timing import device_seconds
+from nanojax.models.moe import RAGGED_DOT_FUSION
 
 def main(out: str, small: bool = False) -> None:
     from jax._src import config as jax_config
@@ -28,6 +31,10 @@ def main(out: str, small: bool = False) -> None:
         flops = 2 * m * H * F
         r = {"rows": m, "active_tflop": flops / 1e12}
         r["ragged_dot_s"] = device_seconds(jax.jit(jax.lax.ragged_dot), x, w, sizes)
+        # as nanojax compiles MoE steps on a GPU (models/moe.py): cuDNN's grouped GEMM
+        r["ragged_dot_cudnn_fusion_s"] = device_seconds(
+            jax.jit(jax.lax.ragged_dot), x, w, sizes,
+            compiler_options={RAGGED_DOT_FUSION: True})
         try:
             if triton_lowering is None:
                 raise NotImplementedError("no jax_ragged_dot_use_gpu_pallas_triton_lowering")

@@ -3,10 +3,10 @@
 # one H200. Each PART fits one 10-minute GPU call:
 #   PART=probe   which grouped GEMM ragged_dot gets here (bench/scripts/
 #                moe_grouped_gemm_probe.py), by default and with XLA's cuDNN ragged-dot
-#                fusion (--xla_gpu_experimental_use_ragged_dot_fusion): XLA's GPU
+#                fusion (xla_gpu_experimental_use_ragged_dot_fusion): XLA's GPU
 #                compiler otherwise rewrites ragged-dot into a masked dense dot over all
 #                experts (RaggedDotRewriter), E/k = 4x the active expert FLOPs for
-#                Mixtral; that shows as ragged_dot_s near all_experts_dense_s. ~2-3 min.
+#                Mixtral; that shows as ragged_dot_s near all_experts_dense_s. ~1-2 min.
 #   PART=step    one dense iteration (B_dense 2048, workloads 512/512 and splitwise) in
 #                the three modes with the hand-written plan nanojax/plans/mixtral-8x7b-1gpu
 #                (the 8B plan on the Mixtral signature); % of optimal uses active
@@ -25,15 +25,11 @@ set -u
 OUT=${OUT:?set OUT}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NANOJAX_DECODE_KERNEL=${KERNEL:-triton}
-FUSION_FLAG=--xla_gpu_experimental_use_ragged_dot_fusion=true
 quiet() { grep -v "^[WI]1" | tail -n "$1"; }
 case "${PART:?set PART to probe, step or engine}" in
 probe)
-  timeout "${LIMIT1:-240}" python3 bench/scripts/moe_grouped_gemm_probe.py \
-    "$OUT/moe_grouped_gemm_probe_h200.json" 2>&1 | quiet 6
-  XLA_FLAGS="${XLA_FLAGS:-} $FUSION_FLAG" timeout "${LIMIT2:-240}" python3 \
-    bench/scripts/moe_grouped_gemm_probe.py \
-    "$OUT/moe_grouped_gemm_probe_h200_fusion.json" 2>&1 | quiet 6
+  timeout "${LIMIT1:-400}" python3 bench/scripts/moe_grouped_gemm_probe.py \
+    "$OUT/moe_grouped_gemm_probe_h200.json" 2>&1 | quiet 8
   ;;
 step)
   timeout "${LIMIT1:-560}" python3 -m nanojax bench step --model random:mixtral-8x7b \
