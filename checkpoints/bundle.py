@@ -20,8 +20,10 @@ class ModelBundle:
 
 
 # Our tree path -> HF tensor name. Torch Linear weights are [out, in]; we store [in, out].
-def hf_tensor_names(cfg: ModelConfig) -> dict[tuple, tuple[str, bool]]:
-    """Maps each parameter path to (HF name, transpose?)."""
+# An MoE layer's stacked expert weights [E, in, out] come from E per-expert tensors.
+def hf_tensor_names(cfg: ModelConfig) -> dict[tuple, tuple[str | tuple[str, ...], bool]]:
+    """Maps each parameter path to (HF name, or the names stacked on a new first axis;
+    transpose each?)."""
     names: dict[tuple, tuple[str, bool]] = {
         ("embed", "embedding"): ("model.embed_tokens.weight", False),
         ("norm", "scale"): ("model.norm.weight", False),
@@ -37,8 +39,31 @@ def hf_tensor_names(cfg: ModelConfig) -> dict[tuple, tuple[str, bool]]:
         if cfg.attention_bias:
             for proj in ("q_proj", "k_proj", "v_proj"):
                 names[(p, proj, "bias")] = (h + f"self_attn.{proj}.bias", False)
+        if cfg.is_moe:
+            names.update(_moe_tensor_names(cfg, p, h))
+            continue
         for proj in ("gate_proj", "up_proj", "down_proj"):
             names[(p, proj, "kernel")] = (h + f"mlp.{proj}.weight", True)
+    return names
+
+
+def _moe_tensor_names(cfg: ModelConfig, p: str, h: str) -> dict:
+    """Mixtral: block_sparse_moe.{gate, experts.E.w1/w3/w2}; Qwen2-MoE: mlp.{gate,
+    experts.E.gate_proj/up_proj/down_proj, shared_expert.*, shared_expert_gate}."""
+    mixtral = cfg.architecture == "mixtral"
+    block = h + ("block_sparse_moe." if mixtral else "mlp.")
+    ours = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if mixtral else \
+        {n: n for n in ("gate_proj", "up_proj", "down_proj")}
+    names = {(p, "moe", "router", "kernel"): (block + "gate.weight", True)}
+    for proj, theirs in ours.items():
+        names[(p, "moe", proj)] = (tuple(f"{block}experts.{e}.{theirs}.weight"
+                                         for e in range(cfg.num_experts)), True)
+    if cfg.shared_expert_intermediate_size:
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names[(p, "moe", f"shared_{proj}", "kernel")] = (
+                f"{block}shared_expert.{proj}.weight", True)
+        names[(p, "moe", "shared_expert_gate", "kernel")] = (
+            block + "shared_expert_gate.weight", True)
     return names
 
 
@@ -50,9 +75,11 @@ def assemble_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], progress
     dtype = np.dtype(jax.numpy.dtype(cfg.dtype))
     tree: dict = {}
     for path, (name, transpose) in hf_tensor_names(cfg).items():
-        arr = np.asarray(get(name))
+        parts = [np.asarray(get(n)) for n in ((name,) if isinstance(name, str) else name)]
         if transpose:
-            arr = arr.T
+            parts = [a.T for a in parts]
+        arr = parts[0] if isinstance(name, str) else np.stack(parts)
+        name = name if isinstance(name, str) else f"{name[0]} (and the other experts)"
         want = expected
         for key in path:
             want = want[key]

@@ -19,7 +19,7 @@ from nanojax.tokenizer import Tokenizer
 
 SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-PERMUTED_ARCHS = ("llama",)
+PERMUTED_ARCHS = ("llama", "mixtral")
 SUPPORTED_ARCHS = ("llama", "qwen2")
 
 _GGUF_TO_HF = {
@@ -92,9 +92,19 @@ def config_from_gguf(reader, dtype: str = "bfloat16") -> ModelConfig:
         t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         scaling = {"freq_factors": [float(x) for x in np.asarray(t.data, np.float64)]}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    ffn = int(need("feed_forward_length"))
+    moe = {}
+    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    if experts:  # llama.cpp writes Mixtral as "llama" with experts
+        if arch != "llama":
+            raise UnsupportedError(f"GGUF {arch!r} with {experts} experts is not supported "
+                                   "(mixture of experts: Mixtral-style 'llama' files only)")
+        moe = dict(architecture="mixtral", num_experts=experts,
+                   num_experts_per_tok=int(need("expert_used_count")),
+                   moe_intermediate_size=ffn, norm_topk_prob=True)
     return ModelConfig(
         vocab_size=int(vocab), hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
+        intermediate_size=ffn,
         num_layers=int(need("block_count")), num_heads=heads,
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
         head_dim=int(_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
@@ -104,19 +114,38 @@ def config_from_gguf(reader, dtype: str = "bfloat16") -> ModelConfig:
         max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
-        dtype=dtype, architecture=arch,
+        dtype=dtype, **{"architecture": arch, **moe},
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else ())
 
 
-def _hf_name(gguf_name: str) -> str | None:
+# Mixtral in GGUF: the router, and each projection of all experts in one [E, out, in]
+# tensor (older files: one tensor per expert, ffn_gate.E.weight)
+_MOE_PROJ = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+def _hf_names(gguf_name: str, num_experts: int = 0) -> list[tuple[str, int | None]]:
+    """The HF tensors a GGUF tensor holds: [(name, expert index in it or None)]."""
     if gguf_name in _GGUF_TO_HF:
-        return _GGUF_TO_HF[gguf_name]
-    if gguf_name.startswith("blk."):
-        _, idx, rest = gguf_name.split(".", 2)
-        if rest in _BLOCK_TO_HF:
-            return f"model.layers.{idx}.{_BLOCK_TO_HF[rest]}"
-    return None
+        return [(_GGUF_TO_HF[gguf_name], None)]
+    if not gguf_name.startswith("blk."):
+        return []
+    _, idx, rest = gguf_name.split(".", 2)
+    layer = f"model.layers.{idx}."
+    if num_experts:
+        moe = layer + "block_sparse_moe."
+        if rest == "ffn_gate_inp.weight":
+            return [(moe + "gate.weight", None)]
+        parts = rest.split(".")
+        kind = parts[0].removeprefix("ffn_").removesuffix("_exps")
+        if kind in _MOE_PROJ and parts[0].endswith("_exps"):
+            return [(f"{moe}experts.{e}.{_MOE_PROJ[kind]}.weight", e)
+                    for e in range(num_experts)]
+        if kind in _MOE_PROJ and len(parts) == 3 and parts[1].isdigit():
+            return [(f"{moe}experts.{parts[1]}.{_MOE_PROJ[kind]}.weight", None)]
+    if rest in _BLOCK_TO_HF:
+        return [(layer + _BLOCK_TO_HF[rest], None)]
+    return []
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -144,16 +173,25 @@ def load_gguf(path: Path, dtype: str = "bfloat16", with_tokenizer: bool = True,
     cfg = config_from_gguf(reader, dtype)
     by_hf = {}
     for t in reader.tensors:
-        name = _hf_name(t.name)
-        if name is not None:
-            by_hf[name] = t
+        for name, expert in _hf_names(t.name, cfg.num_experts):
+            by_hf[name] = (t, expert)
     permute = cfg.architecture in PERMUTED_ARCHS
+    stacked = {}  # the last dequantized all-experts tensor: its experts are read in turn
 
     def get(name: str) -> np.ndarray:
         if name not in by_hf:
             raise CheckpointError(f"GGUF file {path} lacks the tensor for {name}")
-        t = by_hf[name]
-        arr = dequantize_tensor(t)
+        t, expert = by_hf[name]
+        if expert is None:
+            arr = dequantize_tensor(t)
+        else:
+            if stacked.get("name") != t.name:
+                stacked.update(name=t.name, arr=dequantize_tensor(t))
+            arr = stacked["arr"]
+            if arr.ndim != 3 or arr.shape[0] != cfg.num_experts:
+                raise CheckpointError(f"GGUF tensor {t.name} has shape {arr.shape}, not "
+                                      f"[{cfg.num_experts}, out, in]")
+            arr = arr[expert]
         if permute and ".q_proj.weight" in name:
             arr = _unpermute(arr, cfg.num_heads)
         elif permute and ".k_proj.weight" in name:

@@ -64,6 +64,7 @@ def cmd_info(args) -> int:
     bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
     cfg = bundle.config
     info = {"model": args.model, "config": cfg.to_dict(), "parameters": cfg.param_count(),
+            "active_parameters": cfg.active_param_count(),
             "kv_bytes_per_token": cfg.kv_bytes_per_token()}
     if bundle.tokenizer is not None:
         tok = bundle.tokenizer

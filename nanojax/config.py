@@ -10,14 +10,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-from nanojax.errors import ConfigError
+from nanojax.errors import ConfigError, UnsupportedError
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a LLaMA-family decoder (LLaMA 2/3, SmolLM, Qwen2)."""
+    """Shape and numerics of a LLaMA-family decoder (LLaMA 2/3, SmolLM, Qwen2) and its
+    mixture-of-experts variants (Mixtral, Qwen2-MoE): num_experts > 0 replaces every
+    layer's FFN by a routed MoE block (nanojax/models/moe.py)."""
 
     vocab_size: int
     hidden_size: int
@@ -38,6 +40,12 @@ class ModelConfig:
     architecture: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (0 experts: a dense FFN of intermediate_size)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0          # top-k experts per token
+    moe_intermediate_size: int = 0        # each expert's FFN width
+    norm_topk_prob: bool = False          # renormalise the top-k weights (Mixtral: yes)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (0: none)
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -51,6 +59,16 @@ class ModelConfig:
                               f"num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.num_experts < 0 or self.shared_expert_intermediate_size < 0:
+            raise ConfigError("num_experts and shared_expert_intermediate_size must be >= 0")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ConfigError(f"num_experts_per_tok must be in [1, num_experts="
+                                  f"{self.num_experts}], got {self.num_experts_per_tok}")
+            if self.moe_intermediate_size <= 0:
+                raise ConfigError("an MoE config needs moe_intermediate_size > 0")
+        elif self.num_experts_per_tok or self.shared_expert_intermediate_size:
+            raise ConfigError("num_experts_per_tok / shared expert set without num_experts")
 
     def __hash__(self):  # rope_scaling is a dict: hash the serialised form
         return hash(json.dumps(self.to_dict(), sort_keys=True))
@@ -64,14 +82,34 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def param_count(self) -> int:
-        h, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def _ffn_params(self, experts: int) -> int:
+        """One layer's FFN parameters, counting `experts` routed experts."""
+        h = self.hidden_size
+        if not self.is_moe:
+            return 3 * h * self.intermediate_size
+        n = experts * 3 * h * self.moe_intermediate_size + h * self.num_experts  # + router
+        if self.shared_expert_intermediate_size:
+            n += 3 * h * self.shared_expert_intermediate_size + h  # + its sigmoid gate
+        return n
+
+    def param_count(self, experts: int | None = None) -> int:
+        h, v = self.hidden_size, self.vocab_size
         attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
-        layer = attn + 3 * h * f + 2 * h
+        ffn = self._ffn_params(self.num_experts if experts is None else experts)
+        layer = attn + ffn + 2 * h
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * layer + h + head
+
+    def active_param_count(self) -> int:
+        """Parameters one token computes with: only its top-k experts (the router and a
+        shared expert always). Optimal throughput is FLOP/s / (2 x this)."""
+        return self.param_count(self.num_experts_per_tok)
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.kv_size * self.itemsize
@@ -85,9 +123,14 @@ class ModelConfig:
 
     def signature(self) -> dict:
         """What a pipeline plan must match."""
-        return {"num_layers": self.num_layers, "hidden_size": self.hidden_size,
-                "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "intermediate_size": self.intermediate_size}
+        sig = {"num_layers": self.num_layers, "hidden_size": self.hidden_size,
+               "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
+               "head_dim": self.head_dim, "intermediate_size": self.intermediate_size}
+        if self.is_moe:  # dense signatures (and shipped dense plans) stay as they were
+            sig.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size,
+                       shared_expert_intermediate_size=self.shared_expert_intermediate_size)
+        return sig
 
     # ---- (de)serialisation -----------------------------------------------------------
     def to_dict(self) -> dict:
@@ -125,9 +168,10 @@ class ModelConfig:
     def from_hf(cls, hf: dict[str, Any], dtype: str = "bfloat16") -> "ModelConfig":
         """From a Hugging Face config.json (LlamaForCausalLM, Qwen2ForCausalLM, ...)."""
         model_type = hf.get("model_type", "llama")
-        if model_type not in ("llama", "qwen2", "mistral"):
-            raise ConfigError(f"unsupported model_type {model_type!r} in config.json "
-                              "(supported: llama, qwen2, mistral)")
+        if model_type not in HF_MODEL_TYPES:
+            arch = ", ".join(hf.get("architectures") or []) or "?"
+            raise UnsupportedError(f"model_type {model_type!r} ({arch}) is not supported by "
+                                   f"nanojax (supported: {', '.join(HF_MODEL_TYPES)})")
         try:
             heads = int(hf["num_attention_heads"])
             hidden = int(hf["hidden_size"])
@@ -155,11 +199,37 @@ class ModelConfig:
                 rope_theta=theta, rope_scaling=scaling,
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+                attention_bias=bool(hf.get("attention_bias", hf.get(
+                    "qkv_bias", model_type in ("qwen2", "qwen2_moe")))),
                 dtype=dtype, architecture=model_type,
-                bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos)
+                bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos, **_hf_moe(hf))
         except KeyError as e:
             raise ConfigError(f"config.json lacks required key {e}") from None
+
+
+HF_MODEL_TYPES = ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe")
+
+
+def _hf_moe(hf: dict[str, Any]) -> dict:
+    """The MoE fields of a Mixtral or Qwen2-MoE config.json ({} for dense models)."""
+    model_type = hf.get("model_type")
+    if model_type == "mixtral":  # every expert is the model's FFN; top-k renormalised
+        return dict(num_experts=int(hf["num_local_experts"]),
+                    num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                    moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)
+    if model_type == "qwen2_moe":
+        step, dense = int(hf.get("decoder_sparse_step", 1)), hf.get("mlp_only_layers") or []
+        if step != 1 or dense:  # one layer type keeps the layers stackable (ScanForward)
+            raise UnsupportedError(
+                f"qwen2_moe with dense layers among the MoE ones (decoder_sparse_step={step}, "
+                f"mlp_only_layers={dense}) is not supported: nanojax runs every layer as MoE")
+        return dict(num_experts=int(hf["num_experts"]),
+                    num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                    moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                    shared_expert_intermediate_size=int(
+                        hf.get("shared_expert_intermediate_size") or 0))
+    return {}
 
 
 # Named shapes for shape-only benchmarks and tests (no download, random weights).
@@ -167,6 +237,12 @@ NAMED_SHAPES: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_layers=2,
                         num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
                         max_position_embeddings=1024, dtype="float32"),
+    # a 2-layer Mixtral (4 experts, top 2) for CPU runs of the MoE paths
+    "tiny-moe": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_layers=2,
+                            num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+                            max_position_embeddings=1024, dtype="float32",
+                            architecture="mixtral", num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=96, norm_topk_prob=True),
     "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                 num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
                                 rope_theta=100000.0, max_position_embeddings=8192,
@@ -184,6 +260,26 @@ NAMED_SHAPES: dict[str, ModelConfig] = {
                              num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
                              rope_theta=1000000.0, max_position_embeddings=32768,
                              attention_bias=True, architecture="qwen2"),
+    # LLaMA architecture (deepseek-ai/deepseek-llm-67b-base config.json)
+    "deepseek-67b": ModelConfig(vocab_size=102400, hidden_size=8192, intermediate_size=22016,
+                                num_layers=95, num_heads=64, num_kv_heads=8, head_dim=128,
+                                rope_theta=10000.0, max_position_embeddings=4096,
+                                rms_norm_eps=1e-6),
+    # mistralai/Mixtral-8x7B-v0.1: 8 experts of the 14336-wide FFN, top 2, renormalised
+    "mixtral-8x7b": ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                                num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                                rope_theta=1000000.0, max_position_embeddings=32768,
+                                architecture="mixtral", num_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=14336, norm_topk_prob=True),
+    # Qwen/Qwen2-57B-A14B: 64 experts of 2560, top 8 (not renormalised), a 20480-wide
+    # shared expert behind a sigmoid gate
+    "qwen2-57b-a14b": ModelConfig(vocab_size=151936, hidden_size=3584, intermediate_size=18944,
+                                  num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+                                  rope_theta=1000000.0, max_position_embeddings=131072,
+                                  rms_norm_eps=1e-6, attention_bias=True,
+                                  architecture="qwen2_moe", num_experts=64,
+                                  num_experts_per_tok=8, moe_intermediate_size=2560,
+                                  shared_expert_intermediate_size=20480),
 }
 
 

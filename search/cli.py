@@ -25,7 +25,8 @@ def cmd_costmodel(args) -> int:
         return 0
     p, d = WORKLOADS[args.workload] if args.workload else (args.prompt_len, args.output_len)
     gpu = gpu_from(args.gpu, args.tflops, args.mem_bw, args.net_bw)
-    res = analyze(gpu, named_shape(args.model), args.batch, args.tp, p, d)
+    res = analyze(gpu, named_shape(args.model), args.batch, args.tp, p, d,
+                  nano_batch=args.nano_batch)
     if args.json:
         print(json.dumps(res))
     else:
@@ -148,6 +149,8 @@ def register(sub) -> None:
                    help="splitwise, lmsys, sharegpt, constant-512-512, ...")
     c.add_argument("--prompt-len", type=float, default=512)
     c.add_argument("--output-len", type=float, default=512)
+    c.add_argument("--nano-batch", type=int, default=None,
+                   help="MoE models: tokens per MLP nano-batch (expert GEMM efficiency)")
     c.add_argument("--tflops", type=float, default=None, help="override: measured TFLOP/s")
     c.add_argument("--mem-bw", type=float, default=None, help="override: measured TB/s")
     c.add_argument("--net-bw", type=float, default=None, help="override: GB/s per GPU")

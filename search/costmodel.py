@@ -8,6 +8,13 @@ Per iteration of a dense batch of B tokens on TP GPUs (each holding 1/TP of the 
     optimal tokens/s/GPU = FLOPs / (2 * P)
 Decodes are the share d / (p + d) of the batch's tokens (p, d: mean prompt and output
 lengths), each reading the KV cache of a context of p + d / 2 tokens on average.
+
+Mixture of experts (Mixtral, Qwen2-MoE): P above is the active parameter count (a token
+computes with its top-k experts only), so optimal = FLOPs / (2 * active params). The
+routed experts' share of T_compute is their grouped GEMMs' expected time on the
+iteration's nano-batches (search/moe_cost.py: rows per expert at that nano-batch size,
+weight-read bound below the ridge, tile padding, the router's imbalance), and T_mem
+reads only the experts some token chose.
 """
 from __future__ import annotations
 
@@ -53,17 +60,28 @@ def gpu_from(name: str, tflops=None, mem_bw_tbps=None, net_gbps=None) -> GPU:
 
 
 def analyze(gpu: GPU, cfg: ModelConfig, batch: int, tp: int = 1, prompt: float = 512,
-            output: float = 512, bytes_per_param: int = 2) -> dict:
-    if batch <= 0 or tp <= 0:
-        raise NanojaxError("batch and tp must be positive")
-    p = cfg.param_count()
+            output: float = 512, bytes_per_param: int = 2, nano_batch: int | None = None,
+            expert_load=None) -> dict:
+    """nano_batch: tokens per MLP nano-batch (None: the whole batch), and expert_load: the
+    measured share of routing decisions per expert (None: uniform); MoE models only."""
+    if batch <= 0 or tp <= 0 or (nano_batch is not None and nano_batch <= 0):
+        raise NanojaxError("batch, tp and nano_batch must be positive")
+    p = cfg.active_param_count()
     flops = gpu.tflops * 1e12
     bw = gpu.mem_bw_tbps * 1e12
     t_compute = 2 * p * batch / (tp * flops)
+    weight_bytes = cfg.param_count() * bytes_per_param
+    moe = {}
+    if cfg.is_moe:
+        from search.moe_cost import moe_compute_terms
+        moe = moe_compute_terms(cfg, batch, nano_batch, flops, bw, tp, bytes_per_param,
+                                expert_load)
+        t_compute += moe["T_experts_s"] - moe["T_experts_ideal_s"]
+        routed = cfg.param_count() - cfg.param_count(experts=0)
+        weight_bytes += moe["expert_weight_bytes"] - routed * bytes_per_param
     decodes = batch * output / (prompt + output)
     kv_per_token = 2 * cfg.num_layers * cfg.kv_size * bytes_per_param
     kv_bytes = decodes * (prompt + output / 2) * kv_per_token
-    weight_bytes = p * bytes_per_param
     t_mem = (weight_bytes + kv_bytes) / (tp * bw)
     if tp > 1:
         act = batch * cfg.hidden_size * bytes_per_param
@@ -72,12 +90,13 @@ def analyze(gpu: GPU, cfg: ModelConfig, batch: int, tp: int = 1, prompt: float =
         t_net = 0.0
     tr, nr = t_mem / t_compute, t_net / t_compute
     bound = "compute" if max(tr, nr) < 1 else ("memory" if tr >= nr else "network")
-    return {"gpu": gpu.name, "params": p, "batch": batch, "tp": tp,
+    return {"gpu": gpu.name, "params": cfg.param_count(), "active_params": p,
+            "batch": batch, "tp": tp,
             "prompt_mean": prompt, "output_mean": output, "decode_tokens": decodes,
             "T_compute_s": t_compute, "T_mem_s": t_mem, "T_net_s": t_net,
             "TR": tr, "T_net_over_T_compute": nr, "bound": bound,
             "weight_bytes": weight_bytes, "kv_bytes_read": kv_bytes,
-            "optimal_tokens_per_s_per_gpu": flops / (2 * p)}
+            "optimal_tokens_per_s_per_gpu": flops / (2 * p), **moe}
 
 
 def table(models=("llama2-70b", "llama3-70b", "llama3-8b", "qwen2-72b"),

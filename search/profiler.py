@@ -49,7 +49,9 @@ class LayerOps:
         self.lengths = workload_lengths(workload, max_model_len)
         self.page_size, self.num_pages, self.num_sms = page_size, num_pages, num_sms
         self.max_pages = -(-max_model_len // page_size)
-        self.attention = default_forward(cfg, kernels).attention
+        forward = default_forward(cfg, kernels)
+        self.attention = forward.attention
+        self.compiler_options = forward.compiler_options  # an MoE MLP's grouped GEMMs
         self.inv_freq = LlamaForCausalLM(cfg).inv_freq
         self.dense = synthetic_batch(cfg, b_dense, self.lengths, page_size, num_pages,
                                      self.max_pages, tuple(range(granularity, b_dense,
@@ -94,7 +96,8 @@ class LayerOps:
             q, k, v, kv, meta = self.inputs(op, n)
             return device_seconds_stateful(self.fn(op, share), kv, q, k, v, meta,
                                            iters=iters)
-        return device_seconds(self.fn(op, share), *self.inputs(op, n), iters=iters)
+        return device_seconds(self.fn(op, share), *self.inputs(op, n), iters=iters,
+                              compiler_options=self.compiler_options)
 
 
 def interference_table(lay: LayerOps, n: int, shares, alone=None, progress=None) -> dict:

@@ -24,11 +24,19 @@ _BLOCK = {"input_layernorm.weight": "attn_norm.weight",
           "mlp.down_proj.weight": "ffn_down.weight"}
 
 
-def gguf_name(hf: str) -> str:
+_MOE = {"block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+        "w1": "ffn_gate_exps.weight", "w3": "ffn_up_exps.weight", "w2": "ffn_down_exps.weight"}
+
+
+def gguf_name(hf) -> str:
+    """The GGUF name of an HF tensor, or of a tuple of per-expert tensors (Mixtral)."""
+    if isinstance(hf, tuple):  # model.layers.N.block_sparse_moe.experts.0.w1.weight, ...
+        _, _, idx, *_, proj, _ = hf[0].split(".")
+        return f"blk.{idx}.{_MOE[proj]}"
     if hf in _TO_GGUF:
         return _TO_GGUF[hf]
     _, _, idx, rest = hf.split(".", 3)
-    return f"blk.{idx}.{_BLOCK[rest]}"
+    return f"blk.{idx}.{_MOE.get(rest) or _BLOCK[rest]}"
 
 
 def byte_level_vocab(size: int) -> tuple[list[str], list[int]]:
@@ -54,6 +62,9 @@ def write_llama_gguf(path, cfg, params: dict, quant: str = "F32",
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_dimension_count(cfg.head_dim)
     w.add_vocab_size(cfg.vocab_size)
+    if cfg.is_moe:  # llama.cpp's Mixtral: a llama file with experts
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
     tokens, types = byte_level_vocab(cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
@@ -67,11 +78,11 @@ def write_llama_gguf(path, cfg, params: dict, quant: str = "F32",
         for k in path_:
             arr = arr[k]
         arr = np.asarray(arr, np.float32)
-        if transpose:
-            arr = arr.T
-        if hf.endswith("q_proj.weight"):
+        if transpose:  # each expert's [in, out] back to [out, in]
+            arr = arr.swapaxes(-1, -2)
+        if isinstance(hf, str) and hf.endswith("q_proj.weight"):
             arr = _permute(arr, cfg.num_heads)
-        elif hf.endswith("k_proj.weight"):
+        elif isinstance(hf, str) and hf.endswith("k_proj.weight"):
             arr = _permute(arr, cfg.num_kv_heads)
         name = gguf_name(hf)
         if name in override:

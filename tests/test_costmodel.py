@@ -46,3 +46,43 @@ def test_cli_json_contract(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "nanojax", "costmodel", "--gpu", "tpu"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "unknown GPU 'tpu'" in bad.stderr
+
+
+def test_moe_optimal_uses_active_parameters_and_small_nano_batches_cost_more():
+    from search.moe_cost import expert_time
+    cfg = named_shape("mixtral-8x7b")
+    whole = analyze(GPUS["h200"], cfg, 2048)
+    assert whole["optimal_tokens_per_s_per_gpu"] == pytest.approx(
+        989e12 / (2 * cfg.active_param_count()))
+    assert cfg.active_param_count() < 0.3 * cfg.param_count()
+    effs = [analyze(GPUS["h200"], cfg, 2048, nano_batch=n)["expert_gemm_efficiency"]
+            for n in (2048, 1024, 512, 256)]
+    assert effs == sorted(effs, reverse=True) and effs[0] > 0.9 and effs[-1] < 0.4
+    # the compute time grows by exactly the experts' lost efficiency
+    half = analyze(GPUS["h200"], cfg, 2048, nano_batch=512)
+    assert half["T_compute_s"] - whole["T_compute_s"] == pytest.approx(
+        half["T_experts_s"] - whole["T_experts_s"])
+    # a router that favours one expert: more imbalance, less efficiency
+    skew = analyze(GPUS["h200"], cfg, 2048, nano_batch=512, expert_load=[4] + [1] * 7)
+    assert skew["router_imbalance"] > 2 * half["router_imbalance"]
+    assert skew["expert_gemm_efficiency"] < half["expert_gemm_efficiency"]
+    # a tiny batch reads only the experts some token chose
+    one = expert_time(cfg, 1, 989e12, 4.8e12)
+    assert one["experts_hit"] == pytest.approx(2.0) and one["efficiency"] < 0.01
+    # dense models are untouched by the MoE terms
+    dense = analyze(GPUS["h200"], named_shape("llama3-8b"), 2048, nano_batch=256)
+    assert "expert_gemm_efficiency" not in dense and dense["active_params"] == dense["params"]
+
+
+def test_roofline_counts_active_parameters_and_expert_shapes():
+    from nanojax.bench.roofline import gemm_shapes, optimal_tokens_per_s
+    cfg = named_shape("mixtral-8x7b")
+    assert optimal_tokens_per_s(cfg, 790e12) == pytest.approx(
+        790e12 / (2 * cfg.active_param_count()))
+    shapes = gemm_shapes(cfg, 2048)
+    # each of the 8 experts sees 2048 * 2 / 8 = 512 rows; one form's FLOPs are the
+    # active expert FLOPs of the layer
+    assert shapes["down"] == [[(512, 14336, 4096)] * 8]
+    flops = sum(2 * m * k * n for m, k, n in shapes["gate_up"][0] + shapes["down"][0])
+    assert flops == 2 * 2048 * 2 * 3 * 4096 * 14336
+    assert "shared" in gemm_shapes(named_shape("qwen2-57b-a14b"), 2048)

@@ -21,23 +21,23 @@ def run_peer(shape: str, num_prompts: int, input_len: int | None, output_len: in
              trace: str | None, max_model_len: int, seed: int = 0) -> dict:
     import torch
     import transformers
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig
 
     from nanojax.bench.workload import make_requests
     from nanojax.config import named_shape
 
     cfg = named_shape(shape)
-    hf_cfg = LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-        max_position_embeddings=max(max_model_len, 2048), tie_word_embeddings=cfg.tie_word_embeddings,
-        eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    model_cls, hf_cfg = hf_model_config(cfg, max_model_len)
     torch.manual_seed(seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = LlamaForCausalLM(hf_cfg).to(torch.bfloat16).eval()
+    # built in bf16 directly: Mixtral-8x7B in f32 (187 GB) would not fit an H200
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = model_cls(hf_cfg).to(torch.bfloat16).eval()
+    finally:
+        torch.set_default_dtype(default)
     # generate_batch switches the model to its paged attention itself
     reqs = make_requests(num_prompts, cfg.vocab_size, input_len, output_len, trace,
                          max_model_len, seed)
@@ -45,14 +45,21 @@ def run_peer(shape: str, num_prompts: int, input_len: int | None, output_len: in
     gen = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None,
                            pad_token_id=0)
     prompts = [r.prompt_ids for r in reqs]
+    batching = {}
+    if device == "cpu":  # CPU smoke runs: transformers would size its cache from free RAM
+        from transformers import ContinuousBatchingConfig
+        batching["continuous_batching_config"] = ContinuousBatchingConfig(
+            num_blocks=16, max_batch_tokens=256)
     # no_grad, not inference_mode: generate_batch runs its scheduler in a thread outside
     # this context, and transformers 5.17 fails there on in-place updates of inference
     # tensors (every request "failed during generation", zero tokens)
     with torch.no_grad():
-        model.generate_batch(inputs=prompts[:8], generation_config=gen, progress_bar=False)
+        model.generate_batch(inputs=prompts[:8], generation_config=gen, progress_bar=False,
+                             **batching)
         _sync(torch)
         t0 = time.perf_counter()
-        out = model.generate_batch(inputs=prompts, generation_config=gen, progress_bar=False)
+        out = model.generate_batch(inputs=prompts, generation_config=gen, progress_bar=False,
+                                   **batching)
         _sync(torch)
         wall = time.perf_counter() - t0
     attn = getattr(model.config, "_attn_implementation", "?")
@@ -66,6 +73,32 @@ def run_peer(shape: str, num_prompts: int, input_len: int | None, output_len: in
             "total_tokens_per_s": (prompt_tokens + produced) / wall,
             "note": "all requests get the workload's largest output length as max_new_tokens"
                     if trace else ""}
+
+
+def hf_model_config(cfg, max_model_len: int = 2048):
+    """(transformers model class, config) of the same shape: LLaMA, Mixtral or Qwen2-MoE."""
+    import transformers
+    common = dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+        max_position_embeddings=max(max_model_len, 2048),
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    if cfg.architecture == "mixtral":
+        return transformers.MixtralForCausalLM, transformers.MixtralConfig(
+            intermediate_size=cfg.moe_intermediate_size, num_local_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok, **common)
+    if cfg.architecture == "qwen2_moe":
+        return transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
+            intermediate_size=cfg.intermediate_size, num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+            norm_topk_prob=cfg.norm_topk_prob, **common)
+    return transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        intermediate_size=cfg.intermediate_size, **common)
 
 
 def run_peer_subprocess(args_list: list[str], timeout: float = 900) -> dict:

@@ -27,7 +27,8 @@ def make_step(forward):
         logits, kv = forward(params, tokens, kv, meta, logit_idx)
         rows = np.linspace(0, logits.shape[0] - 1, min(_CHECK_ROWS, logits.shape[0]))
         return kv, (jnp.argmax(logits, axis=-1), logits[rows.astype(np.int32)])
-    return jax.jit(step, donate_argnums=(1,))
+    return jax.jit(step, donate_argnums=(1,),
+                   compiler_options=forward.compiler_options or None)
 
 
 def time_step(step, params, kv, batch: SyntheticBatch, repeats: int = 10):
@@ -48,7 +49,9 @@ def time_step(step, params, kv, batch: SyntheticBatch, repeats: int = 10):
 
 
 def parse_mode(mode: str) -> dict:
-    """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs|keepall][:gemmSHARE]:
+    """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs|keepall][:gemmSHARE]
+    [:nofusion] ('nofusion': an MoE step without XLA's cuDNN ragged-dot fusion, i.e. with
+    the masked dense expert GEMMs, for the A/B of models/moe.py):
     'overlap:0.25' runs the plan with every attention nano-op at share 0.25; 'nogroups'
     turns off the executor's XLA scheduling groups (the ablation that shows what they do);
     'gemm0.5' gives every GEMM nano-op share 0.5 and bounds its grid (layers/matmul.py,
@@ -58,7 +61,7 @@ def parse_mode(mode: str) -> dict:
     from nanojax.pipeline.plan import MODES
     base, *opts = mode.split(":")
     out = {"base": base, "attention_share": None, "gemm_share": None,
-           "scheduling_groups": True, "keep": ""}
+           "scheduling_groups": True, "keep": "", "ragged_fusion": True}
     try:
         if opts and opts[0]:
             out["attention_share"] = float(opts[0])
@@ -69,6 +72,8 @@ def parse_mode(mode: str) -> dict:
                 out["keep"] = "inputs" if o == "keepinputs" else "values"
             elif o.startswith("gemm"):
                 out["gemm_share"] = float(o[4:])
+            elif o == "nofusion":
+                out["ragged_fusion"] = False
             else:
                 raise ValueError
     except ValueError:
@@ -90,7 +95,7 @@ def _variant(plan: dict, mode: str, kernels: KernelConfig):
     if m["gemm_share"] is not None:
         kernels = kernels.replace(gemm_shares=True)
     return plan, m["base"], dict(scheduling_groups=m["scheduling_groups"], keep=m["keep"],
-                                 kernels=kernels)
+                                 kernels=kernels, ragged_fusion=m["ragged_fusion"])
 
 
 def f32_reference_outputs(bundle, plan: dict, batches: dict, num_pages: int,
@@ -228,7 +233,10 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
         outputs = {}  # workload -> mode -> (tokens, checked logits)
         for mode in modes:
             p, base, options = _variant(sized, mode, kernels)
+            fusion = options.pop("ragged_fusion")
             fwd = PipelineForward(cfg, p, base, **options)
+            if not fusion:  # the ':nofusion' ablation of an MoE model's grouped GEMMs
+                fwd.compiler_options = {}
             if params is None:
                 params = fwd.prepare(bundle.params)
             step = make_step(fwd)

@@ -16,6 +16,7 @@ from nanojax.config import KernelConfig, ModelConfig
 from nanojax.engine.kv_cache import init_kv_pages
 from nanojax.layers.attention import AttentionBackend, paged_attention, pallas_backend
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
+from nanojax.models.moe import compiler_options as moe_compiler_options
 
 
 class Forward(Protocol):
@@ -26,6 +27,7 @@ class Forward(Protocol):
     # cuts); () for a forward without nano-batches
     chunk_cuts: tuple[int, ...]
     kv_page_axis: int  # the page axis of the cache's paged arrays (prefix-cache copies)
+    compiler_options: dict  # XLA options the jitted step compiles with
 
     def prepare(self, params):
         """Parameters as this forward wants them on device."""
@@ -46,6 +48,7 @@ class UnrolledForward:
         self.cfg = cfg
         self.attention = attention
         self.model = LlamaForCausalLM(cfg)
+        self.compiler_options = moe_compiler_options(cfg, jax.default_backend())
 
     def prepare(self, params):
         return jax.device_put(params)

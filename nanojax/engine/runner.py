@@ -61,7 +61,8 @@ class ModelRunner:
         self.kv = forward.init_kv(num_pages, page_size)
         self.num_compiles = 0
         self._lock = threading.Lock()
-        self._step = jax.jit(self._make_step(forward), donate_argnums=(1,))
+        self._step = jax.jit(self._make_step(forward), donate_argnums=(1,),
+                             compiler_options=forward.compiler_options or None)
         self._prev = jnp.zeros((self.max_rows,), jnp.int32)
 
     def _make_step(self, forward):

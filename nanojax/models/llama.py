@@ -1,4 +1,5 @@
-"""LLaMA-family decoder in Flax (LLaMA 2/3, SmolLM2, Qwen2).
+"""LLaMA-family decoder in Flax (LLaMA 2/3, SmolLM2, Qwen2; Mixtral and Qwen2-MoE with the
+MoE block of models/moe.py as the MLP).
 
 Tokens are packed flat ([T], no batch axis), as a serving engine feeds them. A layer is
 split into the ops NanoFlow schedules separately (qkv projection, attention, output
@@ -17,6 +18,7 @@ import numpy as np
 
 from nanojax.config import ModelConfig
 from nanojax.layers.rotary import inverse_frequencies
+from nanojax.models.moe import MoEBlock
 
 
 def _dtype(cfg: ModelConfig):
@@ -66,9 +68,12 @@ class DecoderLayer(nn.Module):
         self.v_proj = Linear(c.kv_size, dt, c.attention_bias, mm)
         self.o_proj = Linear(c.hidden_size, dt, matmul=mm)
         self.post_attention_norm = RMSNorm(c.rms_norm_eps, dt)
-        self.gate_proj = Linear(c.intermediate_size, dt, matmul=mm)
-        self.up_proj = Linear(c.intermediate_size, dt, matmul=mm)
-        self.down_proj = Linear(c.hidden_size, dt, matmul=mm)
+        if c.is_moe:  # Mixtral / Qwen2-MoE: a routed mixture of experts is the FFN
+            self.moe = MoEBlock(c, mm)
+        else:
+            self.gate_proj = Linear(c.intermediate_size, dt, matmul=mm)
+            self.up_proj = Linear(c.intermediate_size, dt, matmul=mm)
+            self.down_proj = Linear(c.hidden_size, dt, matmul=mm)
 
     def qkv(self, x):
         """[T, hidden] -> q [T, H, D], k, v [T, KVH, D] (unrotated)."""
@@ -84,6 +89,8 @@ class DecoderLayer(nn.Module):
 
     def mlp(self, x):
         h = self.post_attention_norm(x)
+        if self.cfg.is_moe:
+            return x + self.moe(h)
         return x + self.down_proj(nn.silu(self.gate_proj(h)) * self.up_proj(h))
 
     def __call__(self, x, kv_layer, meta, attention, inv_freq):

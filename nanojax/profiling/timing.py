@@ -10,10 +10,12 @@ import numpy as np
 from jax import lax
 
 
-def device_seconds(fn, *args, iters: int = 20, reps: int = 5) -> float:
+def device_seconds(fn, *args, iters: int = 20, reps: int = 5,
+                   compiler_options: dict | None = None) -> float:
     """Seconds per call of fn(*args). The arguments and the last output pass through an
     optimization barrier every iteration, so XLA can neither hoist the work out of the
-    loop nor shrink it to the part that is used."""
+    loop nor shrink it to the part that is used. compiler_options: XLA options of the
+    loop's compile (a forward's, so an op is timed as the step compiles it)."""
     out0 = jax.eval_shape(fn, *args)
 
     def loop(args):
@@ -23,7 +25,8 @@ def device_seconds(fn, *args, iters: int = 20, reps: int = 5) -> float:
         zeros = jax.tree_util.tree_map(lambda s: jax.numpy.zeros(s.shape, s.dtype), out0)
         return lax.fori_loop(0, iters, body, (args, zeros))[1]
 
-    return _median_per_call(jax.jit(loop), lambda f: f(args), iters, reps)
+    return _median_per_call(jax.jit(loop, compiler_options=compiler_options or None),
+                            lambda f: f(args), iters, reps)
 
 
 def device_seconds_stateful(fn, state, *args, iters: int = 20, reps: int = 5) -> float:

@@ -1,0 +1,49 @@
+#!/bin/bash
+# Mixtral-8x7B shape (random bf16 weights, ~93 GB; 12.9B active of 46.7B parameters) on
+# one H200. Each PART fits one 10-minute GPU call:
+#   PART=probe   which grouped GEMM ragged_dot gets here (bench/scripts/
+#                moe_grouped_gemm_probe.py), by default and with XLA's cuDNN ragged-dot
+#                fusion (xla_gpu_experimental_use_ragged_dot_fusion): XLA's GPU
+#                compiler otherwise rewrites ragged-dot into a masked dense dot over all
+#                experts (RaggedDotRewriter), E/k = 4x the active expert FLOPs for
+#                Mixtral; that shows as ragged_dot_s near all_experts_dense_s. ~1-2 min.
+#   PART=step    one dense iteration (B_dense 2048, workloads 512/512 and splitwise) in
+#                the three modes with the hand-written plan nanojax/plans/mixtral-8x7b-1gpu
+#                (the 8B plan on the Mixtral signature); % of optimal uses active
+#                parameters and the GEMM rate measured here at the expert shapes.
+#                Expect ~1-2 min to build the weights, ~3-4 min of compiles (overlap
+#                the longest), then seconds of timing: ~6-8 min. If it runs short of
+#                the call, drop a workload (WORKLOADS=512/512).
+#   PART=engine  128 requests of 512/512 through the engine (--fixed-shapes) and through
+#                transformers' generate_batch on a MixtralForCausalLM of the same shape
+#                (built in bf16 on the GPU, run first in its own process), one run.
+#                Peer capped at PEER_LIMIT s (default 240); ~8-9 min in all.
+# MoE steps compile with XLA's cuDNN ragged-dot fusion on the GPU (models/moe.py); the step
+# PART also runs non-overlap without it (mode non-overlap::nofusion) for the A/B.
+# Usage: OUT=dir PART=probe|step|engine [KERNEL=triton] bash bench/scripts/moe_mixtral.sh
+set -u
+OUT=${OUT:?set OUT}
+mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 NANOJAX_DECODE_KERNEL=${KERNEL:-triton}
+quiet() { grep -v "^[WI]1" | tail -n "$1"; }
+case "${PART:?set PART to probe, step or engine}" in
+probe)
+  timeout "${LIMIT1:-400}" python3 bench/scripts/moe_grouped_gemm_probe.py \
+    "$OUT/moe_grouped_gemm_probe_h200.json" 2>&1 | quiet 8
+  ;;
+step)
+  timeout "${LIMIT1:-560}" python3 -m nanojax bench step --model random:mixtral-8x7b \
+    --plan mixtral-8x7b-1gpu --b-dense "${BDENSE:-2048}" \
+    --workloads "${WORKLOADS:-512/512,splitwise}" --modes non-overlap,nanobatch-only,overlap,non-overlap::nofusion \
+    --repeats 5 --quiet --json "$OUT/step_mixtral-8x7b_1xh200.json" 2>&1 | quiet 16
+  ;;
+engine)
+  n=${NUM_PROMPTS:-128}
+  timeout "${LIMIT1:-570}" python3 -m nanojax bench --model random:mixtral-8x7b --quiet \
+    --b-dense 2048 --admission predicted --fixed-shapes --num-prompts "$n" \
+    --input-len 512 --output-len 512 --max-model-len 1024 --max-num-seqs "$n" \
+    --peer --peer-timeout "${PEER_LIMIT:-240}" \
+    --json "$OUT/engine_peer_mixtral-8x7b_512_512.json" 2>&1 | quiet 12
+  ;;
+esac
+ls -la "$OUT"

@@ -1,0 +1,117 @@
+"""Mixture-of-experts FFN in Flax (Mixtral, Qwen2-MoE): the `mlp` nano-op of an MoE layer.
+
+    router:  softmax(h @ W_router) in f32 -> top-k experts per token; Mixtral renormalises
+             the k weights (norm_topk_prob), Qwen2-MoE keeps the softmax probabilities
+    experts: the T*k (token, expert) pairs sorted by expert, then each SwiGLU GEMM as one
+             grouped GEMM over the sorted rows (jax.lax.ragged_dot: group e multiplies
+             expert e's weights), then each token sums its k rows times their weights
+    shared:  Qwen2-MoE's always-on expert, scaled by sigmoid(h @ w_gate)
+
+Expert weights are stacked [E, in, out]: gate/up [E, hidden, ffn] shard by columns (last
+axis) and down [E, ffn, hidden] by rows (axis 1) under tensor parallelism, exactly as the
+dense FFN's gate/up/down (TP_SHARDED_AXIS); the router and the shared expert's gate are
+replicated. Each rank then holds every expert's slice, so routing needs no all-to-all and
+the down projection's partial sums meet in the layer's one all-reduce.
+
+Where ragged_dot runs: jax lowers it on the CPU as masked dense dots over all experts, and
+XLA's GPU compiler rewrites it the same way (RaggedDotRewriter) unless its cuDNN ragged-dot
+fusion is on: the masked form costs E/k times the active expert FLOPs. So the forwards
+compile MoE steps with that fusion on a GPU (compiler_options below; not yet measured:
+bench/scripts/moe_grouped_gemm_probe.py measures both forms on a GPU).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from nanojax.config import ModelConfig
+
+# parameter path in the block -> the axis tensor parallelism splits (the dense FFN's
+# convention: gate/up by columns, down by rows); the rest is replicated
+TP_SHARDED_AXIS = {("gate_proj",): 2, ("up_proj",): 2, ("down_proj",): 1,
+                   ("shared_gate_proj", "kernel"): 1, ("shared_up_proj", "kernel"): 1,
+                   ("shared_down_proj", "kernel"): 0}
+
+
+def tp_slice(block_params: dict, rank: int, tp: int) -> dict:
+    """Rank `rank`'s shard of one MoE block's parameters under TP degree `tp`: a block of
+    the config with ffn widths / tp computes this rank's partial sum of the output."""
+    def cut(path, x):
+        axis = TP_SHARDED_AXIS.get(tuple(k.key for k in path))
+        if axis is None:
+            return x
+        n = x.shape[axis] // tp
+        return jax.lax.slice_in_dim(x, rank * n, (rank + 1) * n, axis=axis)
+    return jax.tree_util.tree_map_with_path(cut, block_params)
+
+
+RAGGED_DOT_FUSION = "xla_gpu_experimental_use_ragged_dot_fusion"
+
+
+def compiler_options(cfg: ModelConfig, backend: str) -> dict:
+    """XLA options a step of this model compiles with: on a GPU, an MoE model asks for
+    cuDNN's grouped GEMM for ragged_dot (where cuDNN cannot take one, XLA still rewrites
+    it into the masked dense dot)."""
+    return {RAGGED_DOT_FUSION: True} if cfg.is_moe and backend == "gpu" else {}
+
+
+def route(logits, k: int, renormalise: bool):
+    """Router logits [T, E] -> (top-k weights [T, k] f32, expert ids [T, k] int32)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, k)
+    if renormalise:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def sort_by_expert(experts, num_experts: int):
+    """Expert ids [T, k] -> (order [T*k]: the flat (token, slot) pairs grouped by expert,
+    group_sizes [E] int32). Stable, so each group keeps token order."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return order, sizes
+
+
+def grouped_swiglu(x_sorted, gate, up, down, group_sizes):
+    """SwiGLU of rows grouped by expert: rows of group e use expert e's weights."""
+    g = jax.lax.ragged_dot(x_sorted, gate, group_sizes)
+    u = jax.lax.ragged_dot(x_sorted, up, group_sizes)
+    return jax.lax.ragged_dot((nn.silu(g) * u).astype(x_sorted.dtype), down, group_sizes)
+
+
+class MoEBlock(nn.Module):
+    """h [T, hidden] (after the post-attention norm) -> FFN output [T, hidden]."""
+    cfg: ModelConfig
+    matmul: Callable | None = None  # the router's and shared expert's GEMMs (None: dot)
+
+    @nn.compact
+    def __call__(self, h):
+        from nanojax.models.llama import Linear
+        c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        e, k, f, d = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.hidden_size
+        init = nn.initializers.normal(0.02)
+        gate = self.param("gate_proj", init, (e, d, f), dt)
+        up = self.param("up_proj", init, (e, d, f), dt)
+        down = self.param("down_proj", init, (e, f, d), dt)
+        h = h.astype(dt)
+        t = h.shape[0]
+        weights, experts = route(Linear(e, dt, matmul=self.matmul, name="router")(h), k,
+                                 c.norm_topk_prob)
+        order, sizes = sort_by_expert(experts, e)
+        rows = grouped_swiglu(h[order // k], gate, up, down, sizes)   # [T*k, hidden]
+        # back to (token, slot) order: each token's k rows, weighted, summed in f32
+        unsort = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
+        rows = rows[unsort].reshape(t, k, d).astype(jnp.float32)
+        y = jnp.sum(rows * weights[..., None], axis=1)
+        if c.shared_expert_intermediate_size:
+            s = c.shared_expert_intermediate_size
+            lin = lambda n, name: Linear(n, dt, matmul=self.matmul, name=name)  # noqa: E731
+            shared = lin(d, "shared_down_proj")(
+                nn.silu(lin(s, "shared_gate_proj")(h)) * lin(s, "shared_up_proj")(h))
+            scale = jax.nn.sigmoid(lin(1, "shared_expert_gate")(h).astype(jnp.float32))
+            y = y + scale * shared.astype(jnp.float32)
+        return y.astype(dt)
