@@ -285,6 +285,7 @@ def test_gpu_attention_kernels_prefill_after_cached_pages(tiny_bundle):
     prefills that start after shared pages give the tokens of the pure-JAX forward
     without reuse."""
     from nanojax.engine.forward import UnrolledForward
+    from nanojax.config import KernelConfig
     from nanojax.layers.attention import paged_attention, pallas_backend
     cfg = tiny_bundle.config
     rng = np.random.default_rng(5)
@@ -294,8 +295,9 @@ def test_gpu_attention_kernels_prefill_after_cached_pages(tiny_bundle):
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     outs, stats = [], None
     for attention, reuse in ((paged_attention, {"enable_prefix_caching": False}),
-                             (pallas_backend(prefill_block_q=4, fused_append=True,
-                                             interpret=True), {})):
+                             (pallas_backend(KernelConfig(
+                                 prefill_kernel=True, prefill_block_q=4, fused_append=True,
+                                 interpret=True)), {})):
         eng = LLMEngine(tiny_bundle, EngineConfig(b_dense=32, num_pages=40, page_size=4,
                                                   max_model_len=64, **reuse),
                         forward=UnrolledForward(cfg, attention))
