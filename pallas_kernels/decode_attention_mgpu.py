@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.mosaic_gpu_support import interpret_params
+from pallas_kernels.mosaic_gpu_support import copy_pages_to_slot, interpret_params
 
 _ROWS = 64  # WGMMA tile height
 _QROWS = 8  # query rows copied per unit (the group, padded to a TMA tile)
@@ -161,14 +161,8 @@ def decode_attention_mgpu(q, k_pages, v_pages, page_table, context_lens, *,
 
             def issue(j, pgs):  # the copies of block j into its slot, one per page
                 slot = lax.rem(j, stages)
-                for p, page in enumerate(pgs):
-                    row = page * kvh + hh
-                    dst = pl.ds(p * ps, ps)
-                    # a slot's ppb copies arrive on one barrier (it expects ppb arrivals)
-                    plgpu.copy_gmem_to_smem(k_ref.at[row], k_smem.at[slot, dst],
-                                            k_bars.at[bar0 + slot])
-                    plgpu.copy_gmem_to_smem(v_ref.at[row], v_smem.at[slot, dst],
-                                            v_bars.at[bar0 + slot])
+                copy_pages_to_slot(k_ref, v_ref, k_smem.at[slot], v_smem.at[slot], pgs, hh,
+                                   kvh, ps, k_bars.at[bar0 + slot], v_bars.at[bar0 + slot])
 
             for s in range(stages - 1):
                 pl.when(s < nb)(functools.partial(lambda s: issue(s, pages(s)), s))

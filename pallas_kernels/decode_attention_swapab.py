@@ -58,7 +58,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.mosaic_gpu_support import interpret_params
+from pallas_kernels.mosaic_gpu_support import copy_pages_to_slot, interpret_params
 
 _MAX_GROUP = 32  # query heads per kv head (the WGMMA N dimension, padded to 8)
 
@@ -289,13 +289,8 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
         def issue(t, i, pgs):  # step t's copies (item i) into slot t % stages
             hh = item_coords(item_of(i))[1]
             slot = lax.rem(t, stages)
-            for p, page in enumerate(pgs):
-                row = page * kvh + hh
-                dst = pl.ds(p * ps, ps)
-                plgpu.copy_gmem_to_smem(k_ref.at[row], k_smem.at[slot, dst],
-                                        k_bars.at[bar0 + slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[row], v_smem.at[slot, dst],
-                                        v_bars.at[bar0 + slot])
+            copy_pages_to_slot(k_ref, v_ref, k_smem.at[slot], v_smem.at[slot], pgs, hh, kvh,
+                               ps, k_bars.at[bar0 + slot], v_bars.at[bar0 + slot])
 
         # The issue cursor runs stages - 1 steps ahead of the compute cursor, across item
         # boundaries. A cursor: (item i, block j, its last block + 1, the lengths of items

@@ -17,3 +17,17 @@ def interpret_params():
         return plgpu.InterpretParams()
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     return InterpretGPUParams()
+
+
+def copy_pages_to_slot(k_ref, v_ref, k_slot, v_slot, pages, kv_head: int, kvh: int,
+                       page_size: int, k_bar, v_bar):
+    """TMA copies of one block of paged keys and values into a ring slot: one copy per
+    (page, kv head) tile of the [N * KVH, ps, D] views, all arriving on the slot's two
+    barriers (each expects len(pages) arrivals)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    for p, page in enumerate(pages):
+        row = page * kvh + kv_head
+        dst = pl.ds(p * page_size, page_size)
+        plgpu.copy_gmem_to_smem(k_ref.at[row], k_slot.at[dst], k_bar)
+        plgpu.copy_gmem_to_smem(v_ref.at[row], v_slot.at[dst], v_bar)

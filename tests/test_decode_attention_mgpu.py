@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.decode_attention import decode_attention_reference
+from decode_checks import rel_error
 from pallas_kernels.decode_attention_mgpu import decode_attention_mgpu
 from pallas_kernels.mosaic_gpu_support import on_hopper
 
@@ -24,13 +24,6 @@ def _case(seed, b, kvh, g, d, ps, max_pages):
     return q, k, v, pt, lens
 
 
-def _rel(out, q, k, v, pt, lens):
-    ref = decode_attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), pt, lens)
-    o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    assert np.isfinite(o).all(), "NaN or inf in the kernel output"
-    return np.linalg.norm(o - r) / np.linalg.norm(r)
-
-
 @pytest.mark.parametrize("b,kvh,g,d,ps,max_pages,programs,block_k,stages,wgs", [
     (5, 2, 8, 128, 16, 9, 3, 64, 3, 1),  # a full group of 8, units spread unevenly
     (4, 1, 1, 64, 32, 5, 7, 64, 1, 2),   # more workers than units; no pipelining
@@ -42,7 +35,7 @@ def test_kernel_matches_reference_interpret(b, kvh, g, d, ps, max_pages, program
     out = decode_attention_mgpu(q, k, v, pt, lens, num_programs=programs, block_k=block_k,
                                 stages=stages, warpgroups=wgs, interpret=True)
     assert out.shape == q.shape
-    assert _rel(out, q, k, v, pt, lens) < REL_TOL_BF16
+    assert rel_error(out, q, k, v, pt, lens) < REL_TOL_BF16
 
 
 def test_shapes_it_cannot_tile_are_refused():
@@ -63,7 +56,7 @@ def test_kernel_on_gpu(programs, block_k, stages, wgs):
     q, k, v, pt, lens = _case(1, 64, 8, 4, 128, 16, 64)
     out = decode_attention_mgpu(q, k, v, pt, lens, num_programs=programs, block_k=block_k,
                                 stages=stages, warpgroups=wgs)
-    assert _rel(out, q, k, v, pt, lens) < REL_TOL_BF16
+    assert rel_error(out, q, k, v, pt, lens) < REL_TOL_BF16
 
 
 @pytest.mark.parametrize("kernel", ["mosaic", "mosaic-rows"])

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.decode_attention import decode_attention_reference
+from decode_checks import rel_error
 from pallas_kernels.decode_attention_swapab import (combine_splits, decode_attention_swapab,
                                                     default_splits, unsupported)
 from pallas_kernels.mosaic_gpu_support import on_hopper
@@ -53,13 +53,6 @@ def _dequantized(x8, scale):
     return x8.astype(jnp.float32) * scale[None, :, None, None]
 
 
-def _rel(out, q, k, v, pt, lens):
-    ref = decode_attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), pt, lens)
-    o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    assert np.isfinite(o).all(), "NaN or inf in the kernel output"
-    return np.linalg.norm(o - r) / np.linalg.norm(r)
-
-
 @pytest.mark.parametrize("b,kvh,g,d,ps,max_pages,kw", [
     # GQA 4, two workers in each of two programs stream 6 items through a 2-slot ring
     (3, 2, 4, 64, 16, 7, dict(num_programs=2, warpgroups=2, stages=2)),
@@ -81,7 +74,7 @@ def test_kernel_matches_reference_interpret(b, kvh, g, d, ps, max_pages, kw):
     assert out.shape == q.shape and out.dtype == q.dtype
     if fp8:  # against the reference on the dequantized pages
         k, v = _dequantized(k, scales[0]), _dequantized(v, scales[1])
-    assert _rel(out, q, k, v, pt, lens) < REL_TOL_BF16
+    assert rel_error(out, q, k, v, pt, lens) < REL_TOL_BF16
 
 
 def test_split_count_and_combine():
@@ -161,4 +154,4 @@ def test_kernel_on_gpu(programs, kw):
     out = decode_attention_swapab(q, k, v, pt, lens, num_programs=programs, **kw)
     if fp8:
         k, v = _dequantized(k, scales[0]), _dequantized(v, scales[1])
-    assert _rel(out, q, k, v, pt, lens) < REL_TOL_BF16
+    assert rel_error(out, q, k, v, pt, lens) < REL_TOL_BF16
