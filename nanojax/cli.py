@@ -18,6 +18,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="parameter dtype (default: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--cache-dir", default=None,
                    help="where the default model is cached (env NANOJAX_CACHE)")
+    from nanojax import compile_cache
+    compile_cache.add_args(p)
 
 
 def _positive_int(s: str) -> int:
@@ -161,6 +163,9 @@ def main(argv=None) -> int:
         argv.insert(1, "throughput")  # `nanojax bench` is the offline benchmark
     args = build_parser().parse_args(argv)
     try:
+        if hasattr(args, "no_compile_cache"):  # commands that compile: cache what they do
+            from nanojax import compile_cache
+            compile_cache.configure(args)
         return args.func(args)
     except NanojaxError as e:
         print(f"nanojax: error: {e}", file=sys.stderr)
