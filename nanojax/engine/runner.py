@@ -162,7 +162,8 @@ class ModelRunner:
             steps[row] = seq.num_generated - (1 if e.samples else 0)
             history.append((sp, seq.prompt_ids, seq.output_ids))
             i += n
-        penalties = penalty_inputs(history, r, self.cfg.vocab_size)
+        penalties = penalty_inputs(history, r, self.cfg.vocab_size, self.max_pages_per_seq
+                                   * ps if self.fixed_shapes else None)
         blocks = slot = None
         block_q = getattr(getattr(self.forward, "attention", None), "prefill_block_q", None)
         if block_q:  # query blocks for the chunked-prefill kernel

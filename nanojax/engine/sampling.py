@@ -21,7 +21,7 @@ import numpy as np
 from nanojax.errors import NanojaxError
 
 MAX_LOGPROBS = 20
-MAX_LOGIT_BIAS = 1024      # entries per request
+MAX_LOGIT_BIAS = 300       # entries per request
 MAX_STOP_TOKEN_IDS = 256
 INT32_MAX = 2**31 - 1
 
@@ -126,10 +126,12 @@ def _bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
-def penalty_inputs(rows: list, num_rows: int, vocab_size: int) -> Penalties | None:
+def penalty_inputs(rows: list, num_rows: int, vocab_size: int,
+                   max_context: int | None = None) -> Penalties | None:
     """Host arrays of the logit-processing pass for rows [(params, prompt_ids, output_ids)]
     (the output ids the host knows), padded to num_rows; None when no row asks, so the
-    step compiles and runs without the pass. Lengths are bucketed to bound recompiles."""
+    step compiles and runs without the pass. Lengths are bucketed to bound recompiles;
+    with max_context, fixed (the context and MAX_LOGIT_BIAS): one more shape per step."""
     asks = [(r, p, pr, out) for r, (p, pr, out) in enumerate(rows) if p.processes_logits]
     if not asks:
         return None
@@ -140,6 +142,8 @@ def penalty_inputs(rows: list, num_rows: int, vocab_size: int) -> Penalties | No
     hist = {r: history(p, pr, out) for r, p, pr, out in asks}
     length = _bucket(max(len(h) for h in hist.values()))
     width = _bucket(max(len(p.logit_bias) for _, p, _, _ in asks))
+    if max_context is not None:
+        length, width = max(length, _bucket(max_context)), MAX_LOGIT_BIAS
     ids = np.full((num_rows, length), vocab_size, np.int32)
     is_out = np.zeros((num_rows, length), bool)
     presence = np.zeros(num_rows, np.float32)
