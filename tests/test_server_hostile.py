@@ -300,3 +300,41 @@ def test_fuzz_every_field(server, req):
 
 def test_after_the_fuzz_nothing_leaked(server):
     _no_leaks(server)
+
+
+def test_serve_exits_with_status_1_when_the_engine_dies():
+    """`nanojax serve` as a process: an engine whose step raises fails the request with
+    503, and the process exits with status 1 (a supervisor restarts it)."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    from test_server import _free_port
+    port = _free_port()
+    script = ("import sys, nanojax.engine.llm_engine as m\n"
+              "def boom(self): raise RuntimeError('device lost')\n"
+              "m.LLMEngine.step = boom\n"
+              "from nanojax.cli import main\n"
+              f"sys.exit(main(['serve', '--model', 'random:tiny', '--port', '{port}', "
+              "'--max-model-len', '64', '--num-pages', '16', '--b-dense', '16', "
+              "'--no-compile-cache']))")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.3)
+        else:
+            pytest.fail("server did not start")
+        status, text = asyncio.run(_post(f"http://127.0.0.1:{port}/v1/completions",
+                                         json.dumps({"prompt": [1, 2], "max_tokens": 2})))
+        assert status == 503 and "device lost" in text
+        assert proc.wait(timeout=30) == 1
+        assert "exiting with status 1" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

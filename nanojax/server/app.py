@@ -213,7 +213,7 @@ def _prepare(request: web.Request, prompts: list, parsed: ParsedRequest) -> list
     limit = state["max_waiting"]
     want = len(prompts) * parsed.n  # engine requests this one becomes, checked before any
     if limit is not None:           # is tokenized or queued
-        if want > limit:
+        if want > max(limit, 1):  # can never fit (one alone is only "busy")
             raise ApiError(400, f"this request asks for {want} completions (prompts x n); "
                                 f"the server queues at most {limit} at a time", param="n")
         waiting = max(eng.num_pending, state["admitted"]) - eng.engine.num_running

@@ -69,8 +69,9 @@ def parse_json(raw: bytes) -> dict:
     except RecursionError:
         raise ApiError(400, f"request body is nested too deeply (limit {MAX_DEPTH})") from None
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, 4,300+ digit integers
-        raise ApiError(400, f"request body is not valid JSON: {brief(str(e), 200)[1:-1]}") \
-            from None
+        why = ("an integer has more than 4,300 digits" if "integer string conversion" in str(e)
+               else brief(str(e), 200)[1:-1])
+        raise ApiError(400, f"request body is not valid JSON: {why}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     _check_tree(body)
