@@ -34,8 +34,9 @@ def test_choose_plan():
 def _serve_args(*extra):
     from nanojax.cli import build_parser
     return build_parser().parse_args(["serve", "--b-dense", "32", "--num-pages", "48",
-                                      "--max-model-len", "128", "--max-num-seqs", "8", "--compile-at-start",
-                                      *extra])
+                                      "--max-model-len", "128", "--max-num-seqs", "8",
+                                      "--compile-at-start", *extra])  # 2 shapes, compiled
+
 
 
 def _answers(server) -> list:

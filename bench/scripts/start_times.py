@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import signal
 import socket
@@ -35,6 +36,7 @@ def run_once(cmd: list, cache: str, listen: bool, timeout: float) -> dict:
         port = free_port()
         full += ["--port", str(port)]
     t0 = time.monotonic()
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         if listen:
@@ -62,8 +64,10 @@ def run_once(cmd: list, cache: str, listen: bool, timeout: float) -> dict:
     finally:
         if proc.poll() is None:
             proc.kill()
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # whole process, to its exit
+    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     tail = [line for line in out.splitlines() if line.startswith("nanojax:")]
-    return {"wall_s": round(wall, 2), "log": tail[-4:]}
+    return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "log": tail[-4:]}
 
 
 def main() -> int:
@@ -73,10 +77,12 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=1, help="each with a fresh cache")
     ap.add_argument("--listen", action="store_true")
     ap.add_argument("--timeout", type=float, default=600)
-    ap.add_argument("cmd", nargs=argparse.REMAINDER)
-    a = ap.parse_args()
-    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
-    trials = []
+    argv = sys.argv[1:]
+    if "--" not in argv:
+        ap.error("give the nanojax command after --")
+    split = argv.index("--")
+    a, cmd = ap.parse_args(argv[:split]), argv[split + 1:]
+    trials, load0 = [], os.getloadavg()
     for _ in range(a.trials):
         cache = tempfile.mkdtemp(prefix="nanojax-compile-cache-")
         try:
@@ -84,17 +90,22 @@ def main() -> int:
             files = [os.path.join(d, f) for d, _, fs in os.walk(cache) for f in fs]
             trials.append({"runs": runs, "second_over_first": round(
                 runs[1]["wall_s"] / runs[0]["wall_s"], 3) if len(runs) > 1 else None,
+                "second_over_first_cpu": round(runs[1]["cpu_s"] / runs[0]["cpu_s"], 3)
+                if len(runs) > 1 else None,
                 "cache_entries": len(files),
                 "cache_bytes": sum(os.path.getsize(f) for f in files)})
         finally:
             shutil.rmtree(cache, ignore_errors=True)
         print(json.dumps(trials[-1]), file=sys.stderr)
     ratios = [t["second_over_first"] for t in trials if t["second_over_first"]]
+    cpu_ratios = [t["second_over_first_cpu"] for t in trials if t["second_over_first_cpu"]]
     payload = {"command": "nanojax " + " ".join(cmd), "measure": "time to /health 200"
                if a.listen else "process wall time", "trials": trials,
                "second_over_first": {"min": min(ratios), "max": max(ratios)} if ratios
+               else None, "second_over_first_cpu": {"min": min(cpu_ratios),
+                                                    "max": max(cpu_ratios)} if cpu_ratios
                else None, "host": platform.node(), "cpus": os.cpu_count(),
-               "load_average_at_end": os.getloadavg(),
+               "load_average_at_start": load0, "load_average_at_end": os.getloadavg(),
                "driver": "python bench/scripts/start_times.py " + " ".join(sys.argv[1:])}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
