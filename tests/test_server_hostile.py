@@ -285,7 +285,8 @@ def _body(fields, *required):
 @given(req=st.sampled_from(["completion", "chat", "completion", "chat", "body"]).flatmap(
     lambda kind: {"completion": st.tuples(st.just("/v1/completions"),
                                           _body(COMPLETION, "prompt", "max_tokens")),
-                  "chat": st.tuples(st.just("/v1/chat/completions"), _body(CHAT, "messages", "max_tokens")),
+                  "chat": st.tuples(st.just("/v1/chat/completions"),
+                                    _body(CHAT, "messages", "max_tokens")),
                   "body": st.tuples(st.sampled_from(["/v1/completions",
                                                      "/v1/chat/completions"]),
                                     HOSTILE_VALUE)}[kind]))
