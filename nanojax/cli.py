@@ -136,6 +136,9 @@ def main(argv=None) -> int:
         argv.insert(1, "throughput")  # `nanojax bench` is the offline benchmark
     args = build_parser().parse_args(argv)
     try:
+        if hasattr(args, "no_compile_cache"):  # commands that compile: cache what they do
+            from nanojax import compile_cache
+            compile_cache.configure(args)
         return args.func(args)
     except NanojaxError as e:
         print(f"nanojax: error: {e}", file=sys.stderr)

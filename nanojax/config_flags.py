@@ -25,6 +25,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="parameter dtype (default: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--cache-dir", default=None,
                    help="where the default model is cached (env NANOJAX_CACHE)")
+    from nanojax import compile_cache
+    compile_cache.add_args(p)
 
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}

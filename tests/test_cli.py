@@ -48,3 +48,23 @@ def test_cli_errors_name_the_problem(tmp_path):
     assert not (tmp_path / "out").exists()
     res = run("generate", "hi", "--max-tokens", "0")
     assert res.returncode == 2 and "positive integer" in res.stderr
+
+
+def test_compile_cache_is_on_by_default_and_can_be_moved_or_turned_off(tmp_path):
+    cache = tmp_path / "jit"
+    res = run("generate", "1, 2,", "--no-chat-template", "--max-tokens", "1",
+              "--compile-cache-dir", str(cache))
+    assert res.returncode == 0, res.stderr
+    assert len(list(cache.rglob("*"))) > 5  # the step and the small programs around it
+    off = tmp_path / "off"  # --no-compile-cache: nothing written, even where it would go
+    code = ("import jax, jax.numpy as jnp\n"
+            "from nanojax import compile_cache\n"
+            "from nanojax.cli import build_parser\n"
+            f"a = build_parser().parse_args(['generate', 'x', '--compile-cache-dir', '{off}',"
+            " '--no-compile-cache'])\n"
+            "assert compile_cache.configure(a) is None\n"
+            "jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(3)).block_until_ready()\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert not off.exists() or not list(off.rglob("*"))

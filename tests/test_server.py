@@ -26,13 +26,13 @@ def _free_port() -> int:
 class ServerThread:
     """The aiohttp app on its own event loop in a thread, like `nanojax serve`."""
 
-    def __init__(self, bundle, **app_kw):
+    def __init__(self, bundle, config=None, engine=None, **app_kw):
         from aiohttp import web
         from nanojax.engine.async_engine import AsyncLLMEngine
         from nanojax.engine.llm_engine import EngineConfig, LLMEngine
         from nanojax.server.app import build_app
-        self.engine = LLMEngine(bundle, EngineConfig(b_dense=64, num_pages=96,
-                                                     max_model_len=512, max_num_seqs=24))
+        self.engine = engine or LLMEngine(bundle, config or EngineConfig(
+            b_dense=64, num_pages=96, max_model_len=512, max_num_seqs=24))
         self.aeng = AsyncLLMEngine(self.engine)
         self.app = build_app(self.aeng, MODEL, **app_kw)
         self.port = _free_port()

@@ -57,6 +57,13 @@ class AsyncLLMEngine:
         return self._thread.is_alive() and self._error is None and not self._stop
 
     @property
+    def error(self) -> BaseException | None:
+        """Why the engine loop died; None while it runs or after a clean shutdown."""
+        if self._error is None and not self._stop and not self._thread.is_alive():
+            return RuntimeError("the engine thread ended")
+        return self._error
+
+    @property
     def num_pending(self) -> int:
         """Requests accepted but not finished (running, waiting or queued to add)."""
         return len(self._streams)

@@ -19,7 +19,7 @@ from nanojax.engine.forward import Forward, default_forward
 from nanojax.engine.kv_cache import PageAllocator, size_cache
 from nanojax.engine.outputs import CompletionOutput, RequestOutput
 from nanojax.engine.runner import ModelRunner
-from nanojax.engine.sampling import SamplingParams
+from nanojax.engine.sampling import SamplingError, SamplingParams
 from nanojax.engine.scheduler import ScheduledBatch, Scheduler
 from nanojax.engine.sequence import Sequence
 from nanojax.errors import NanojaxError
@@ -133,6 +133,10 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        try:
+            params.check_vocab(vocab)
+        except SamplingError as e:
+            raise RequestError(str(e)) from None
         if len(ids) + params.max_tokens > self.max_model_len:
             raise RequestError(f"this model's maximum context length is {self.max_model_len} "
                                f"tokens, but the prompt has {len(ids)} tokens and max_tokens "
@@ -212,7 +216,10 @@ class LLMEngine:
                 seq.logprobs.append({"token_id": tok, "logprob": float(chosen[row]),
                                      "top": [(int(i), float(v)) for i, v in
                                              zip(top_ids[row][:k], top_lp[row][:k])]})
-            self._check_finish(seq, tok)
+            try:  # detokenizing or stop matching fails this request only
+                self._check_finish(seq, tok)
+            except Exception as exc:
+                seq.finish("error", f"{type(exc).__name__}: {exc}")
             results.append(self._output(seq))
             if seq.is_finished:
                 if self.offloader is not None:

@@ -8,6 +8,7 @@ The forward is a parameter: the plain one below, or a nano-batch pipeline execut
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import types
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from nanojax.config import ModelConfig
 from nanojax.engine.forward import Forward, default_forward
-from nanojax.engine.sampling import sample
+from nanojax.engine.sampling import penalty_inputs, sample, with_pending
 from nanojax.engine.scheduler import ScheduledBatch
 from nanojax.layers.attention import PagedMetadata, prefill_metadata
 
@@ -69,12 +70,15 @@ class ModelRunner:
         max_rows = self.max_rows
 
         def step(params, kv, prev_tokens, host_tokens, token_src, meta, logit_idx,
-                 temperature, top_p, top_k, seeds, steps):
+                 temperature, top_p, top_k, seeds, steps, penalties):
             self.num_compiles += 1  # runs once per trace, i.e. per compilation
             tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)],
                                host_tokens)
             logits, kv = forward(params, tokens, kv, meta, logit_idx)
-            out = sample(logits, temperature, top_p, top_k, seeds, steps)
+            if penalties is not None:  # a decode's input may be a sample the host lacks
+                penalties = with_pending(penalties, tokens[logit_idx],
+                                         token_src[logit_idx] >= 0)
+            out = sample(logits, temperature, top_p, top_k, seeds, steps, penalties)
             pad = max_rows - logits.shape[0]
             out = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in out]
             return kv, out
@@ -102,14 +106,18 @@ class ModelRunner:
             out.append(bucket(out[-1] + 1, self.min_token_bucket, self.b_dense))
         return out
 
-    def warmup(self) -> int:
+    def warmup(self, progress: bool = False) -> int:
         """With fixed_shapes: compiles the step for every token bucket by launching an
         all-padding batch of each size (nothing is written to the cache: padding tokens
-        have no slot). Returns how many shapes were compiled."""
+        have no slot). progress: a bar, shape k of n, on stderr. Returns how many shapes
+        were compiled (traced: a persistent-cache hit counts, but loads in a moment)."""
         if not self.fixed_shapes:
             raise ValueError("warmup() needs fixed_shapes (one row count and page width)")
+        from tqdm.auto import tqdm
         before = self.num_compiles
-        for t in self.token_buckets():
+        buckets = self.token_buckets()
+        for t in tqdm(buckets, desc="compiling step shapes", unit="shape",
+                      disable=not progress, file=sys.stderr):
             empty = types.SimpleNamespace(entries=[], num_decodes=0, num_tokens=t)
             jax.block_until_ready(self.launch(empty).tokens)
         return self.num_compiles - before
@@ -142,6 +150,7 @@ class ModelRunner:
         steps = np.zeros(r, np.int32)
         ps = self.page_size
         i = 0
+        history = []  # (params, prompt, known outputs) per row, for penalties/logit_bias
         for row, e in enumerate(batch.entries):
             seq, n = e.seq, e.num_tokens
             pos = np.arange(e.start, e.start + n)
@@ -162,7 +171,10 @@ class ModelRunner:
             top_k[row] = sp.top_k
             seeds[row] = (sp.seed or 0) & 0xFFFFFFFF
             steps[row] = seq.num_generated - (1 if e.samples else 0)
+            history.append((sp, seq.prompt_ids, seq.output_ids))
             i += n
+        penalties = penalty_inputs(history, r, self.cfg.vocab_size, self.max_pages_per_seq
+                                   * ps if self.fixed_shapes else None)
         blocks = slot = None
         block_q = self.forward.attention.prefill_block_q
         if block_q:  # query blocks for the chunked-prefill kernel
@@ -175,6 +187,6 @@ class ModelRunner:
         with self._lock:
             self.kv, out = self._step(self.params, self.kv, self._prev, host_tokens,
                                       token_src, meta, logit_idx, temperature, top_p, top_k,
-                                      seeds, steps)
+                                      seeds, steps, penalties)
             self._prev = out[0]
         return StepOutput(*out)

@@ -2,17 +2,28 @@
 
 Each row draws from its own key, fold_in(PRNGKey(seed), output_index), so a seeded request
 samples the same tokens whatever else shares its batch.
+
+Logit processing follows vLLM: logit_bias is added first, then the repetition penalty
+(prompt and generated tokens), frequency and presence penalties (generated tokens only);
+then temperature, top-k, top-p. Returned log-probabilities are the model's, before any of
+these. The processing runs only in steps where some row asks for it (`Penalties`).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from nanojax.errors import NanojaxError
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300       # entries per request
+MAX_STOP_TOKEN_IDS = 256
+INT32_MAX = 2**31 - 1
 
 
 class SamplingError(NanojaxError, ValueError):
@@ -31,25 +42,37 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top log-probabilities to return per token
     min_tokens: int = 0
+    presence_penalty: float = 0.0    # [-2, 2], subtracted once from every generated token
+    frequency_penalty: float = 0.0   # [-2, 2], subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # (0, 10]: > 1 discourages prompt and output tokens
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         self.validate()
 
     def validate(self) -> None:
         def bad(field, msg):
-            raise SamplingError(f"{field} {msg}, got {getattr(self, field)!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise SamplingError(f"{field} {msg}, got {str(getattr(self, field))[:80]}")
+
+        def in_range(field, lo, hi, lo_open=False):
+            v = getattr(self, field)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            if not ok or not (lo < v if lo_open else lo <= v) or not v <= hi:
+                bad(field, f"must be a finite number in {'(' if lo_open else '['}{lo}, {hi}]")
+        if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= INT32_MAX:
             bad("max_tokens", "must be an integer >= 1")
-        if not 0.0 <= float(self.temperature) <= 100.0:
-            bad("temperature", "must be in [0, 100]")
-        if not 0.0 < float(self.top_p) <= 1.0:
-            bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad("top_k", "must be -1 (off) or a non-negative integer")
+        in_range("temperature", 0.0, 100.0)
+        in_range("top_p", 0.0, 1.0, lo_open=True)
+        in_range("presence_penalty", -2.0, 2.0)
+        in_range("frequency_penalty", -2.0, 2.0)
+        in_range("repetition_penalty", 0.0, 10.0, lo_open=True)
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k <= INT32_MAX:
+            bad("top_k", "must be -1 (off) or a non-negative integer below 2^31")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             bad("seed", "must be a non-negative integer")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -58,16 +81,121 @@ class SamplingParams:
             bad("min_tokens", "must be in [0, max_tokens]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
+        if (len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS
+                or any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids)):
+            bad("stop_token_ids", f"must be at most {MAX_STOP_TOKEN_IDS} non-negative ids")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS or any(
+                not 0 <= k <= INT32_MAX or not -100.0 <= v <= 100.0  # NaN fails too
+                for k, v in self.logit_bias.items()):
+            bad("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to biases in "
+                              "[-100, 100]")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids in stop_token_ids and logit_bias must name tokens of the model."""
+        for field, ids in (("stop_token_ids", self.stop_token_ids),
+                           ("logit_bias", self.logit_bias)):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise SamplingError(f"{field}: token id {bad[0]} is outside the vocabulary "
+                                    f"[0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def processes_logits(self) -> bool:
+        """Whether this request needs the penalty / logit-bias pass on its logits."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias)
 
-def sample(logits, temperature, top_p, top_k, seeds, steps):
+
+class Penalties(NamedTuple):
+    """Device inputs of the logit-processing pass, one row per logits row. Padding ids are
+    the vocabulary size (dropped by the scatters)."""
+    token_ids: jax.Array    # [R, L] int32: prompt and/or generated tokens the host knows
+    is_output: jax.Array    # [R, L] bool: the token was generated (else: prompt)
+    presence: jax.Array     # [R] f32
+    frequency: jax.Array    # [R] f32
+    repetition: jax.Array   # [R] f32 (1: off)
+    bias_ids: jax.Array     # [R, K] int32
+    bias_values: jax.Array  # [R, K] f32
+
+
+def _bucket(n: int, minimum: int = 16) -> int:
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+def penalty_inputs(rows: list, num_rows: int, vocab_size: int,
+                   max_context: int | None = None) -> Penalties | None:
+    """Host arrays of the logit-processing pass for rows [(params, prompt_ids, output_ids)]
+    (the output ids the host knows), padded to num_rows; None when no row asks, so the
+    step compiles and runs without the pass. Lengths are bucketed to bound recompiles;
+    with max_context, fixed (the context and MAX_LOGIT_BIAS): one more shape per step."""
+    asks = [(r, p, pr, out) for r, (p, pr, out) in enumerate(rows) if p.processes_logits]
+    if not asks:
+        return None
+
+    def history(p, prompt, out):  # the prompt matters to the repetition penalty only
+        return (list(prompt) if p.repetition_penalty != 1.0 else []) + list(out)
+
+    hist = {r: history(p, pr, out) for r, p, pr, out in asks}
+    length = _bucket(max(len(h) for h in hist.values()))
+    width = _bucket(max(len(p.logit_bias) for _, p, _, _ in asks))
+    if max_context is not None:
+        length, width = max(length, _bucket(max_context)), MAX_LOGIT_BIAS
+    ids = np.full((num_rows, length), vocab_size, np.int32)
+    is_out = np.zeros((num_rows, length), bool)
+    presence = np.zeros(num_rows, np.float32)
+    frequency = np.zeros(num_rows, np.float32)
+    repetition = np.ones(num_rows, np.float32)
+    bias_ids = np.full((num_rows, width), vocab_size, np.int32)
+    bias_values = np.zeros((num_rows, width), np.float32)
+    for r, p, prompt, out in asks:
+        h = hist[r]
+        ids[r, :len(h)] = h
+        is_out[r, len(h) - len(out):len(h)] = True
+        presence[r], frequency[r] = p.presence_penalty, p.frequency_penalty
+        repetition[r] = p.repetition_penalty
+        if p.logit_bias:
+            bias_ids[r, :len(p.logit_bias)] = list(p.logit_bias)
+            bias_values[r, :len(p.logit_bias)] = list(p.logit_bias.values())
+    return Penalties(ids, is_out, presence, frequency, repetition, bias_ids, bias_values)
+
+
+def with_pending(pen: Penalties, pending_ids, pending_valid) -> Penalties:
+    """Adds each row's generated token that is still on the device (async scheduling: the
+    previous step's sample, this step's input) as one more generated-token column."""
+    vocab_pad = jnp.iinfo(jnp.int32).max
+    col = jnp.where(pending_valid, pending_ids, vocab_pad)[:, None].astype(jnp.int32)
+    return pen._replace(token_ids=jnp.concatenate([pen.token_ids, col], axis=1),
+                        is_output=jnp.concatenate([pen.is_output, pending_valid[:, None]],
+                                                  axis=1))
+
+
+def apply_penalties(logits, pen: Penalties):
+    """vLLM's order: logit_bias, then repetition (seen in prompt or output), frequency
+    (output counts) and presence (seen in output). Rows that ask for none are unchanged."""
+    logits = jnp.asarray(logits)
+    r, v = logits.shape
+    rows = jnp.arange(r)[:, None]
+    logits = logits.at[rows, pen.bias_ids].add(pen.bias_values, mode="drop")
+    counts = jnp.zeros((r, v), jnp.float32).at[rows, pen.token_ids].add(
+        pen.is_output.astype(jnp.float32), mode="drop")
+    seen = jnp.zeros((r, v), jnp.bool_).at[rows, pen.token_ids].set(True, mode="drop")
+    rep = pen.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return (logits - pen.frequency[:, None] * counts
+            - pen.presence[:, None] * (counts > 0).astype(jnp.float32))
+
+
+def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties | None = None):
     """logits [R, V] f32; per-row temperature, top_p, top_k (<=0: off), seeds [R] uint32x2,
-    steps [R] -> (tokens [R], chosen logprob [R], top ids [R, K], top logprobs [R, K])."""
+    steps [R]; penalties: None or the logit-processing pass's inputs -> (tokens [R],
+    chosen logprob [R], top ids [R, K], top logprobs [R, K])."""
     logprobs = jax.nn.log_softmax(logits, axis=-1)
+    if penalties is not None:
+        logits = apply_penalties(logits, penalties)
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     safe_t = jnp.where(temperature > 0, temperature, 1.0)
     scaled = logits / safe_t[:, None]

@@ -14,14 +14,17 @@ import json
 import logging
 import time
 import uuid
+from typing import Callable
 
 from aiohttp import web
 
 from nanojax.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from nanojax.engine.llm_engine import RequestError
+from nanojax.engine.sampling import SamplingError
 from nanojax.errors import NanojaxError
 from nanojax.server.metrics import ServerMetrics
-from nanojax.server.protocol import ApiError, ParsedRequest, parse_chat, parse_completion
+from nanojax.server.protocol import (ApiError, ParsedRequest, brief, parse_chat,
+                                     parse_completion, parse_json)
 
 log = logging.getLogger("nanojax.server")
 
@@ -33,14 +36,24 @@ def _json(data, status=200) -> web.Response:
     return web.json_response(data, status=status, dumps=lambda d: json.dumps(d))
 
 
+def _as_api_error(e: Exception) -> ApiError | None:
+    """The client-facing error for an exception a request ended with; None: a bug."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, (RequestError, SamplingError)):
+        return ApiError(400, str(e))
+    if isinstance(e, EngineDeadError):
+        return ApiError(503, str(e), "service_unavailable")
+    if isinstance(e, RequestFailed):
+        return ApiError(500, str(e), "internal_error")
+    return None
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     metrics = request.app[STATE_KEY]["metrics"]
     try:
         return await handler(request)
-    except ApiError as e:
-        metrics.refused(e.status)
-        return _json(e.body(), e.status)
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -52,18 +65,15 @@ async def error_middleware(request: web.Request, handler):
                413: f"request body too large (limit {request.app[STATE_KEY]['max_body']} "
                     "bytes)"}.get(e.status, e.reason)
         return _json(ApiError(e.status, msg, kind).body(), e.status)
-    except RequestError as e:
-        metrics.refused(400)
-        return _json(ApiError(400, str(e)).body(), 400)
-    except EngineDeadError as e:
-        metrics.refused(503)
-        return _json(ApiError(503, str(e), "service_unavailable").body(), 503)
     except asyncio.CancelledError:
         raise
-    except Exception:
-        log.exception("internal error on %s %s", request.method, request.path)
-        metrics.refused(500)
-        return _json(ApiError(500, "internal server error", "internal_error").body(), 500)
+    except Exception as e:
+        err = _as_api_error(e)
+        if err is None:
+            log.exception("internal error on %s %s", request.method, request.path)
+            err = ApiError(500, "internal server error", "internal_error")
+        metrics.refused(err.status)
+        return _json(err.body(), err.status)
 
 
 @web.middleware
@@ -81,13 +91,7 @@ async def _read_json(request: web.Request) -> dict:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    return body
+    return parse_json(raw)
 
 
 def _check_model(request: web.Request, body: dict) -> str:
@@ -96,10 +100,14 @@ def _check_model(request: web.Request, body: dict) -> str:
     if not isinstance(model, str):
         raise ApiError(400, "'model' must be a string", param="model")
     if model != name:
-        raise ApiError(404, f"the model '{model}' does not exist; this server serves "
+        raise ApiError(404, f"the model {brief(model)} does not exist; this server serves "
                             f"'{name}'", "not_found_error", param="model",
                        code="model_not_found")
     return model
+
+
+class RequestFailed(Exception):
+    """The engine failed one request (and only it): a 500 for that request."""
 
 
 class _Choices:
@@ -107,7 +115,8 @@ class _Choices:
 
     def __init__(self, app, prompt_ids: list[list[int]], parsed: ParsedRequest, base_id):
         self.engine: AsyncLLMEngine = app[ENGINE_KEY]
-        self.metrics: ServerMetrics = app[STATE_KEY]["metrics"]
+        self.state = app[STATE_KEY]
+        self.metrics: ServerMetrics = self.state["metrics"]
         self.prompt_ids, self.parsed, self.base_id = prompt_ids, parsed, base_id
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
@@ -123,9 +132,16 @@ class _Choices:
                 idx = pi * p.n + k
                 self.metrics.prompt_tokens.inc(len(ids))
                 self.tasks.append(asyncio.create_task(self._pump(idx, ids, params)))
-        return self
+        self.state["admitted"] += len(self.tasks)  # counted at once: no other handler
+        return self                                 # runs before the tasks register
 
     async def _pump(self, idx, ids, params):
+        try:
+            await self._pump_outputs(idx, ids, params)
+        finally:
+            self.state["admitted"] -= 1
+
+    async def _pump_outputs(self, idx, ids, params):
         t0 = last = time.monotonic()
         first = True
         try:
@@ -142,6 +158,9 @@ class _Choices:
                             self.metrics.itl.observe((now - last) / n_new)
                     last = now
                 if out.finished:
+                    if out.finish_reason == "error":
+                        raise RequestFailed(f"the engine failed this request: "
+                                            f"{out.outputs[0].stop_reason}")
                     self.metrics.e2e.observe(now - t0)
                     self.metrics.finished(out.finish_reason)
                 await self.queue.put((idx, out))
@@ -192,10 +211,15 @@ def _prepare(request: web.Request, prompts: list, parsed: ParsedRequest) -> list
     if not eng.is_alive:
         raise ApiError(503, "the engine is not running", "service_unavailable")
     limit = state["max_waiting"]
-    waiting = eng.num_pending - eng.engine.num_running
-    if limit is not None and waiting >= limit:
-        raise ApiError(503, f"server busy: {waiting} requests are waiting (limit {limit})",
-                       "service_unavailable")
+    want = len(prompts) * parsed.n  # engine requests this one becomes, checked before any
+    if limit is not None:           # is tokenized or queued
+        if want > max(limit, 1):  # can never fit (one alone is only "busy")
+            raise ApiError(400, f"this request asks for {want} completions (prompts x n); "
+                                f"the server queues at most {limit} at a time", param="n")
+        waiting = max(eng.num_pending, state["admitted"]) - eng.engine.num_running
+        if waiting + want > limit:
+            raise ApiError(503, f"server busy: {waiting} requests are waiting and this one "
+                                f"adds {want} (limit {limit})", "service_unavailable")
     max_len = eng.engine.max_model_len
     out = []
     for p in prompts:
@@ -273,6 +297,17 @@ async def _send(resp: web.StreamResponse, data) -> None:
     await resp.write(f"data: {payload}\n\n".encode())
 
 
+async def _stream_error(request: web.Request, resp: web.StreamResponse, e: Exception):
+    """A request that fails after its stream began: an error event, then [DONE]."""
+    err = _as_api_error(e)
+    if err is None:
+        log.exception("internal error while streaming %s", request.path)
+        err = ApiError(500, "internal server error", "internal_error")
+    request.app[STATE_KEY]["metrics"].refused(err.status)
+    await _send(resp, err.body())
+    return await _end_stream(resp, None)
+
+
 async def _end_stream(resp: web.StreamResponse, usage_chunk: dict | None):
     if usage_chunk is not None:
         await _send(resp, usage_chunk)
@@ -295,14 +330,19 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
     if parsed.stream:
         resp = await _sse(request)
-        async for idx, out, lps in choices.deltas():
-            c = out.outputs[0]
-            if out.delta_text or out.finished or out.delta_token_ids:
-                await _send(resp, chunk([{
-                    "index": idx, "text": out.delta_text,
-                    "logprobs": _completion_logprobs(tok, lps, 0, out.delta_text),
-                    "finish_reason": c.finish_reason if out.finished else None,
-                    "stop_reason": c.stop_reason if out.finished else None}]))
+        try:
+            async for idx, out, lps in choices.deltas():
+                c = out.outputs[0]
+                if out.delta_text or out.finished or out.delta_token_ids:
+                    await _send(resp, chunk([{
+                        "index": idx, "text": out.delta_text,
+                        "logprobs": _completion_logprobs(tok, lps, 0, out.delta_text),
+                        "finish_reason": c.finish_reason if out.finished else None,
+                        "stop_reason": c.stop_reason if out.finished else None}]))
+        except (ConnectionError, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            return await _stream_error(request, resp, e)
         return await _end_stream(resp, chunk([], _usage(prompt_ids, choices.completion_tokens))
                                  if parsed.include_usage else None)
 
@@ -321,7 +361,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     model = _check_model(request, body)
     eng: AsyncLLMEngine = request.app[ENGINE_KEY]
-    messages, parsed = parse_chat(body)
+    messages, parsed = parse_chat(body, eng.engine.model_config.vocab_size)
     if eng.tokenizer is None or not eng.tokenizer.chat_template:
         raise ApiError(400, "this model has no chat template; use /v1/completions")
     try:
@@ -343,16 +383,21 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             await _send(resp, chunk("chat.completion.chunk", [{
                 "index": idx, "delta": {"role": "assistant", "content": ""},
                 "logprobs": None, "finish_reason": None}]))
-        async for idx, out, lps in choices.deltas():
-            c = out.outputs[0]
-            if out.delta_text or out.delta_token_ids:
-                await _send(resp, chunk("chat.completion.chunk", [{
-                    "index": idx, "delta": {"content": out.delta_text},
-                    "logprobs": _chat_logprobs(tok, lps), "finish_reason": None}]))
-            if out.finished:
-                await _send(resp, chunk("chat.completion.chunk", [{
-                    "index": idx, "delta": {}, "logprobs": None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]))
+        try:
+            async for idx, out, lps in choices.deltas():
+                c = out.outputs[0]
+                if out.delta_text or out.delta_token_ids:
+                    await _send(resp, chunk("chat.completion.chunk", [{
+                        "index": idx, "delta": {"content": out.delta_text},
+                        "logprobs": _chat_logprobs(tok, lps), "finish_reason": None}]))
+                if out.finished:
+                    await _send(resp, chunk("chat.completion.chunk", [{
+                        "index": idx, "delta": {}, "logprobs": None,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]))
+        except (ConnectionError, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            return await _stream_error(request, resp, e)
         return await _end_stream(resp, chunk("chat.completion.chunk", [], _usage(
             prompt_ids, choices.completion_tokens)) if parsed.include_usage else None)
 
@@ -385,14 +430,41 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+async def _watch_engine(app: web.Application):
+    """Notices an engine that died (its loop raised): logs it once and calls
+    on_engine_death, which in `nanojax serve` shuts the process down with status 1."""
+    async def watch():
+        eng = app[ENGINE_KEY]
+        while eng.error is None:
+            await asyncio.sleep(ENGINE_WATCH_S)
+        log.error("the engine failed: %s: %s; /health answers 503",
+                  type(eng.error).__name__, eng.error)
+        callback = app[STATE_KEY]["on_engine_death"]
+        if callback is not None:
+            callback(eng.error)
+
+    task = asyncio.create_task(watch())
+    yield
+    task.cancel()
+
+
+ENGINE_WATCH_S = 0.2
+
+
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
-              max_body: int = 1 << 20, max_waiting: int | None = 256) -> web.Application:
+              max_body: int = 1 << 20, max_waiting: int | None = 256,
+              on_engine_death: Callable[[BaseException], None] | None = None
+              ) -> web.Application:
+    """max_waiting: engine requests (prompts x n per HTTP request) allowed to wait; None:
+    no limit. on_engine_death: called once, on the event loop, if the engine dies."""
     app = web.Application(middlewares=[error_middleware, auth_middleware],
                           client_max_size=max_body)
     app[ENGINE_KEY] = engine
     app[STATE_KEY] = {"model_name": model_name, "api_key": api_key, "max_body": max_body,
                       "max_waiting": max_waiting, "created": int(time.time()),
-                      "metrics": ServerMetrics(engine, model_name)}
+                      "metrics": ServerMetrics(engine, model_name), "admitted": 0,
+                      "on_engine_death": on_engine_death}
+    app.cleanup_ctx.append(_watch_engine)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

@@ -3,10 +3,36 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
 import time
 
 from nanojax.config_flags import add_engine_args, add_model_args, engine_config_from_args
+
+
+def build_engine(args, bundle):
+    """The LLMEngine `nanojax serve` runs: its forward from --plan; with fixed shapes (the
+    default on a GPU) every step shape compiled before listening."""
+    from nanojax.engine.llm_engine import LLMEngine
+    from nanojax.pipeline.choose import choose_plan
+
+    config = engine_config_from_args(args)
+    log = logging.getLogger("nanojax.server")
+    plan, why = choose_plan(args.plan, bundle.config, config.b_dense)
+    log.info("%s", why)
+    forward = None
+    if plan is not None:
+        from nanojax.pipeline.executor import PipelineForward
+        forward = PipelineForward(bundle.config, plan, args.plan_mode, kernels=config.kernels)
+    engine = LLMEngine(bundle, config, forward=forward)
+    if engine.runner.fixed_shapes:  # no request waits on a compile once the port is open
+        t0 = time.monotonic()
+        n = engine.runner.warmup(progress=True)
+        if engine.offloader is not None:  # the KV offload's page copies too
+            n += engine.offloader.warmup()
+        print(f"nanojax: compiled {n} step shapes in {time.monotonic() - t0:.1f}s",
+              file=sys.stderr, flush=True)
+    return engine
 
 
 def cmd_serve(args) -> int:
@@ -14,27 +40,30 @@ def cmd_serve(args) -> int:
 
     from checkpoints.loader import load_model
     from nanojax.engine.async_engine import AsyncLLMEngine
-    from nanojax.engine.llm_engine import LLMEngine
     from nanojax.server.app import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    config = engine_config_from_args(args)
     bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
-    engine = LLMEngine(bundle, config)
-    if engine.runner.fixed_shapes:  # no request waits on a compile once the port is open
-        n = engine.runner.warmup()
-        if engine.offloader is not None:  # the KV offload's page copies too
-            n += engine.offloader.warmup()
-        print(f"nanojax: compiled {n} step shapes", file=sys.stderr, flush=True)
+    engine = build_engine(args, bundle)
     aeng = AsyncLLMEngine(engine)
     name = args.served_model_name or args.model
+    status = {"exit": 0}
+
+    def engine_died(err: BaseException) -> None:
+        """The engine cannot go on: stop serving and exit non-zero, so that a supervisor
+        restarts the server (run_app's SIGTERM handler shuts it down)."""
+        print(f"nanojax: the engine failed ({type(err).__name__}: {err}); exiting with "
+              "status 1", file=sys.stderr, flush=True)
+        status["exit"] = 1
+        signal.raise_signal(signal.SIGTERM)
+
     app = build_app(aeng, name, api_key=args.api_key, max_body=args.max_body,
-                    max_waiting=args.max_waiting)
+                    max_waiting=args.max_waiting, on_engine_death=engine_died)
 
     async def drain(_app):
         """SIGTERM: let in-flight requests finish for a while, then abort the rest."""
         deadline = time.monotonic() + args.drain_timeout
-        while aeng.num_pending and time.monotonic() < deadline:
+        while aeng.num_pending and aeng.is_alive and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await asyncio.get_running_loop().run_in_executor(None, aeng.shutdown)
 
@@ -44,7 +73,7 @@ def cmd_serve(args) -> int:
     web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,
                 shutdown_timeout=args.drain_timeout + 5, print=None,
                 access_log=None if args.no_access_log else logging.getLogger("aiohttp"))
-    return 0
+    return status["exit"]
 
 
 def register(sub) -> None:
@@ -55,8 +84,15 @@ def register(sub) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--plan", default=None,
+                   help="run the nano-batch executor with this plan: a shipped plan's name, "
+                        "a JSON path, or 'auto' (the shipped plan matching the model, on a "
+                        "GPU; none if no plan matches); resized to --b-dense if needed")
+    s.add_argument("--plan-mode", choices=["overlap", "nanobatch-only", "non-overlap"],
+                   default="overlap", help="with --plan: the plan as searched, or an ablation")
     s.add_argument("--max-waiting", type=int, default=256,
-                   help="requests allowed to wait; beyond it: 503")
+                   help="engine requests (prompts x n) allowed to wait; a request that "
+                        "would go beyond it: 503 (400 if it alone exceeds it)")
     s.add_argument("--max-body", type=int, default=1 << 20, help="bytes; beyond it: 413")
     s.add_argument("--drain-timeout", type=float, default=5.0)
     s.add_argument("--no-access-log", action="store_true")

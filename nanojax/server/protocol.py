@@ -1,14 +1,39 @@
 """OpenAI request validation: JSON bodies in, SamplingParams and prompts out, or an
-ApiError that becomes a 4xx with an OpenAI-style body."""
+ApiError that becomes a 4xx with an OpenAI-style body.
+
+Everything a client sends is checked here, before any of it reaches the engine thread:
+JSON that Python parses but no strict parser would (NaN, Infinity, integers beyond 4,300
+digits, nesting deeper than MAX_DEPTH, lone UTF-16 surrogates), numbers outside their
+range or not finite, and token ids outside the vocabulary.
+"""
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import re
 from typing import Any
 
-from nanojax.engine.sampling import MAX_LOGPROBS, SamplingParams
+from nanojax.engine.sampling import (INT32_MAX, MAX_LOGIT_BIAS, MAX_LOGPROBS,
+                                     MAX_STOP_TOKEN_IDS, SamplingError, SamplingParams)
 
 MAX_N = 16
 MAX_STOP = 4
+MAX_DEPTH = 32   # JSON nesting; OpenAI bodies need 5
+# fields of the OpenAI / vLLM APIs this server does not implement: (field, value allowed)
+UNSUPPORTED = {"suffix": lambda v: v in (None, ""),
+               "best_of": lambda v: v in (None, 1),
+               "tools": lambda v: v in (None, []),
+               "functions": lambda v: v in (None, []),
+               "tool_choice": lambda v: v in (None, "none"),
+               "function_call": lambda v: v in (None, "none"),
+               "response_format": lambda v: v is None or v == {"type": "text"},
+               "min_p": lambda v: v in (None, 0, 0.0),
+               "prompt_logprobs": lambda v: v is None,
+               "guided_json": lambda v: v is None,
+               "guided_regex": lambda v: v is None,
+               "guided_choice": lambda v: v is None,
+               "guided_grammar": lambda v: v is None}
 
 
 class ApiError(Exception):
@@ -27,6 +52,56 @@ def bad(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param)
 
 
+def brief(v: Any, limit: int = 60) -> str:
+    """A value for an error message: never long, whatever the client sent."""
+    text = repr(v) if isinstance(v, (str, int, float, bool, type(None))) else type(v).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _no_constant(name: str):
+    raise ApiError(400, f"request body is not valid JSON: {name} is not a JSON value")
+
+
+def parse_json(raw: bytes) -> dict:
+    """The body as a JSON object, or a 400 naming what is wrong with it."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise ApiError(400, f"request body is nested too deeply (limit {MAX_DEPTH})") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, 4,300+ digit integers
+        why = ("an integer has more than 4,300 digits" if "integer string conversion" in str(e)
+               else brief(str(e), 200)[1:-1])
+        raise ApiError(400, f"request body is not valid JSON: {why}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    _check_tree(body)
+    return body
+
+
+def _check_tree(body: dict) -> None:
+    """Depth and strings of the whole body, iteratively (a deep body must not recurse)."""
+    stack: list = [(body, 1, None)]  # (value, depth, the top-level field it is under)
+    while stack:
+        v, depth, field = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    where = f"'{field}'" if field else "a field name"
+                    raise bad(field, f"{where} contains a lone UTF-16 surrogate, which is not "
+                                     "valid Unicode") from None
+            continue
+        if depth > MAX_DEPTH and isinstance(v, (dict, list)):
+            raise ApiError(400, f"request body is nested too deeply (limit {MAX_DEPTH})")
+        if isinstance(v, dict):
+            for k, x in v.items():
+                stack.append((k, depth, field))
+                stack.append((x, depth + 1, field or k))
+        elif isinstance(v, list):
+            stack.extend((x, depth + 1, field) for x in v)
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -41,16 +116,16 @@ def _get(body: dict, key: str, kind: str, default=None, lo=None, hi=None, lo_ope
         return default
     if kind == "int" and not _is_int(v):
         raise bad(key, f"'{key}' must be an integer, got {type(v).__name__}")
-    if kind == "num" and not _is_num(v):
-        raise bad(key, f"'{key}' must be a number, got {type(v).__name__}")
+    if kind == "num" and not (_is_num(v) and (isinstance(v, int) or math.isfinite(v))):
+        raise bad(key, f"'{key}' must be a finite number, got {brief(v)}")
     if kind == "bool" and not isinstance(v, bool):
         raise bad(key, f"'{key}' must be a boolean, got {type(v).__name__}")
     if kind == "str" and not isinstance(v, str):
         raise bad(key, f"'{key}' must be a string, got {type(v).__name__}")
     if lo is not None and (v <= lo if lo_open else v < lo):
-        raise bad(key, f"'{key}' must be {'>' if lo_open else '>='} {lo}, got {v}")
+        raise bad(key, f"'{key}' must be {'>' if lo_open else '>='} {lo}, got {brief(v)}")
     if hi is not None and v > hi:
-        raise bad(key, f"'{key}' must be <= {hi}, got {v}")
+        raise bad(key, f"'{key}' must be <= {hi}, got {brief(v)}")
     return v
 
 
@@ -66,7 +141,50 @@ class ParsedRequest:
     echo_chat: bool = False
 
 
-def _sampling(body: dict, max_tokens, logprobs) -> SamplingParams:
+def _token_ids(body: dict, key: str, vocab_size: int, limit: int) -> list[int] | None:
+    ids = body.get(key)
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or len(ids) > limit or not all(_is_int(t) for t in ids):
+        raise bad(key, f"'{key}' must be a list of at most {limit} integers")
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise bad(key, f"'{key}' token ids must be in [0, {vocab_size})")
+    return ids
+
+
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's form: {"token id": bias}, biases in [-100, 100]."""
+    lb = body.get("logit_bias")
+    if lb is None:
+        return None
+    if not isinstance(lb, dict) or len(lb) > MAX_LOGIT_BIAS:
+        raise bad("logit_bias", f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} "
+                                "token ids (as strings) to biases")
+    out = {}
+    for k, v in lb.items():
+        if not re.fullmatch(r"[0-9]{1,10}", k) or not int(k) < vocab_size:
+            raise bad("logit_bias", f"'logit_bias' keys must be token ids in [0, {vocab_size}),"
+                                    f" got {brief(k)}")
+        if not (_is_num(v) and -100 <= v <= 100):  # NaN and infinities fail here too
+            raise bad("logit_bias", f"'logit_bias' values must be numbers in [-100, 100], "
+                                    f"got {brief(v)}")
+        out[int(k)] = float(v)
+    return out
+
+
+def _unsupported(body: dict) -> None:
+    for key, allowed in UNSUPPORTED.items():
+        if key in body:
+            try:
+                ok = allowed(body[key])
+            except TypeError:  # an unhashable value
+                ok = False
+            if not ok:
+                raise bad(key, f"'{key}' is not supported by this server")
+
+
+def _sampling(body: dict, max_tokens, logprobs, vocab_size: int) -> SamplingParams:
+    _unsupported(body)
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -75,22 +193,29 @@ def _sampling(body: dict, max_tokens, logprobs) -> SamplingParams:
                 or not all(isinstance(s, str) and s for s in stop)):
             raise bad("stop", f"'stop' must be a non-empty string or a list of at most "
                               f"{MAX_STOP} non-empty strings")
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None and (not isinstance(stop_ids, list)
-                                 or not all(_is_int(t) for t in stop_ids)):
-        raise bad("stop_token_ids", "'stop_token_ids' must be a list of integers")
+    stop_ids = _token_ids(body, "stop_token_ids", vocab_size, MAX_STOP_TOKEN_IDS)
     seed = _get(body, "seed", "int")
     if seed is not None and not 0 <= seed < 2**63:
-        raise bad("seed", f"'seed' must be in [0, 2^63), got {seed}")
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=float(_get(body, "temperature", "num", 1.0, 0.0, 2.0)),
-        top_p=float(_get(body, "top_p", "num", 1.0, 0.0, 1.0, lo_open=True)),
-        top_k=_get(body, "top_k", "int", -1, -1),
-        seed=seed, stop=stop, stop_token_ids=stop_ids,
-        ignore_eos=_get(body, "ignore_eos", "bool", False),
-        logprobs=logprobs,
-        min_tokens=min(_get(body, "min_tokens", "int", 0, 0), max_tokens))
+        raise bad("seed", f"'seed' must be in [0, 2^63), got {brief(seed)}")
+    top_k = _get(body, "top_k", "int", -1, -1)
+    if top_k >= vocab_size:  # keeps every token: the same as no top-k
+        top_k = -1
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(_get(body, "temperature", "num", 1.0, 0.0, 2.0)),
+            top_p=float(_get(body, "top_p", "num", 1.0, 0.0, 1.0, lo_open=True)),
+            top_k=top_k, seed=seed, stop=stop, stop_token_ids=stop_ids,
+            ignore_eos=_get(body, "ignore_eos", "bool", False),
+            logprobs=logprobs,
+            min_tokens=min(_get(body, "min_tokens", "int", 0, 0), max_tokens),
+            presence_penalty=float(_get(body, "presence_penalty", "num", 0.0, -2.0, 2.0)),
+            frequency_penalty=float(_get(body, "frequency_penalty", "num", 0.0, -2.0, 2.0)),
+            repetition_penalty=float(_get(body, "repetition_penalty", "num", 1.0, 0.0, 10.0,
+                                          lo_open=True)),
+            logit_bias=_logit_bias(body, vocab_size))
+    except SamplingError as e:  # what the checks above let through (max_tokens >= 2^31)
+        raise bad(None, str(e)) from None
 
 
 def _common(body: dict) -> tuple[int, bool, bool]:
@@ -129,11 +254,11 @@ def parse_completion(body: dict, vocab_size: int) -> ParsedRequest:
         if isinstance(p, str) and not p:
             raise bad("prompt", "'prompt' must not be empty")
     n, stream, include_usage = _common(body)
-    max_tokens = _get(body, "max_tokens", "int", 16, 1)
+    max_tokens = _get(body, "max_tokens", "int", 16, 1, INT32_MAX)
     logprobs = _get(body, "logprobs", "int", None, 0, MAX_LOGPROBS)
     if _get(body, "echo", "bool", False):
         raise bad("echo", "'echo' is not supported")
-    params = _sampling(body, max_tokens, logprobs)
+    params = _sampling(body, max_tokens, logprobs, vocab_size)
     return ParsedRequest(prompts, params, n, stream, include_usage,
                          "max_tokens" in body and body["max_tokens"] is not None, logprobs)
 
@@ -144,7 +269,7 @@ def _message_text(i: int, m: Any) -> dict:
     role = m.get("role")
     if role not in ("system", "user", "assistant", "developer", "tool"):
         raise bad(f"messages[{i}].role", f"messages[{i}].role must be one of system, user, "
-                                         f"assistant, developer, tool; got {role!r}")
+                                         f"assistant, developer, tool; got {brief(role)}")
     content = m.get("content")
     if isinstance(content, list):
         parts = []
@@ -161,20 +286,20 @@ def _message_text(i: int, m: Any) -> dict:
     return {"role": "system" if role == "developer" else role, "content": content}
 
 
-def parse_chat(body: dict) -> tuple[list[dict], ParsedRequest]:
+def parse_chat(body: dict, vocab_size: int) -> tuple[list[dict], ParsedRequest]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "'messages' must be a non-empty list")
     messages = [_message_text(i, m) for i, m in enumerate(msgs)]
     n, stream, include_usage = _common(body)
-    max_tokens = _get(body, "max_completion_tokens", "int", None, 1)
+    max_tokens = _get(body, "max_completion_tokens", "int", None, 1, INT32_MAX)
     if max_tokens is None:
-        max_tokens = _get(body, "max_tokens", "int", None, 1)
+        max_tokens = _get(body, "max_tokens", "int", None, 1, INT32_MAX)
     given = max_tokens is not None
     want_lp = _get(body, "logprobs", "bool", False)
     top = _get(body, "top_logprobs", "int", None, 0, MAX_LOGPROBS)
     if top is not None and not want_lp:
         raise bad("top_logprobs", "'top_logprobs' requires 'logprobs': true")
     logprobs = (top or 0) if want_lp else None
-    params = _sampling(body, max_tokens or 1, logprobs)
+    params = _sampling(body, max_tokens or 1, logprobs, vocab_size)
     return messages, ParsedRequest([], params, n, stream, include_usage, given, logprobs)

@@ -1,0 +1,120 @@
+"""presence / frequency / repetition penalties and logit_bias (vLLM semantics), on the
+device: the pass against a numpy reference, and the engine, with async scheduling (where a
+decode's last generated token is still on the device) and without, against a greedy loop
+over the reference model's logits."""
+import jax
+import numpy as np
+import pytest
+
+from nanojax.engine.sampling import (Penalties, SamplingError, SamplingParams,
+                                     apply_penalties, penalty_inputs, sample, with_pending)
+
+
+def _np_penalize(logits, prompt, output, p: SamplingParams):
+    """vLLM's apply_penalties, written out for one row."""
+    x = np.array(logits, np.float64)
+    for t, b in p.logit_bias.items():
+        x[t] += b
+    seen = set(prompt) | set(output)
+    for t in seen:
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    counts = np.bincount(np.asarray(output, int), minlength=len(x)) if output else \
+        np.zeros(len(x))
+    return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+
+
+def test_penalty_pass_matches_numpy_reference():
+    rng = np.random.default_rng(0)
+    vocab, rows = 50, 5
+    logits = rng.normal(size=(rows, vocab)).astype(np.float32) * 3
+    params = [SamplingParams(presence_penalty=0.7, frequency_penalty=0.4),
+              SamplingParams(),  # a row that asks for nothing stays exactly as it was
+              SamplingParams(repetition_penalty=1.8, logit_bias={3: 5.0, 49: -100}),
+              SamplingParams(repetition_penalty=0.6, frequency_penalty=-1.0,
+                             presence_penalty=2.0, logit_bias={0: 1.5}),
+              SamplingParams(logit_bias={7: 100})]
+    hist = [(rng.integers(0, vocab, 6).tolist(), rng.integers(0, vocab, 9).tolist())
+            for _ in range(rows)]
+    hist[0] = ([1, 2], [4, 4, 4, 9])  # repeated outputs: frequency counts them
+    pending = np.array([4, 11, 0, 5, 0], np.int32)  # rows 0 and 3: a sample on the device
+    valid = np.array([True, False, False, True, False])
+    pen = penalty_inputs([(p, pr, out) for p, (pr, out) in zip(params, hist)], 8, vocab)
+    pen = Penalties(*(np.asarray(a)[:rows] for a in pen))  # the pass runs on logits rows
+    got = np.asarray(jax.jit(lambda x, p, t, v: apply_penalties(x, with_pending(p, t, v)))(
+        logits, pen, pending, valid))
+    for r, p in enumerate(params):
+        prompt, out = hist[r]
+        out = out + [int(pending[r])] if valid[r] else out
+        np.testing.assert_allclose(got[r], _np_penalize(logits[r], prompt, out, p),
+                                   rtol=1e-5, atol=1e-4)
+    assert (got[1] == logits[1]).all()
+    assert penalty_inputs([(SamplingParams(), [1], [2])], 4, vocab) is None  # fast path
+
+
+def test_greedy_and_logprobs_follow_the_bias():
+    logits = np.zeros((2, 32), np.float32)
+    logits[:, 2] = 1.0
+    pen = penalty_inputs([(SamplingParams(logit_bias={7: 50}), [1], []),
+                          (SamplingParams(), [1], [])], 2, 32)
+    toks, chosen, _, _ = jax.jit(sample)(logits, np.zeros(2, np.float32), np.ones(2, np.float32),
+                                np.full(2, -1, np.int32), np.zeros(2, np.uint32),
+                                np.zeros(2, np.int32),
+                                with_pending(pen, np.zeros(2, np.int32), np.zeros(2, bool)))
+    assert np.asarray(toks).tolist() == [7, 2]
+    # log-probabilities stay the model's (vLLM's default), before the bias
+    assert float(chosen[0]) == pytest.approx(float(chosen[1]) - 1.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("kw", [dict(presence_penalty=float("nan")),
+                                dict(frequency_penalty=2.5), dict(repetition_penalty=0.0),
+                                dict(logit_bias={1: 101}), dict(logit_bias={-1: 1}),
+                                dict(top_k=2**31), dict(temperature=float("inf"))])
+def test_bad_sampling_params_are_refused(kw):
+    with pytest.raises(SamplingError):
+        SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_engine_penalties_match_a_reference_greedy_loop(tiny_bundle, async_scheduling):
+    import jax.numpy as jnp
+
+    from nanojax.engine.llm_engine import EngineConfig, LLMEngine, RequestError
+    from nanojax.layers.attention import (ContiguousMetadata, contiguous_attention,
+                                          init_contiguous_cache)
+    from nanojax.models import LlamaForCausalLM
+
+    cfg, width = tiny_bundle.config, 32
+    model = LlamaForCausalLM(cfg)
+
+    @jax.jit
+    def all_logits(tokens):  # causal: padding after a position does not change its logits
+        cache = init_contiguous_cache(cfg, width + 1, jnp.dtype(cfg.dtype))
+        meta = ContiguousMetadata(positions=jnp.arange(width, dtype=jnp.int32))
+        return model.apply(tiny_bundle.params, tokens, cache, meta, contiguous_attention)[0]
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 11, 3)]
+    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                             repetition_penalty=1.5, frequency_penalty=0.5,
+                             presence_penalty=0.5, logit_bias={int(prompts[0][0]): 2.0}),
+              SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                             frequency_penalty=2.0)]
+
+    def reference(prompt, p):
+        out = []
+        for _ in range(p.max_tokens):
+            ctx = prompt + out
+            logits = np.asarray(all_logits(np.pad(np.int32(ctx), (0, width - len(ctx)))))
+            logits = logits[len(ctx) - 1]
+            out.append(int(np.argmax(_np_penalize(logits, prompt, out, p))))
+        return out
+
+    eng = LLMEngine(tiny_bundle, EngineConfig(b_dense=32, num_pages=32, max_model_len=64,
+                                              async_scheduling=async_scheduling))
+    ids = [eng.add_request(pr, p) for pr, p in zip(prompts, params)]
+    done = eng.run_to_completion()
+    for rid, pr, p in zip(ids, prompts, params):
+        assert done[rid].token_ids == reference(pr, p)
+    with pytest.raises(RequestError, match="logit_bias"):
+        eng.add_request([1, 2], SamplingParams(logit_bias={cfg.vocab_size: 1.0}))
+    assert eng.allocator.num_free == eng.allocator.num_pages
