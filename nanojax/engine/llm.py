@@ -12,7 +12,8 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", dtype: str | None = None,
                  cache_dir=None, forward=None, **engine_kw):
         from checkpoints.loader import load_model
-        bundle = load_model(model, dtype=dtype, cache_dir=cache_dir)
+        bundle = load_model(model, dtype=dtype, cache_dir=cache_dir,
+                            tensor_parallel_size=engine_kw.get("tensor_parallel_size", 1))
         self.engine = LLMEngine(bundle, EngineConfig(**engine_kw), forward=forward)
         self.tokenizer = bundle.tokenizer
 

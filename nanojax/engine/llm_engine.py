@@ -40,6 +40,7 @@ class EngineConfig:
     memory_utilization: float = 0.9
     admission: str = "greedy"         # "predicted": NanoFlow's memory-usage prediction
     fixed_shapes: bool = False        # one row count and page width: warmup() compiles all
+    tensor_parallel_size: int = 1     # devices the model is split over (parallel/tp.py)
     seed: int = 0
 
 
@@ -60,13 +61,16 @@ class LLMEngine:
         self.tokenizer = bundle.tokenizer
         self.config = cfg = config or EngineConfig()
         self.max_model_len = min(cfg.max_model_len, self.model_config.max_position_embeddings)
+        from nanojax.parallel.tp import sharded_forward
+        forward, cache_cfg = sharded_forward(self.model_config, forward,
+                                             cfg.tensor_parallel_size)
         free = None
         if cfg.num_pages is None:
             from nanojax.engine.kv_cache import free_device_bytes
             free = free_device_bytes(cfg.memory_utilization)
             if free is None:  # CPU: enough for a modest batch of full-length requests
                 cfg.num_pages = max(64, 8 * self.max_model_len // cfg.page_size)
-        self.sizing = size_cache(self.model_config, cfg.page_size, self.max_model_len,
+        self.sizing = size_cache(cache_cfg, cfg.page_size, self.max_model_len,
                                  cfg.b_dense, num_pages=cfg.num_pages, memory_bytes=free)
         max_seqs = cfg.max_num_seqs or self.sizing.max_num_seqs
         self.allocator = PageAllocator(self.sizing.num_pages)

@@ -184,8 +184,8 @@ class PipelineForward(UnrolledForward):
         A GEMM nano-op's share bounds its matmuls' grid where enabled (layers/matmul.py)."""
         g, k = op["op"], op["batch"]
         share = float(op.get("share", 1.0))
-        layer = DecoderLayer(self.cfg, matmul=None if g == "attention" else
-                             matmul_at(share, self.num_sms, self.gemm_shares))
+        layer = self.layer(None if g == "attention" else
+                           matmul_at(share, self.num_sms, self.gemm_shares))
         inv_freq = self.model.inv_freq
         a, b = ranges[g][k]
         stream = op.get("stream", 0)
