@@ -40,7 +40,8 @@ def cmd_generate(args) -> int:
 
     t0 = time.time()
     llm = LLM(model=args.model, dtype=args.dtype, cache_dir=args.cache_dir,
-              max_model_len=args.max_model_len)
+              max_model_len=args.max_model_len,
+              tensor_parallel_size=args.tensor_parallel_size)
     print(f"nanojax: loaded {args.model} in {time.time() - t0:.1f}s", file=sys.stderr)
     if args.no_chat_template:
         prompt = args.prompt
@@ -97,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--max-model-len", type=_positive_int, default=2048)
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt raw")
+    from nanojax.parallel.multihost import add_parallel_args
+    add_parallel_args(g, distributed=False)
     g.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token_ids) on stdout")
     g.set_defaults(func=cmd_generate)

@@ -43,7 +43,11 @@ def cmd_throughput(args) -> int:
             peer_args += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
         peer = run_peer_subprocess(peer_args, timeout=args.peer_timeout)
         print(f"peer: {json.dumps(peer)[:400]}", file=sys.stderr)
-    bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
+    from nanojax.parallel.multihost import init_distributed, is_leader
+    init_distributed(args)
+    tp = args.tensor_parallel_size
+    bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
+                        tensor_parallel_size=tp)
     reqs = make_requests(args.num_prompts, bundle.config.vocab_size, args.input_len,
                          args.output_len, args.trace, args.max_model_len, args.seed)
     if args.plan:  # the nano-batch pipeline: compare its ablation modes in one run
@@ -57,15 +61,19 @@ def cmd_throughput(args) -> int:
         if args.plan:
             from nanojax.pipeline.executor import PipelineForward
             from nanojax.pipeline.plan import load_plan
-            forward = PipelineForward(bundle.config, load_plan(args.plan), mode)
+            forward = PipelineForward(bundle.config, load_plan(args.plan), mode, tp=tp)
         try:
             eng = LLMEngine(bundle, EngineConfig(
                 b_dense=args.b_dense, num_pages=args.num_pages, page_size=args.page_size,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 async_scheduling=(mode != "sync"), constant_batch=args.constant_batch,
-                admission=args.admission, fixed_shapes=args.fixed_shapes),
-                forward=forward)
+                admission=args.admission, fixed_shapes=args.fixed_shapes,
+                tensor_parallel_size=tp), forward=forward)
+            if not is_leader():  # process 0 schedules; this one runs its steps
+                eng.runner.follow()
+                continue
             results[mode] = run_offline(eng, reqs, progress=not args.quiet)
+            eng.runner.stop_followers()
         except Exception as e:  # record the failure of one mode, measure the others
             if not args.plan:
                 raise
@@ -83,8 +91,10 @@ def cmd_throughput(args) -> int:
               f"{r['output_tokens']} output tokens in {r['wall_s']:.2f}s -> "
               f"{r['total_tokens_per_s']:.1f} tok/s total, {r['output_tokens_per_s']:.1f} "
               f"output tok/s, {r['iterations']} iterations", file=sys.stderr)
+    if not is_leader():
+        return 0
     payload = {"command": " ".join(["nanojax"] + sys.argv[1:]), "env": environment(),
-               "model": args.model, "workload": {"num_prompts": args.num_prompts,
+               "model": args.model, "tensor_parallel_size": tp, "workload": {"num_prompts": args.num_prompts,
                                                   "input_len": args.input_len,
                                                   "output_len": args.output_len,
                                                   "trace": args.trace, "seed": args.seed},
@@ -265,6 +275,8 @@ def register(sub) -> None:
                    help="seconds before the peer's process is stopped (recorded as its error)")
     t.add_argument("--quiet", action="store_true")
     t.add_argument("--json", default=None, help="write the full result here")
+    from nanojax.parallel.multihost import add_parallel_args
+    add_parallel_args(t)
     t.set_defaults(func=cmd_throughput)
 
     st = bsub.add_parser("step", help="time one dense iteration of each pipeline mode on a "

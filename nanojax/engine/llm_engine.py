@@ -64,10 +64,13 @@ class LLMEngine:
         from nanojax.parallel.tp import sharded_forward
         forward, cache_cfg = sharded_forward(self.model_config, forward,
                                              cfg.tensor_parallel_size)
+        from nanojax.parallel.multihost import agree, step_broadcast
+        broadcast = step_broadcast(forward)
         free = None
         if cfg.num_pages is None:
             from nanojax.engine.kv_cache import free_device_bytes
             free = free_device_bytes(cfg.memory_utilization)
+            free = free if free is None or broadcast is None else agree(free)
             if free is None:  # CPU: enough for a modest batch of full-length requests
                 cfg.num_pages = max(64, 8 * self.max_model_len // cfg.page_size)
         self.sizing = size_cache(cache_cfg, cfg.page_size, self.max_model_len,
@@ -82,7 +85,7 @@ class LLMEngine:
                                   cfg.page_size, self.scheduler.max_num_seqs, cfg.b_dense,
                                   forward=forward, constant_batch=cfg.constant_batch,
                                   max_pages_per_seq=-(-self.max_model_len // cfg.page_size),
-                                  fixed_shapes=cfg.fixed_shapes)
+                                  fixed_shapes=cfg.fixed_shapes, broadcast=broadcast)
         self.eos_ids = tuple(self.tokenizer.eos_token_ids if self.tokenizer
                              else self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}

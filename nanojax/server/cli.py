@@ -16,8 +16,11 @@ def cmd_serve(args) -> int:
     from nanojax.engine.llm_engine import EngineConfig, LLMEngine
     from nanojax.server.app import build_app
 
+    from nanojax.parallel.multihost import init_distributed, is_leader
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
+    init_distributed(args)
+    bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
+                        tensor_parallel_size=args.tensor_parallel_size)
     compile_at_start = args.compile_at_start
     if compile_at_start is None:  # on a GPU: a 32-layer step compiles in ~7 s
         import jax
@@ -25,7 +28,12 @@ def cmd_serve(args) -> int:
     engine = LLMEngine(bundle, EngineConfig(
         b_dense=args.b_dense, num_pages=args.num_pages, page_size=args.page_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        admission=args.admission, fixed_shapes=compile_at_start))
+        admission=args.admission, fixed_shapes=compile_at_start,
+        tensor_parallel_size=args.tensor_parallel_size))
+    if not is_leader():  # process 0 serves; this one runs its steps until it stops
+        n = engine.runner.follow()
+        print(f"nanojax: process 0 stopped after {n} steps", file=sys.stderr)
+        return 0
     if compile_at_start:  # no request waits on a compile once the port is open
         n = engine.runner.warmup()
         print(f"nanojax: compiled {n} step shapes", file=sys.stderr, flush=True)
@@ -40,6 +48,7 @@ def cmd_serve(args) -> int:
         while aeng.num_pending and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await asyncio.get_running_loop().run_in_executor(None, aeng.shutdown)
+        engine.runner.stop_followers()
 
     app.on_shutdown.append(drain)
     print(f"nanojax: serving {name} on http://{args.host}:{args.port}", file=sys.stderr,
@@ -76,4 +85,6 @@ def register(sub) -> None:
     s.add_argument("--max-body", type=int, default=1 << 20, help="bytes; beyond it: 413")
     s.add_argument("--drain-timeout", type=float, default=5.0)
     s.add_argument("--no-access-log", action="store_true")
+    from nanojax.parallel.multihost import add_parallel_args
+    add_parallel_args(s)
     s.set_defaults(func=cmd_serve)
