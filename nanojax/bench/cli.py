@@ -170,16 +170,19 @@ def cmd_step(args) -> int:
             os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={args.dump_hlo}",
             "--xla_dump_hlo_as_text", "--xla_dump_hlo_module_re=.*step.*"]).strip()
     bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
-                        num_layers=args.num_layers)
+                        num_layers=args.num_layers,
+                        tensor_parallel_size=args.tensor_parallel_size)
     out = run_step_bench(bundle, plan, b_dense, args.workloads.split(","),
                          modes, page_size=args.page_size,
                          num_pages=args.num_pages, max_model_len=args.max_model_len,
                          repeats=args.repeats, timeline_png=args.timeline,
                          progress=not args.quiet, f32_reference=args.f32_reference,
+                         tp=args.tensor_parallel_size,
                          checkpoint=lambda part: write_json(args.json, {
                              "command": " ".join(["nanojax"] + sys.argv[1:]), **part}))
     payload = {"command": " ".join(["nanojax"] + sys.argv[1:]), "env": environment(),
                "model": args.model, "num_layers": bundle.config.num_layers,
+               "tensor_parallel_size": args.tensor_parallel_size,
                "plan": args.plan, **out}
     if args.dump_hlo:
         payload["schedule"] = _schedules(args.dump_hlo)
@@ -304,6 +307,8 @@ def register(sub) -> None:
                          "from it (the yardstick for differences between modes on a GPU)")
     st.add_argument("--quiet", action="store_true")
     st.add_argument("--json", default=None)
+    st.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="one process over this many GPUs (the plan must be for this tp)")
     st.set_defaults(func=cmd_step)
 
     hs = bsub.add_parser("hlo-schedule", help="side-stream regions of an optimized HLO dump "

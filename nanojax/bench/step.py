@@ -166,6 +166,8 @@ def parse_mode(mode: str) -> dict:
     """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs|keepall][:gemmSHARE]:
     'overlap:0.25' runs the plan with every attention nano-op at share 0.25; 'nogroups'
     turns off the executor's XLA scheduling groups (the ablation that shows what they do);
+    'shardmap' runs the step through the tensor-parallel shard_map path even at TP 1
+    (nanojax/parallel/tp.py; the same-process A/B against today's path);
     'gemm0.5' gives every GEMM nano-op share 0.5 and bounds its grid (layers/matmul.py,
     whatever NANOJAX_GEMM_SHARES says); 'keepinputs' makes side-stream regions return
     their inputs, 'keepall' every value computed inside them (PipelineForward's
@@ -173,7 +175,7 @@ def parse_mode(mode: str) -> dict:
     from nanojax.pipeline.plan import MODES
     base, *opts = mode.split(":")
     out = {"base": base, "attention_share": None, "gemm_share": None,
-           "scheduling_groups": True, "keep": ""}
+           "scheduling_groups": True, "keep": "", "shard_map": False}
     try:
         if opts and opts[0]:
             out["attention_share"] = float(opts[0])
@@ -184,6 +186,8 @@ def parse_mode(mode: str) -> dict:
                 out["keep"] = "inputs" if o == "keepinputs" else "values"
             elif o.startswith("gemm"):
                 out["gemm_share"] = float(o[4:])
+            elif o == "shardmap":  # the tensor-parallel path even at TP 1 (the A/B)
+                out["shard_map"] = True
             else:
                 raise ValueError
     except ValueError:
@@ -235,7 +239,8 @@ def logits_distance(logits, ref_logits) -> float:
 def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[str],
                    modes: list[str], page_size: int = 16, num_pages: int = 16384,
                    max_model_len: int = 2048, repeats: int = 10, timeline_png: str | None = None,
-                   progress: bool = True, checkpoint=None, f32_reference: bool = False) -> dict:
+                   progress: bool = True, checkpoint=None, f32_reference: bool = False,
+                   tp: int = 1) -> dict:
     """Every mode at every B_dense and workload, in one process: ratios between modes come
     from the same run. Optimal = the GEMM rate measured here at that B_dense.
     checkpoint(results) is called after every mode, so a run cut short keeps what it has.
@@ -249,8 +254,10 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
     from nanojax.engine.forward import default_forward
     from nanojax.pipeline.executor import PipelineForward
     from nanojax.pipeline.plan import resize
+    from nanojax.parallel.tp import TensorParallelForward
 
     cfg = bundle.config
+    prepared = {}  # (plain or shard_map) -> (params, forward that placed them)
     max_pages = -(-max_model_len // page_size)
     on_gpu = jax.default_backend() == "gpu"
     results, timelines = [], {}
@@ -269,10 +276,15 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
         tokens = {}
         for mode in modes:
             p, base, options = _variant(sized, mode)
-            fwd = PipelineForward(cfg, p, base, **options)
-            if params is None:
-                params = fwd.prepare(bundle.params)
-                kv = fwd.init_kv(num_pages, page_size)
+            fwd = PipelineForward(cfg, p, base, tp=tp, **options)
+            kind = tp > 1 or parse_mode(mode)["shard_map"]
+            if kind:
+                fwd = TensorParallelForward(fwd, tp)
+            if kind not in prepared:
+                prepared[kind] = fwd.prepare(bundle.params)
+            params = prepared[kind]
+            kv = None
+            kv = fwd.init_kv(num_pages, page_size)
             step = make_step(fwd)
             t0 = time.perf_counter()
             try:

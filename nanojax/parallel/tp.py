@@ -162,8 +162,6 @@ class TensorParallelForward:
         self.inner = base.for_shard(self.layout.shard_config, TP_AXIS)
         self.attention = base.attention
         self.chunk_cuts = getattr(base, "chunk_cuts", ())
-        self._param_specs = None
-        self._kv_specs = None
 
     # ---- placement -------------------------------------------------------------------
     def _target(self, params):
@@ -171,8 +169,19 @@ class TensorParallelForward:
 
     def prepare(self, params):
         shardings = shardings_for(self._target(params), self.mesh)
-        self._param_specs = jax.tree_util.tree_map(lambda s: s.spec, shardings)
         leaves = jax.tree_util.tree_leaves(params)
+        target = jax.tree_util.tree_leaves(shardings)
+        same_tree = (jax.tree_util.tree_structure(params)
+                     == jax.tree_util.tree_structure(shardings)
+                     and all(x.shape == t.shape for x, t in
+                             zip(leaves, jax.tree_util.tree_leaves(self._target(params)))))
+        if same_tree and all(isinstance(x, jax.Array) for x in leaves):
+            # nothing to pad, repeat or stack (e.g. a 70B shape at TP 2 or 8 on the GPU):
+            # each array only moves to its sharding, a no-op where the loader made it so,
+            # so the weights never exist twice
+            return jax.tree_util.tree_unflatten(
+                jax.tree_util.tree_structure(params),
+                [jax.device_put(x, s) for x, s in zip(leaves, target)])
         if all(isinstance(x, jax.Array) for x in leaves):
             # already on devices (sharded by the loader): reshaped there, never gathered
             f = jax.jit(lambda p: self.inner.layout(self.layout.transform(p)),
@@ -185,28 +194,30 @@ class TensorParallelForward:
     def init_kv(self, num_pages: int, page_size: int):
         local = jax.eval_shape(lambda: self.inner.init_kv(num_pages, page_size))
 
-        def spec(x):
-            s = [None] * len(x.shape)
-            s[KV_HEAD_AXIS] = TP_AXIS
-            return P(*s)
-        self._kv_specs = jax.tree_util.tree_map(spec, local)
-
         def zeros(x):
             shape = list(x.shape)
             shape[KV_HEAD_AXIS] *= self.tp
-            sharding = NamedSharding(self.mesh, spec(x))
+            sharding = NamedSharding(self.mesh, _kv_spec(x))
             return jax.jit(lambda: jnp.zeros(shape, x.dtype), out_shardings=sharding)()
         return jax.tree_util.tree_map(zeros, local)
 
     # ---- the step --------------------------------------------------------------------
     def __call__(self, params, tokens, kv, meta, logit_idx):
-        if self._param_specs is None or self._kv_specs is None:
-            raise RuntimeError("TensorParallelForward: prepare() and init_kv() come first")
+        # the specs follow from the trees' paths and ranks, as prepare() and init_kv() made them
+        param_specs = jax.tree_util.tree_map_with_path(lambda p, x: param_spec(p, x.ndim),
+                                                       params)
+        kv_specs = jax.tree_util.tree_map(_kv_spec, kv)
         f = jax.shard_map(self.inner, mesh=self.mesh,
-                          in_specs=(self._param_specs, P(), self._kv_specs, P(), P()),
-                          out_specs=(P(None, TP_AXIS), self._kv_specs), check_vma=False)
+                          in_specs=(param_specs, P(), kv_specs, P(), P()),
+                          out_specs=(P(None, TP_AXIS), kv_specs), check_vma=False)
         logits, kv = f(params, tokens, kv, meta, logit_idx)
         return logits[:, :self.cfg.vocab_size], kv
+
+
+def _kv_spec(x) -> P:
+    s = [None] * len(x.shape)
+    s[KV_HEAD_AXIS] = TP_AXIS
+    return P(*s)
 
 
 def tensor_parallel(base, tp: int, devices=None):
