@@ -130,7 +130,7 @@ def cmd_profile(args) -> int:
     from nanojax.bench.step import workload_lengths
     workload_lengths(args.workload, 2048)  # a bad workload fails before the profile runs
     prof = run_profile(bundle, args.b_dense, args.granularity, args.workload, shares,
-                       iters=args.iters)
+                       iters=args.iters, tp=args.tp)
     prof["command"] = " ".join(["nanojax"] + sys.argv[1:])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(prof, indent=1))
@@ -212,5 +212,8 @@ def register(sub) -> None:
     pr.add_argument("--shares", default="0.25,0.5,1.0",
                     help="resource shares of the attention kernel to profile")
     pr.add_argument("--iters", type=int, default=10)
+    pr.add_argument("--tp", type=int, default=1,
+                    help="profile one TP shard's ops and the all-reduces over this many "
+                         "devices (the network nano-ops)")
     pr.add_argument("--out", required=True)
     pr.set_defaults(func=cmd_profile)

@@ -24,9 +24,10 @@ def _env(devices: int = 8) -> dict:
     return env
 
 
-def _worker(*args, timeout=600) -> dict:
+def _worker(*args, devices=8, timeout=600) -> dict:
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "tp_worker.py"), *args],
-                       capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+                       capture_output=True, text=True, timeout=timeout, env=_env(devices),
+                       cwd=ROOT)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, r.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT "):])
@@ -57,7 +58,7 @@ def test_tp_tokens_equal_tp1(tiny):
     assert tiny["sampled"]["1"] == tiny["sampled"]["2"] == tiny["sampled"]["4"]
     lp = tiny["top_logprobs"]
     for tp in ("2", "4"):
-        assert lp[tp] == pytest.approx(lp["1"], abs=1e-5)
+        assert lp[tp][0] == pytest.approx(lp["1"][0], abs=1e-5)
 
 
 def test_every_mode_equal_under_tp(tiny):
@@ -109,10 +110,17 @@ def test_orbax_restores_into_shards(tmp_path):
 
 
 def test_bad_tp_sizes_are_refused():
-    out = _worker("errors")
+    out = _worker("errors", devices=2)
     assert "num_heads (4) is not divisible by tensor_parallel_size (3)" in out["3"]
-    assert "needs 16 devices; 8 cpu device(s) available" in out["16"]
+    assert "needs 4 devices; 2 cpu device(s) available" in out["4"]
     assert "positive" in out["0"]
+
+
+def test_profiler_measures_network_ops_for_the_search():
+    out = _worker("profile", devices=2)
+    assert out["groups"] == list(TP_GROUPS) and out["tp"] == 2
+    assert sorted(out["plan_groups"]) == sorted(TP_GROUPS)
+    assert all(t > 0 for t in out["net"].values()) and len(out["net"]) == 2
 
 
 def test_network_ops_need_tp_and_ablate():

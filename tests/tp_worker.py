@@ -13,7 +13,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 
-PROMPTS = [[1, 5, 9, 33, 7], [100, 200, 300], list(range(40, 75))]
+PROMPTS = [[1, 5, 9, 33, 7], [100, 200, 300], list(range(40, 60))]  # one 32-token prefill
 
 
 def _tokens(llm_or_engine, prompts, params):
@@ -51,8 +51,8 @@ def case_tiny():
     from checkpoints.loader import load_model
     from nanojax.pipeline.executor import PipelineForward
     from nanojax.pipeline.plan import MODES
-    greedy = SamplingParams(max_tokens=10, temperature=0.0, logprobs=3)
-    sampled = SamplingParams(max_tokens=10, temperature=0.8, top_k=20, top_p=0.9, seed=7)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)
+    sampled = SamplingParams(max_tokens=8, temperature=0.8, top_k=20, top_p=0.9, seed=7)
     out = {"greedy": {}, "sampled": {}, "bytes": {}, "modes": {}, "top_logprobs": {}}
     kw = dict(dtype="float32", num_pages=64, b_dense=32)
     for tp in (1, 2, 4):
@@ -114,13 +114,29 @@ def case_errors():
     from nanojax.errors import ConfigError
     bundle = load_model("random:tiny", dtype="float32")
     out = {}
-    for tp in (3, 16, 0):
+    for tp in (3, 4, 0):
         try:
             LLMEngine(bundle, EngineConfig(num_pages=64, b_dense=32, tensor_parallel_size=tp))
             out[tp] = "no error"
         except ConfigError as e:
             out[tp] = str(e)
     return out
+
+
+def case_profile():
+    """The profiler at TP 2 (one shard's ops, the all-reduces over 2 devices) feeds the
+    search, whose plan carries the network nano-ops."""
+    from checkpoints.loader import load_model
+    from nanojax.pipeline.plan import validate
+    from search.milp import Profile, search, to_plan
+    from search.profiler import run_profile
+    bundle = load_model("random:tiny", dtype="float32")
+    raw = run_profile(bundle, 32, 16, "24/8", shares=(1.0,), iters=2, progress=False,
+                      num_pages=64, tp=2)
+    prof = Profile.from_dict(json.loads(json.dumps(raw)))
+    plan = validate(to_plan(prof, search(prof, max_k=2, time_limit=10), raw["model"], 2))
+    return {"groups": list(prof.groups), "net": raw["ops"]["o_allreduce"]["times"],
+            "plan_groups": sorted(plan["nano_batches"]), "tp": plan["tp"]}
 
 
 def case_mp():
@@ -137,7 +153,7 @@ def case_mp():
     eng = LLMEngine(bundle, EngineConfig(num_pages=64, b_dense=32, tensor_parallel_size=4))
     if not is_leader():
         return {"followed_steps": eng.runner.follow()}
-    toks = _tokens(eng, PROMPTS, SamplingParams(max_tokens=10, temperature=0.0))[0]
+    toks = _tokens(eng, PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))[0]
     eng.runner.stop_followers()
     return {"tokens": toks, "steps": eng.stats.steps}
 
