@@ -117,7 +117,15 @@ def cmd_search(args) -> int:
 def cmd_profile(args) -> int:
     from checkpoints.loader import load_model
     from search.profiler import run_profile
-    bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
+    if args.tp > 1 and args.model.startswith("random:"):
+        # only one shard's shape is profiled (random weights): never load the whole model
+        from checkpoints.bundle import ModelBundle
+        from checkpoints.loader import default_dtype
+        from nanojax.config import named_shape
+        bundle = ModelBundle(named_shape(args.model.split(":", 1)[1],
+                                         args.dtype or default_dtype()), None, None)
+    else:
+        bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
     try:
         shares = [float(x) for x in args.shares.split(",")]
     except ValueError:

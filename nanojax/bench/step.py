@@ -236,6 +236,21 @@ def logits_distance(logits, ref_logits) -> float:
     return float(np.max(diff) / np.std(np.asarray(ref_logits, np.float32)))
 
 
+def tp_gemm_rate(cfg: ModelConfig, b_dense: int, tp: int) -> dict:
+    """The GEMM rate of every GPU of the mesh, each measured on its own shard's GEMM shapes
+    at B_dense; optimal tokens/s = their sum / (2 x the whole model's parameters)."""
+    from nanojax.bench.roofline import measure_gemm_rate, optimal_tokens_per_s
+    from nanojax.parallel.tp import TPLayout
+    shard = TPLayout(cfg, tp).shard_config
+    per = []
+    for d in jax.devices()[:tp]:
+        with jax.default_device(d):
+            per.append(measure_gemm_rate(shard, b_dense)["gemm_flops_per_s"])
+    rate = sum(per)
+    return {"gemm_flops_per_s": rate, "per_device_gemm_flops_per_s": per,
+            "optimal_tokens_per_s": optimal_tokens_per_s(cfg, rate)}
+
+
 def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[str],
                    modes: list[str], page_size: int = 16, num_pages: int = 16384,
                    max_model_len: int = 2048, repeats: int = 10, timeline_png: str | None = None,
@@ -265,7 +280,9 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
                disable=not progress)
     params = kv = None
     for b_dense in b_dense_list:
-        roof = measure_gemm_rate(cfg, b_dense) if on_gpu else None
+        roof = None
+        if on_gpu:
+            roof = measure_gemm_rate(cfg, b_dense) if tp == 1 else tp_gemm_rate(cfg, b_dense, tp)
         sized = resize(plan, b_dense)
         cuts = tuple(a for a, _ in sized["nano_batches"]["attention"][1:])
         block_q = default_forward(cfg).attention.prefill_block_q
@@ -313,7 +330,7 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
                 if roof:
                     r["fraction_of_optimal"] = r["tokens_per_s"] / roof["optimal_tokens_per_s"]
                     r["fraction_of_optimal_at_790_tflops"] = r["tokens_per_s"] / (
-                        optimal_tokens_per_s(cfg, CARD_TFLOPS * 1e12))
+                        optimal_tokens_per_s(cfg, tp * CARD_TFLOPS * 1e12))
                     r["optimal_tokens_per_s"] = roof["optimal_tokens_per_s"]
                     r["gemm_tflops"] = roof["gemm_flops_per_s"] / 1e12
                 # do the modes compute the same function on the same batch? (against the
@@ -359,6 +376,10 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
                 row["overlap_over_non_overlap"] = t["overlap"] / t["non-overlap"]
             if "overlap" in t and "nanobatch-only" in t:
                 row["overlap_over_nanobatch_only"] = t["overlap"] / t["nanobatch-only"]
+            for m in t:  # the TP path at TP 1 against today's path (issue 19's A/B)
+                base = m.split(":")[0]
+                if parse_mode(m)["shard_map"] and base in t:
+                    row[f"{m}_over_{base}"] = t[m] / t[base]
             ratios.append(row)
     if timeline_png and timelines:
         events_path = str(Path(timeline_png).with_suffix(".events.json"))
