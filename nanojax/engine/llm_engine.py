@@ -99,7 +99,9 @@ class LLMEngine:
     @classmethod
     def from_model(cls, model: str, dtype: str | None = None, cache_dir=None, **kw):
         from checkpoints.loader import load_model
-        return cls(load_model(model, dtype=dtype, cache_dir=cache_dir), EngineConfig(**kw))
+        return cls(load_model(model, dtype=dtype, cache_dir=cache_dir,
+                              tensor_parallel_size=kw.get("tensor_parallel_size", 1)),
+                   EngineConfig(**kw))
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -73,6 +73,10 @@ class ModelRunner:
 
     def _make_step(self, forward):
         max_rows = self.max_rows
+        from nanojax.parallel.tp import TensorParallelForward
+        # vocab-sharded logits: the top logprobs are read shard by shard (parallel/tp.py)
+        top_logprobs = (forward.top_logprobs if isinstance(forward, TensorParallelForward)
+                        else None)
 
         def step(params, kv, prev_tokens, host_tokens, token_src, meta, logit_idx,
                  temperature, top_p, top_k, seeds, steps):
@@ -80,7 +84,7 @@ class ModelRunner:
             tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)],
                                host_tokens)
             logits, kv = forward(params, tokens, kv, meta, logit_idx)
-            out = sample(logits, temperature, top_p, top_k, seeds, steps)
+            out = sample(logits, temperature, top_p, top_k, seeds, steps, top_logprobs)
             pad = max_rows - logits.shape[0]
             out = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in out]
             return kv, out

@@ -9,8 +9,9 @@ contiguous slice of the vocabulary:
     head r // (TP / KVH), the one its query heads read,
   * the embedding and the LM head are vocab-parallel (the vocabulary padded to a multiple
     of TP); logits leave shard_map split on the vocabulary and the sampler runs on them
-    under GSPMD (argmax and log-softmax reduce per shard, then across; the top-k/top-p
-    sort and the 20 top logprobs gather the rows).
+    under GSPMD: argmax, log-softmax and the chosen logprob reduce per shard, then
+    across; the 20 top logprobs come from each shard's top 20 (top_logprobs); only the
+    top-k/top-p sort, when a row asks for it, gathers whole rows.
 Inside shard_map the model is the plain one built with the shard's shape
 (`TPLayout.shard_config`), so the TP=1 path is untouched: nothing here runs at TP=1.
 """
@@ -214,28 +215,32 @@ class TensorParallelForward:
         return logits[:, :self.cfg.vocab_size], kv
 
 
+    def top_logprobs(self, logprobs, k: int):
+        """lax.top_k over vocab-sharded rows [R, V] without gathering them: each device
+        takes its shard's top k, the k x TP candidates are gathered and the top k of those
+        taken. lax.top_k puts equal values in index order and the candidates come in
+        shard (index) order, so values and ids equal one top_k over the whole row."""
+        v = self.cfg.vocab_size
+        if v % self.tp:  # an uneven vocabulary: GSPMD's own (gathering) top_k
+            return jax.lax.top_k(logprobs, k)
+        local_v = v // self.tp
+
+        def shard(lp):
+            kk = min(k, local_v)
+            vals, ids = jax.lax.top_k(lp, kk)
+            ids = ids + jax.lax.axis_index(TP_AXIS) * local_v
+            vals = jax.lax.all_gather(vals, TP_AXIS, axis=1, tiled=True)
+            ids = jax.lax.all_gather(ids, TP_AXIS, axis=1, tiled=True)
+            top, pick = jax.lax.top_k(vals, k)
+            return top, jnp.take_along_axis(ids, pick, axis=-1)
+        return jax.shard_map(shard, mesh=self.mesh, in_specs=P(None, TP_AXIS),
+                             out_specs=P(), check_vma=False)(logprobs)
+
+
 def _kv_spec(x) -> P:
     s = [None] * len(x.shape)
     s[KV_HEAD_AXIS] = TP_AXIS
     return P(*s)
-
-
-def tensor_parallel(base, tp: int, devices=None):
-    """base itself at TP 1 (today's computation, no shard_map), else its TP wrapper."""
-    return base if tp == 1 else TensorParallelForward(base, tp, devices)
-
-
-def per_device_bytes(tree, device=None) -> tuple[int, int]:
-    """(bytes of the tree's arrays held by `device` (default: the first of each array's
-    devices), bytes of the whole arrays), read from the arrays' shardings."""
-    mine = total = 0
-    for x in jax.tree_util.tree_leaves(tree):
-        total += x.size * x.dtype.itemsize
-        d = device or min(x.sharding.device_set, key=lambda d: d.id)
-        shard = x.sharding.shard_shape(x.shape)
-        if d in x.sharding.device_set:
-            mine += int(np.prod(shard)) * x.dtype.itemsize
-    return mine, total
 
 
 def sharded_forward(cfg: ModelConfig, forward, tp: int):
