@@ -19,6 +19,8 @@
 #   engine   : the engine end to end, 256 requests of 512/512, non-overlap and overlap
 #   8b       : LLaMA-3-8B shape at TP=2 against TP=1: step with the float32 reference
 #              (distance of each to float32) and engine throughput on the same requests
+# NUM_LAYERS=8: a first probe on the first 8 layers (compiles and inits 10x faster);
+# MODES=...: a subset of modes when a part would run past its call.
 set -u
 OUT=${OUT:?set OUT}
 PART=${PART:-step}
@@ -38,7 +40,8 @@ step() {  # step NAME EXTRA_ARGS...
   local name=$1; shift
   timeout "$LIMIT" python3 -m nanojax bench step --model "random:$MODEL" \
     --tensor-parallel-size "$TP" --plan "$PLAN" --modes "$MODES" --repeats 10 --quiet \
-    --json "$OUT/$name.json" "$@" 2>&1 | grep -v "^[WI]1" | tail -n 12
+    ${NUM_LAYERS:+--num-layers "$NUM_LAYERS"} --json "$OUT/$name.json" "$@" 2>&1 \
+    | grep -v "^[WI]1" | tail -n 12
 }
 case "$PART" in
   step)
