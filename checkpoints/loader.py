@@ -15,7 +15,7 @@ def default_dtype() -> str:
     return "bfloat16" if jax.default_backend() == "gpu" else "float32"
 
 
-def load_source(src: Path, dtype: str) -> ModelBundle:
+def load_source(src: Path, dtype: str, tensor_parallel_size: int = 1) -> ModelBundle:
     """GGUF file, HF directory or orbax checkpoint directory."""
     from checkpoints.gguf_import import load_gguf
     from checkpoints.hf_import import load_hf_dir
@@ -27,7 +27,7 @@ def load_source(src: Path, dtype: str) -> ModelBundle:
     if src.is_file():
         return load_gguf(src, dtype=dtype)
     if is_orbax_checkpoint(src):
-        return load_orbax(src, dtype=dtype)
+        return load_orbax(src, dtype=dtype, tensor_parallel_size=tensor_parallel_size)
     if (src / "config.json").is_file():
         return load_hf_dir(src, dtype=dtype)
     raise CheckpointError(f"{src} is neither a GGUF file, an HF model directory (config.json "
@@ -35,16 +35,18 @@ def load_source(src: Path, dtype: str) -> ModelBundle:
 
 
 def load_model(model: str, dtype: str | None = None, cache_dir=None,
-               num_layers: int | None = None) -> ModelBundle:
+               num_layers: int | None = None, tensor_parallel_size: int = 1) -> ModelBundle:
     """`model` is a registered name, `random:<shape>`, or a path. `num_layers` cuts a random
-    shape to its first layers (quick GPU probes of a large shape)."""
+    shape to its first layers (quick GPU probes of a large shape). With
+    tensor_parallel_size > 1, random weights and orbax checkpoints are made straight into
+    their shards (nanojax/parallel/tp.py); GGUF and HF files load on the host."""
     from checkpoints.embedded import ensure_smollm2
 
     dtype = dtype or default_dtype()
     if num_layers is not None and not model.startswith(RANDOM_PREFIX):
         raise CheckpointError("num_layers applies to random:<shape> models only")
     if model in REGISTERED:
-        return load_source(ensure_smollm2(cache_dir), dtype)
+        return load_source(ensure_smollm2(cache_dir), dtype, tensor_parallel_size)
     if model.startswith(RANDOM_PREFIX):
         from nanojax.config import named_shape
         from nanojax.models import init_params
@@ -53,11 +55,15 @@ def load_model(model: str, dtype: str | None = None, cache_dir=None,
             if num_layers < 1:
                 raise CheckpointError(f"num_layers must be positive, got {num_layers}")
             cfg = cfg.replace(num_layers=num_layers)
-        return ModelBundle(cfg, init_params(cfg), None)
+        shardings = None
+        if tensor_parallel_size != 1:
+            from nanojax.parallel.tp import model_shardings
+            shardings = model_shardings(cfg, tensor_parallel_size)
+        return ModelBundle(cfg, init_params(cfg, shardings=shardings), None)
     if not Path(model).exists():
         raise CheckpointError(f"unknown model {model!r}: not a registered name "
                               f"({', '.join(REGISTERED)}), not random:<shape>, not a path")
-    return load_source(Path(model), dtype)
+    return load_source(Path(model), dtype, tensor_parallel_size)
 
 
 def convert(src: Path, dst: Path, dtype: str = "float32", overwrite: bool = False) -> Path:

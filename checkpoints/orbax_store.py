@@ -50,7 +50,9 @@ def save_orbax(bundle: ModelBundle, dst: Path, overwrite: bool = False) -> Path:
     return dst
 
 
-def load_orbax(path: Path, dtype: str | None = None) -> ModelBundle:
+def load_orbax(path: Path, dtype: str | None = None,
+               tensor_parallel_size: int = 1) -> ModelBundle:
+    """tensor_parallel_size > 1: each parameter is restored straight into its shards."""
     import orbax.checkpoint as ocp
 
     path = Path(path)
@@ -65,6 +67,8 @@ def load_orbax(path: Path, dtype: str | None = None) -> ModelBundle:
     cfg = ModelConfig.load(path / "config.json")
     if not (path / "params").is_dir():
         raise CheckpointError(f"checkpoint {path} lacks its params/ directory")
+    if tensor_parallel_size != 1:
+        return _load_orbax_sharded(path, cfg, dtype, tensor_parallel_size)
     try:
         params = ocp.PyTreeCheckpointer().restore(path / "params")
     except Exception as e:
@@ -76,5 +80,28 @@ def load_orbax(path: Path, dtype: str | None = None) -> ModelBundle:
         cfg = cfg.replace(dtype=dtype)
         np_dtype = np.dtype(jax.numpy.dtype(dtype))
         params = jax.tree_util.tree_map(lambda a: a.astype(np_dtype), params)
+    tok = Tokenizer.load(path) if (path / "tokenizer.json").is_file() else None
+    return ModelBundle(cfg, params, tok)
+
+
+def _load_orbax_sharded(path: Path, cfg: ModelConfig, dtype: str | None,
+                        tp: int) -> ModelBundle:
+    """Restores every array into the shardings tensor parallelism gives it (each device
+    reads its slice; no whole array on one device), in the requested dtype."""
+    import orbax.checkpoint as ocp
+
+    from nanojax.parallel.tp import model_shardings
+    if dtype is not None and dtype != cfg.dtype:
+        cfg = cfg.replace(dtype=dtype)
+    shardings = model_shardings(cfg, tp)
+    want = jax.numpy.dtype(cfg.dtype)
+    args = jax.tree_util.tree_map(lambda s: ocp.ArrayRestoreArgs(sharding=s, dtype=want),
+                                  shardings)
+    try:
+        params = ocp.PyTreeCheckpointer().restore(path / "params", restore_args=args)
+    except Exception as e:
+        raise CheckpointError(f"corrupt parameters in {path / 'params'} (or not of this "
+                              f"config's tree): {type(e).__name__}: {e}") from None
+    check_tree(cfg, params)
     tok = Tokenizer.load(path) if (path / "tokenizer.json").is_file() else None
     return ModelBundle(cfg, params, tok)

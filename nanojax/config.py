@@ -368,6 +368,8 @@ class EngineConfig:
         "cost logits for every row)"))
     seed: int = dataclasses.field(default=0, metadata=_opt(
         "seed of the per-request seeds of unseeded requests", cli=False))
+    tensor_parallel_size: int = dataclasses.field(default=1, metadata=_opt(
+        "split the model over this many devices (shard_map over a 'tp' mesh axis)"))
     # KV reuse (names as vLLM's --enable-prefix-caching; sizes take K/M/G/T suffixes)
     enable_prefix_caching: bool = dataclasses.field(default=True, metadata=_opt(
         "share the KV pages of common prompt prefixes (automatic prefix caching)"))
@@ -381,7 +383,7 @@ class EngineConfig:
     kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
 
     def __post_init__(self):
-        for name in ("b_dense", "page_size", "max_model_len"):
+        for name in ("b_dense", "page_size", "max_model_len", "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("num_pages", "max_num_seqs"):

@@ -67,7 +67,24 @@ def cmd_search(args) -> int:
 
     from nanojax.config import named_shape
     from search.milp import Profile, search, to_plan
-    prof = Profile.load(args.profile)
+    report = {}
+    if args.profile:
+        prof = Profile.load(args.profile)
+    elif args.datasheet:  # a profile synthesized from the cost model and a datasheet
+        from search.costmodel import WORKLOADS, analyze, gpu_from
+        from search.datasheet import datasheet_profile
+        if args.workload not in WORKLOADS:
+            raise SystemExit(f"nanojax: --workload must be one of {sorted(WORKLOADS)}")
+        cfg, gpu = named_shape(args.model), gpu_from(args.datasheet)
+        p, d = WORKLOADS[args.workload]
+        raw = datasheet_profile(gpu, cfg, args.tp, args.b_dense, args.granularity, p, d)
+        prof = Profile.from_dict(raw)
+        a = analyze(gpu, cfg, args.b_dense, args.tp, p, d)
+        report["cost_model"] = {k: a[k] for k in ("bound", "TR", "T_net_over_T_compute",
+                                                  "T_compute_s", "T_mem_s", "T_net_s")}
+        report["profile_source"] = raw["source"]
+    else:
+        raise SystemExit("nanojax: give --profile FILE or --datasheet GPU")
     signature = prof.model or named_shape(args.model).signature()
     with tqdm(total=args.max_k, desc="stage I", unit="split") as bar:
         def progress(k, s):
@@ -83,9 +100,17 @@ def cmd_search(args) -> int:
         shared = {f"{j}[{b}]": r for (j, b), r in best["share"].items() if r < 1}
         print(f"nanojax: stage II shares below 1: {shared or 'none'}", file=sys.stderr)
     plan = to_plan(prof, best, signature, args.tp)
+    from search.datasheet import non_overlap_time
+    serial = non_overlap_time(prof)
+    report.update({"nano_batches": best["sizes"], "predicted_makespan_s": best["makespan"],
+                   "non_overlap_s": serial,
+                   "predicted_gain_over_non_overlap": serial / best["makespan"]})
+    plan["predicted"]["report"] = report
     Path(args.out).write_text(json.dumps(plan, indent=1))
     print(f"nanojax: {best['k']} nano-batches {best['sizes']}, predicted makespan "
-          f"{best['makespan']:.4g}; wrote {args.out}", file=sys.stderr)
+          f"{best['makespan']:.4g} s per layer against {serial:.4g} s without overlap "
+          f"({serial / best['makespan']:.3f}x); wrote {args.out}", file=sys.stderr)
+    print(json.dumps(report))
     if args.png:
         plot_plan(plan, prof, args.png)
         print(f"nanojax: wrote {args.png}", file=sys.stderr)
@@ -95,7 +120,15 @@ def cmd_search(args) -> int:
 def cmd_profile(args) -> int:
     from checkpoints.loader import load_model
     from search.profiler import run_profile
-    bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
+    if args.tp > 1 and args.model.startswith("random:"):
+        # only one shard's shape is profiled (random weights): never load the whole model
+        from checkpoints.bundle import ModelBundle
+        from checkpoints.loader import default_dtype
+        from nanojax.config import named_shape
+        bundle = ModelBundle(named_shape(args.model.split(":", 1)[1],
+                                         args.dtype or default_dtype()), None, None)
+    else:
+        bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
     try:
         shares = [float(x) for x in args.shares.split(",")]
     except ValueError:
@@ -108,7 +141,7 @@ def cmd_profile(args) -> int:
     from nanojax.profiling.synthetic import workload_lengths
     workload_lengths(args.workload, 2048)  # a bad workload fails before the profile runs
     prof = run_profile(bundle, args.b_dense, args.granularity, args.workload, shares,
-                       iters=args.iters, kernels=kernel_config_from_args(args))
+                       iters=args.iters, tp=args.tp, kernels=kernel_config_from_args(args))
     prof["command"] = " ".join(["nanojax"] + sys.argv[1:])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(prof, indent=1))
@@ -123,7 +156,8 @@ def plot_plan(plan: dict, prof, path) -> None:
     import matplotlib.pyplot as plt
     pred = plan["predicted"]
     lanes = ["compute", "memory", "network"]
-    colors = {"qkv": "#4c72b0", "attention": "#dd8452", "o_proj": "#55a868", "mlp": "#c44e52"}
+    colors = {"qkv": "#4c72b0", "attention": "#dd8452", "o_proj": "#55a868", "mlp": "#c44e52",
+              "o_allreduce": "#8172b3", "mlp_allreduce": "#937860"}
     fig, ax = plt.subplots(figsize=(9, 2.6))
     for key, t0 in pred["start_s"].items():
         op, b = key[:-1].split("[")
@@ -161,7 +195,14 @@ def register(sub) -> None:
 
     s = sub.add_parser("search", help="two-stage MILP (sizes and order, then resource "
                                       "shares) -> plan")
-    s.add_argument("--profile", required=True, help="profile JSON (see search/milp.py)")
+    s.add_argument("--profile", default=None, help="profile JSON (see search/milp.py)")
+    s.add_argument("--datasheet", default=None, metavar="GPU",
+                   help="instead of --profile: synthesize one from the cost model and this "
+                        "GPU's datasheet (search/datasheet.py), for --model at --tp")
+    s.add_argument("--workload", default="splitwise", help="with --datasheet: "
+                   "splitwise, lmsys, sharegpt, constant-512-512, ...")
+    s.add_argument("--b-dense", type=int, default=2048, help="with --datasheet")
+    s.add_argument("--granularity", type=int, default=128, help="with --datasheet")
     s.add_argument("--out", required=True, help="plan JSON to write")
     s.add_argument("--model", default="llama3-8b",
                    help="model signature when the profile names none")
@@ -184,6 +225,9 @@ def register(sub) -> None:
     pr.add_argument("--shares", default="0.25,0.5,1.0",
                     help="resource shares of the attention kernel to profile")
     pr.add_argument("--iters", type=int, default=10)
+    pr.add_argument("--tp", type=int, default=1,
+                    help="profile one TP shard's ops and the all-reduces over this many "
+                         "devices (the network nano-ops)")
     pr.add_argument("--out", required=True)
     add_engine_args(pr, kernels_only=True)
     pr.set_defaults(func=cmd_profile)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from nanojax.errors import NanojaxError
-from nanojax.pipeline.plan import OP_GROUPS, PLAN_VERSION, validate
+from nanojax.pipeline.plan import NETWORK_GROUPS, PLAN_VERSION, groups_of, validate
 
 
 class SearchError(NanojaxError):
@@ -51,6 +51,14 @@ class Profile:
     # ran together on this device and software: then nothing overlaps, every nano-op
     # waits for the one before it, and the search models exactly that
     concurrent: bool = True
+    # share of the GPU a network op's kernels occupy while they run (NCCL's SMs), for
+    # stage II; the op's time does not depend on it
+    network_share: float = 0.1
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The op groups in data order (with the network ops under TP)."""
+        return groups_of(self.times)
 
     def span_time(self, group: str, a: int, b: int, share: float = 1.0) -> float:
         """Seconds of `group` on the dense batch's tokens [a, b) at resource share."""
@@ -74,15 +82,18 @@ class Profile:
         try:
             b, g = int(d["b_dense"]), int(d["granularity"])
             ops = d["ops"]
-            resource = {k: ops[k]["resource"] for k in OP_GROUPS}
+            groups = groups_of(ops)
+            resource = {k: ops[k]["resource"] for k in groups}
             times = {k: {int(n): float(t) for n, t in ops[k]["times"].items()}
-                     for k in OP_GROUPS}
+                     for k in groups}
+            net_share = float(next((ops[k].get("share", 0.1) for k in NETWORK_GROUPS
+                                    if k in ops), 0.1))
         except (KeyError, TypeError, ValueError) as e:
             raise SearchError(f"malformed profile: missing or bad field {e}") from None
         try:
             share_times = {k: {float(r): {int(n): float(t) for n, t in ts.items()}
                                for r, ts in ops[k]["times_by_share"].items()}
-                           for k in OP_GROUPS if "times_by_share" in ops[k]}
+                           for k in groups if "times_by_share" in ops[k]}
             table = d.get("interference") or {}
             interference = ({float(r["share"]): (float(r["compute"]), float(r["memory"]))
                              for r in table["rows"]} if table.get("measured") else {})
@@ -94,7 +105,7 @@ class Profile:
             raise SearchError(f"malformed profile: bad share or interference data {e}") from None
         if b % g:
             raise SearchError(f"b_dense {b} is not a multiple of the granularity {g}")
-        for k in OP_GROUPS:
+        for k in groups:
             need = set(range(g, b + 1, g))
             if not need <= set(times[k]):
                 raise SearchError(f"profile of '{k}' lacks sizes {sorted(need - set(times[k]))[:5]}")
@@ -105,7 +116,7 @@ class Profile:
                 if not 0 < r <= 1 or not set(range(g, b + 1, g)) <= set(ts):
                     raise SearchError(f"profile of '{k}' at share {r} is out of range or "
                                       "lacks sizes")
-        prefix = frozenset(k for k in OP_GROUPS if ops[k].get("position") == "prefix")
+        prefix = frozenset(k for k in groups if ops[k].get("position") == "prefix")
         for k in prefix:  # more tokens never take less time: clamp timing noise, or a
             times[k] = _running_max(times[k])  # nano-batch's span could cost < 0
             for r in share_times.get(k, {}):
@@ -113,7 +124,7 @@ class Profile:
         if not concurrent:  # the table's P values are then times of kernels run apart
             interference = {}
         return cls(b, g, resource, times, d.get("model"), share_times, interference, prefix,
-                   concurrent)
+                   concurrent, net_share)
 
 
 def _running_max(table: dict[int, float]) -> dict[int, float]:
@@ -196,12 +207,13 @@ def stage1(profile: Profile, k: int, time_limit: float = 60.0) -> dict:
         raise SearchError(f"cannot cut {profile.b_dense} tokens into {k} nano-batches of "
                           f"multiples of {g}")
     sizes = range(1, units - k + 2)
+    groups = profile.groups
     m = _Milp()
     x = {(b, s): m.var(0, 1, True) for b in range(k) for s in sizes}
-    start = {(j, b): m.var() for j in OP_GROUPS for b in range(k)}
-    dur = {(j, b): m.var() for j in OP_GROUPS for b in range(k)}
+    start = {(j, b): m.var() for j in groups for b in range(k)}
+    dur = {(j, b): m.var() for j in groups for b in range(k)}
     cmax = m.var(cost=1.0)
-    big = sum(max(abs(t) for t in profile.times[j].values()) for j in OP_GROUPS) * k * 2
+    big = sum(max(abs(t) for t in profile.times[j].values()) for j in groups) * k * 2
     # where nano-batch b ends (in units): only needed when some op's time depends on it
     ends = range(1, units + 1)
     e = ({(b, u): m.var(0, 1, True) for b in range(k) for u in ends}
@@ -217,7 +229,7 @@ def stage1(profile: Profile, k: int, time_limit: float = 60.0) -> dict:
             for sz in sizes:
                 link[x[b, sz]] = link.get(x[b, sz], 0) - sz
             m.row(link, 0, 0)
-        for j in OP_GROUPS:
+        for j in groups:
             if j in profile.prefix:  # times[end_b] - times[end_{b-1}]
                 coeffs = {e[b, u]: -profile.times[j][u * g] for u in ends}
                 if b:
@@ -227,9 +239,9 @@ def stage1(profile: Profile, k: int, time_limit: float = 60.0) -> dict:
                 coeffs = {x[b, s]: -profile.times[j][s * g] for s in sizes}
             coeffs[dur[j, b]] = 1
             m.row(coeffs, 0, 0)
-        for prev, nxt in zip(OP_GROUPS, OP_GROUPS[1:]):
+        for prev, nxt in zip(groups, groups[1:]):
             m.row({start[nxt, b]: 1, start[prev, b]: -1, dur[prev, b]: -1}, 0)
-        m.row({cmax: 1, start[OP_GROUPS[-1], b]: -1, dur[OP_GROUPS[-1], b]: -1}, 0)
+        m.row({cmax: 1, start[groups[-1], b]: -1, dur[groups[-1], b]: -1}, 0)
     m.row({x[b, s]: s for b in range(k) for s in sizes}, units, units)
     symmetric = not profile.prefix
     for b in range(k - 1 if symmetric else 0):
@@ -237,7 +249,7 @@ def stage1(profile: Profile, k: int, time_limit: float = 60.0) -> dict:
         # their attention loses nothing and breaks the symmetry between them
         a0, a1 = ("attention", b), ("attention", b + 1)
         m.row({start[a1]: 1, start[a0]: -1, dur[a0]: -1}, 0)
-    nano = [(j, b) for j in OP_GROUPS for b in range(k)]
+    nano = [(j, b) for j in groups for b in range(k)]
     for i, a in enumerate(nano):
         for c in nano[i + 1:]:
             if a[1] == c[1] or (profile.concurrent
@@ -283,26 +295,28 @@ def to_plan(profile: Profile, sched: dict, model_signature: dict, tp: int = 1) -
     for s in sched["sizes"]:
         bounds.append([pos, pos + s])
         pos += s
+    groups = profile.groups
     order = sorted(sched["start"], key=lambda op: (sched["start"][op],
-                                                    OP_GROUPS.index(op[0])))
+                                                    groups.index(op[0])))
     stream = {"compute": 0, "memory": 1, "network": 3}
     start, dur = sched["start"], sched["duration"]
 
     def stream_of(op):
-        """A GEMM that runs beside a memory or network op goes on stream 2: only side-
-        stream regions can join that op's XLA scheduling group (executor.overlap_groups)."""
+        """A GEMM that runs beside a memory op goes on stream 2: only side-stream regions
+        can join that op's XLA scheduling group (executor.overlap_groups). Network ops go
+        on stream 3 (XLA's async collectives; a GEMM beside one needs no side stream)."""
         kind = profile.resource[op[0]]
         if not profile.concurrent or len(sched["sizes"]) == 1:
             return 0  # nothing runs beside it: a side stream would only add a sync
         if kind != "compute":
             return stream[kind]
-        beside = any(profile.resource[o[0]] != "compute"
+        beside = any(profile.resource[o[0]] == "memory"
                      and start[o] < start[op] + dur[op] and start[op] < start[o] + dur[o]
                      for o in start)
         return 2 if beside else 0
     plan = {"version": PLAN_VERSION, "name": "searched", "model": model_signature, "tp": tp,
             "b_dense": profile.b_dense, "granularity": profile.granularity,
-            "nano_batches": {j: [list(b) for b in bounds] for j in OP_GROUPS},
+            "nano_batches": {j: [list(b) for b in bounds] for j in groups},
             "nano_ops": [{"op": j, "batch": b, "stream": stream_of((j, b)),
                           "share": sched.get("share", {}).get((j, b), 1.0)}
                          for j, b in order],

@@ -14,6 +14,10 @@
    executor runs them); from the trace, each kernel's time together over its time alone
    is its normalized performance P (NanoFlow's Table 3).
 
+3. Under tensor parallelism (tp > 1): the compute and memory ops on one shard's shape
+   (parallel/tp.py, random weights), and the network ops (o_allreduce, mlp_allreduce):
+   a psum of n x hidden activations over a `tp` mesh in shard_map, timed on the device.
+
 The result is the search's input (search/milp.py, Profile), saved as JSON with the
 hardware and software it was measured on.
 """
@@ -160,15 +164,44 @@ def _pair_schedule(hlo_text: str) -> dict:
                          "group": r["group"]} for r in regions]}
 
 
+def network_times(hidden: int, dtype, sizes, tp: int, iters: int = 10) -> dict[int, float]:
+    """Seconds of one all-reduce of n x hidden activations over tp devices, for each n
+    (the network nano-op, as the executor issues it: a psum inside shard_map)."""
+    from jax.sharding import PartitionSpec as P
+
+    from nanojax.parallel.tp import TP_AXIS, make_mesh
+    mesh = make_mesh(tp)
+    f = jax.shard_map(lambda x: jax.lax.psum(x, TP_AXIS), mesh=mesh, in_specs=P(TP_AXIS),
+                      out_specs=P(TP_AXIS), check_vma=False)
+    out = {}
+    for n in sizes:  # each device holds its own [n, hidden] partial sums
+        x = jnp.ones((tp * n, hidden), dtype)
+        out[n] = device_seconds(f, x, iters=iters)
+    return out
+
+
+def shard_bundle(bundle, tp: int):
+    """One TP shard's shape with random weights (one layer): what each GPU computes."""
+    from checkpoints.bundle import ModelBundle
+    from nanojax.models import init_params
+    from nanojax.parallel.tp import TPLayout
+    cfg = TPLayout(bundle.config, tp).shard_config.replace(num_layers=1)
+    return ModelBundle(cfg, init_params(cfg), None)
+
+
 def run_profile(bundle, b_dense: int, granularity: int, workload: str = "512/512",
                 shares=(0.25, 0.5, 1.0), iters: int = 10, progress: bool = True,
-                num_pages: int = 16384, kernels: KernelConfig = KernelConfig()) -> dict:
+                num_pages: int = 16384, tp: int = 1,
+                kernels: KernelConfig = KernelConfig()) -> dict:
     from tqdm.auto import tqdm
 
     from nanojax.pipeline.streams import streams_enabled
     from nanojax.profiling.record import environment
     if b_dense % granularity:
         raise SearchError(f"B_dense {b_dense} is not a multiple of the granularity {granularity}")
+    signature = bundle.config.signature()
+    if tp > 1:
+        bundle = shard_bundle(bundle, tp)
     lay = LayerOps(bundle, b_dense, granularity, workload, num_pages=num_pages,
                    kernels=kernels)
     sizes = list(range(granularity, b_dense + 1, granularity))
@@ -192,6 +225,10 @@ def run_profile(bundle, b_dense: int, granularity: int, workload: str = "512/512
                         "times_by_share": {str(s): t for s, t in by_share.items()},
                         "position": "prefix",
                         "decodes_and_prefill_tokens": {n: list(lay.mix[n]) for n in sizes}}
+    if tp > 1:
+        net = network_times(bundle.config.hidden_size, lay.dtype, sizes, tp, iters)
+        for g in ("o_allreduce", "mlp_allreduce"):  # the same message after each block
+            ops[g] = {"resource": "network", "times": net, "share": 0.1}
     bar.close()
     if streams_enabled(kernels.streams):
         n = sizes[(len(sizes) - 1) // 2]  # about half the dense batch, a profiled size
@@ -201,6 +238,6 @@ def run_profile(bundle, b_dense: int, granularity: int, workload: str = "512/512
     else:  # one stream: nothing runs together, so there is nothing to measure
         table = {"measured": False, "reason": "no concurrent streams on this backend"}
     return {"version": 1, "b_dense": b_dense, "granularity": granularity,
-            "workload": workload, "model": bundle.config.signature(), "ops": ops,
+            "workload": workload, "model": signature, "tp": tp, "ops": ops,
             "interference": table, "environment": environment(),
             "kernels": dataclasses.asdict(kernels)}

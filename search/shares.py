@@ -15,20 +15,27 @@ from __future__ import annotations
 
 import numpy as np
 
-from nanojax.pipeline.plan import PRODUCER
+from nanojax.pipeline.plan import producers
 from search.milp import Profile, SearchError, _Milp
 
 
 def _levels(profile: Profile, group: str) -> list[float]:
     if profile.resource[group] == "compute":
-        # a GEMM takes what the memory ops beside it leave: 1 - R for each memory level
+        # a GEMM takes what the memory or network ops beside it leave: 1 - R for each
+        # of their levels
         mem = {r for g, by in profile.share_times.items() for r in by}
+        if any(profile.resource[g] == "network" for g in profile.groups):
+            mem.add(profile.network_share)
         return sorted({1.0} | {round(1 - r, 6) for r in mem if r < 1})
+    if profile.resource[group] == "network":
+        return [profile.network_share]
     return sorted(profile.share_times.get(group, {1.0: None}))
 
 
 def _duration(profile: Profile, group: str, span: tuple[int, int], r: float) -> float:
     """Seconds of `group` on the tokens span = [a, b) at share r."""
+    if profile.resource[group] == "network":  # a collective's time: link-bound
+        return profile.span_time(group, *span)
     if profile.resource[group] == "compute":
         if r >= 1:
             return profile.span_time(group, *span)
@@ -44,6 +51,7 @@ def stage2(profile: Profile, sched: dict, time_limit: float = 60.0) -> dict:
     """Shares for the nano-ops of a stage-I schedule; returns the schedule with `share`,
     new `start`/`duration` and the predicted `makespan`."""
     ops = sorted(sched["start"], key=lambda o: (sched["start"][o], o))
+    producer = producers(profile.groups)
     bounds = np.cumsum([0] + list(sched["sizes"])).tolist()
     size = {o: (bounds[o[1]], bounds[o[1] + 1]) for o in ops}  # token span of each nano-op
     m = _Milp()
@@ -61,8 +69,8 @@ def stage2(profile: Profile, sched: dict, time_limit: float = 60.0) -> dict:
               0, 0)
         m.row({share[o]: 1, **{z[o][r]: -r for r in levels}}, 0, 0)
         m.row({cmax: 1, start[o]: -1, dur[o]: -1}, 0)
-        if g in PRODUCER:  # data dependency within the nano-batch
-            p = (PRODUCER[g], o[1])
+        if g in producer:  # data dependency within the nano-batch
+            p = (producer[g], o[1])
             m.row({start[o]: 1, start[p]: -1, dur[p]: -1}, 0)
     for res in {profile.resource[g] for g, _ in ops}:  # stage I's order on each resource
         seq = [o for o in ops if profile.resource[o[0]] == res]

@@ -76,8 +76,10 @@ def test_step_modes_parse_into_their_options():
     from nanojax.bench.step import parse_mode
     m = parse_mode("overlap:0.25:nogroups:gemm0.5:keepinputs")
     assert m == {"base": "overlap", "attention_share": 0.25, "gemm_share": 0.5,
-                 "scheduling_groups": False, "keep": "inputs", "ragged_fusion": True}
+                 "scheduling_groups": False, "keep": "inputs", "ragged_fusion": True,
+                 "shard_map": False}
     assert parse_mode("overlap:1.0:keepall")["keep"] == "values"
+    assert parse_mode("non-overlap::shardmap")["shard_map"]
     assert parse_mode("non-overlap")["attention_share"] is None
     assert parse_mode("non-overlap")["ragged_fusion"] is True
     assert parse_mode("non-overlap::nofusion")["ragged_fusion"] is False

@@ -82,3 +82,40 @@ def test_the_interference_pair_schedule_says_whether_both_regions_were_issued_to
     together = _pair_schedule(other)
     assert together["issued_together"]
     assert [r["stream"] for r in together["regions"]] == ["1", "2"]
+
+
+# GPU-style: nano-batch 0's all-reduce (after its o_proj) runs while nano-batch 1's GEMMs
+# are issued; nano-batch 1's all-reduce has only its own batch's GEMM before its done
+TP_HLO = """HloModule jit_step, is_scheduled=true
+
+ENTRY %main (x: bf16[8,8], w: bf16[8,8]) -> bf16[8,8] {
+  %x = bf16[8,8]{1,0} parameter(0)
+  %w = bf16[8,8]{1,0} parameter(1)
+  %o0 = bf16[8,8]{1,0} custom-call(%x, %w), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/shard_map/nanoop_o_proj_b0/dot_general"}
+  %all-reduce-start = bf16[8,8]{1,0} all-reduce-start(%o0), replica_groups={{0,1}}, to_apply=%add, metadata={op_name="jit(step)/shard_map/nanoop_o_allreduce_b0/psum"}
+  %q1 = bf16[8,8]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm_fusion_dot.1, metadata={op_name="jit(step)/shard_map/nanoop_qkv_b1/dot_general"}
+  %o1 = bf16[8,8]{1,0} custom-call(%q1, %w), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/shard_map/nanoop_o_proj_b1/dot_general"}
+  %all-reduce-done = bf16[8,8]{1,0} all-reduce-done(%all-reduce-start)
+  %all-reduce-start.1 = bf16[8,8]{1,0} all-reduce-start(%o1), replica_groups={{0,1}}, to_apply=%add, metadata={op_name="jit(step)/shard_map/nanoop_o_allreduce_b1/psum"}
+  %m0 = bf16[8,8]{1,0} custom-call(%all-reduce-done, %w), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/shard_map/nanoop_mlp_b0/dot_general"}
+  %m1 = bf16[8,8]{1,0} custom-call(%q1, %w), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/shard_map/nanoop_mlp_b1/dot_general"}
+  %all-reduce-done.1 = bf16[8,8]{1,0} all-reduce-done(%all-reduce-start.1)
+  ROOT %r = bf16[8,8]{1,0} add(%m0, %all-reduce-done.1)
+}
+"""
+
+
+def test_collective_pairs_and_the_other_nano_batch_gemms_between(tmp_path, capsys):
+    from nanojax.profiling.hlo_schedule import collective_pairs
+    pairs = collective_pairs(entry_instructions(TP_HLO))
+    assert [(p["nano_op"], p["nano_batch"]) for p in pairs] == [("o_allreduce", 0),
+                                                                 ("o_allreduce", 1)]
+    first, second = pairs
+    assert first["gemms_between"] == 2 and first["other_batch_gemms_between"] == 2
+    assert second["gemms_between"] == 2 and second["other_batch_gemms_between"] == 1
+    f = tmp_path / "step_after_optimizations.txt"
+    f.write_text(TP_HLO)
+    assert main(["bench", "hlo-schedule", str(f)]) == 0
+    import json
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["collectives"] == 2 and rep["collectives_with_other_batch_gemm_between"] == 2

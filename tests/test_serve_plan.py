@@ -54,12 +54,13 @@ def _answers(server) -> list:
 
 def test_server_with_a_plan_gives_the_plain_forwards_tokens(tok_bundle, tmp_path):  # noqa
     from nanojax.pipeline.executor import PipelineForward
-    from nanojax.server.cli import build_engine
+    from nanojax.server.cli import build_engine, warm_up
     path = tmp_path / "tiny-plan.json"
     path.write_text(json.dumps(_plan_for(tok_bundle.config, 32)))
     answers = {}
     for name, extra in (("plain", []), ("plan", ["--plan", str(path)])):
         engine = build_engine(_serve_args(*extra), tok_bundle)
+        warm_up(engine)
         assert isinstance(engine.runner.forward, PipelineForward) == (name == "plan")
         server = ServerThread(tok_bundle, engine=engine)
         try:

@@ -32,7 +32,7 @@
 #        bash bench/scripts/kv_reuse_llama3_8b.sh
 set -u
 OUT=${OUT:?set OUT}
-export PYTHONPATH=. PYTHONUNBUFFERED=1 NANOJAX_DECODE_KERNEL=${KERNEL:-triton}
+export PYTHONPATH=. PYTHONUNBUFFERED=1  # decode kernel: --decode-kernel (default auto)
 PART=${PART:?set PART to multi, cost or serve}
 if [ "$PART" = cost ]; then IN=${IN:-512}; OUT_LEN=${OUT_LEN:-512}; fi
 IN=${IN:-256}; OUT_LEN=${OUT_LEN:-128}

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nanojax.bench.timing import device_seconds
+from nanojax.profiling.timing import device_seconds
 from nanojax.models.moe import RAGGED_DOT_FUSION
 
 def main(out: str, small: bool = False) -> None:

@@ -24,7 +24,7 @@
 set -u
 OUT=${OUT:?set OUT}
 mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 NANOJAX_DECODE_KERNEL=${KERNEL:-triton}
+export PYTHONPATH=. PYTHONUNBUFFERED=1  # decode kernel: --decode-kernel (default auto)
 quiet() { grep -v "^[WI]1" | tail -n "$1"; }
 case "${PART:?set PART to probe, step or engine}" in
 probe)

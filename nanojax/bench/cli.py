@@ -37,6 +37,7 @@ def _run_modes(args, bundle, reqs, config, modes: list[str], partial: dict) -> d
 
     from nanojax.bench.offline import run_offline
     from nanojax.engine.llm_engine import LLMEngine
+    from nanojax.parallel.multihost import is_leader
     results = partial["results"]
     for mode in modes:
         forward = eng = None
@@ -45,11 +46,16 @@ def _run_modes(args, bundle, reqs, config, modes: list[str], partial: dict) -> d
                 from nanojax.pipeline.executor import PipelineForward
                 from nanojax.pipeline.plan import load_plan
                 forward = PipelineForward(bundle.config, load_plan(args.plan), mode,
-                                          kernels=config.kernels)
+                                          kernels=config.kernels,
+                                          tp=config.tensor_parallel_size)
             if mode in ("sync", "async"):
                 config = config.replace(async_scheduling=mode == "async")
             eng = LLMEngine(bundle, config, forward=forward)
+            if not is_leader():  # process 0 schedules; this one runs its steps
+                eng.runner.follow()
+                continue
             results[mode] = run_offline(eng, reqs, progress=not args.quiet)
+            eng.runner.stop_followers()
         except Exception as e:  # record the failure of one mode, measure the others
             if not args.plan:
                 raise
@@ -102,11 +108,15 @@ def _add_roofline(payload: dict, results: dict, cfg, b_dense: int) -> None:
 def cmd_throughput(args) -> int:
     import jax
 
+    from nanojax.parallel.multihost import init_distributed, is_leader
+
     from checkpoints.loader import load_model
     from nanojax.bench.workload import make_requests
     config = engine_config_from_args(args)
     peer = _run_peer(args, config.max_model_len) if args.peer else None
-    bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
+    init_distributed(args)
+    bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
+                        tensor_parallel_size=config.tensor_parallel_size)
     if args.multi_round or args.reuse_modes:  # conversations, KV reuse modes compared
         from nanojax.bench.multi_round import cmd_multi_round
         return cmd_multi_round(args, bundle)
@@ -123,6 +133,8 @@ def cmd_throughput(args) -> int:
                             "seed": args.seed},
                "results": {}}
     results = _run_modes(args, bundle, reqs, config, modes, payload)
+    if not is_leader():  # the other processes ran process 0's steps
+        return 0
     if peer is not None:
         payload["peer"] = peer
         if "error" not in peer:
@@ -164,15 +176,17 @@ def cmd_step(args) -> int:
             os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={args.dump_hlo}",
             "--xla_dump_hlo_as_text", "--xla_dump_hlo_module_re=.*step.*"]).strip()
     bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
-                        num_layers=args.num_layers)
+                        num_layers=args.num_layers,
+                        tensor_parallel_size=args.tensor_parallel_size)
     kernels = kernel_config_from_args(args)
-    record = {**run_record(kernels), "model": args.model, "plan": args.plan}
+    record = {**run_record(kernels), "model": args.model, "plan": args.plan,
+              "tensor_parallel_size": args.tensor_parallel_size}
     out = run_step_bench(bundle, plan, b_dense, args.workloads.split(","),
                          modes, page_size=args.page_size,
                          num_pages=args.num_pages, max_model_len=args.max_model_len,
                          repeats=args.repeats, timeline_png=args.timeline,
                          progress=not args.quiet, f32_reference=args.f32_reference,
-                         kernels=kernels,
+                         kernels=kernels, tp=args.tensor_parallel_size,
                          checkpoint=lambda part: write_json(args.json, {**record, **part}))
     payload = {**record, "num_layers": bundle.config.num_layers, **out}
     if args.dump_hlo:
@@ -246,6 +260,8 @@ def register(sub) -> None:
     add_multi_round_args(t)
     t.add_argument("--quiet", action="store_true")
     t.add_argument("--json", default=None, help="write the full result here")
+    from nanojax.parallel.multihost import add_distributed_args
+    add_distributed_args(t)
     t.set_defaults(func=cmd_throughput)
 
     st = bsub.add_parser("step", help="time one dense iteration of each pipeline mode on a "
@@ -274,6 +290,8 @@ def register(sub) -> None:
     st.add_argument("--quiet", action="store_true")
     st.add_argument("--json", default=None)
     add_engine_args(st, kernels_only=True)
+    st.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="one process over this many GPUs (the plan must be for this tp)")
     st.set_defaults(func=cmd_step)
 
     hs = bsub.add_parser("hlo-schedule", help="side-stream regions of an optimized HLO dump "

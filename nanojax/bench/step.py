@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nanojax.config import KernelConfig
+from nanojax.config import KernelConfig, ModelConfig
 from nanojax.profiling.synthetic import SyntheticBatch, synthetic_batch, workload_lengths
 
 
@@ -54,6 +54,8 @@ def parse_mode(mode: str) -> dict:
     the masked dense expert GEMMs, for the A/B of models/moe.py):
     'overlap:0.25' runs the plan with every attention nano-op at share 0.25; 'nogroups'
     turns off the executor's XLA scheduling groups (the ablation that shows what they do);
+    'shardmap' runs the step through the tensor-parallel shard_map path even at TP 1
+    (nanojax/parallel/tp.py; the same-process A/B against today's path);
     'gemm0.5' gives every GEMM nano-op share 0.5 and bounds its grid (layers/matmul.py,
     whatever KernelConfig.gemm_shares says); 'keepinputs' makes side-stream regions return
     their inputs, 'keepall' every value computed inside them (PipelineForward's
@@ -61,7 +63,7 @@ def parse_mode(mode: str) -> dict:
     from nanojax.pipeline.plan import MODES
     base, *opts = mode.split(":")
     out = {"base": base, "attention_share": None, "gemm_share": None,
-           "scheduling_groups": True, "keep": "", "ragged_fusion": True}
+           "scheduling_groups": True, "keep": "", "ragged_fusion": True, "shard_map": False}
     try:
         if opts and opts[0]:
             out["attention_share"] = float(opts[0])
@@ -74,6 +76,8 @@ def parse_mode(mode: str) -> dict:
                 out["gemm_share"] = float(o[4:])
             elif o == "nofusion":
                 out["ragged_fusion"] = False
+            elif o == "shardmap":  # the tensor-parallel path even at TP 1 (the A/B)
+                out["shard_map"] = True
             else:
                 raise ValueError
     except ValueError:
@@ -95,7 +99,8 @@ def _variant(plan: dict, mode: str, kernels: KernelConfig):
     if m["gemm_share"] is not None:
         kernels = kernels.replace(gemm_shares=True)
     return plan, m["base"], dict(scheduling_groups=m["scheduling_groups"], keep=m["keep"],
-                                 kernels=kernels, ragged_fusion=m["ragged_fusion"])
+                                 kernels=kernels, ragged_fusion=m["ragged_fusion"],
+                                 shard_map=m["shard_map"])
 
 
 def f32_reference_outputs(bundle, plan: dict, batches: dict, num_pages: int,
@@ -123,6 +128,21 @@ def logits_distance(logits, ref_logits) -> float:
     return float(np.max(diff) / np.std(np.asarray(ref_logits, np.float32)))
 
 
+def tp_gemm_rate(cfg: ModelConfig, b_dense: int, tp: int) -> dict:
+    """The GEMM rate of every GPU of the mesh, each measured on its own shard's GEMM shapes
+    at B_dense; optimal tokens/s = their sum / (2 x the whole model's parameters)."""
+    from nanojax.bench.roofline import measure_gemm_rate, optimal_tokens_per_s
+    from nanojax.parallel.tp import TPLayout
+    shard = TPLayout(cfg, tp).shard_config
+    per = []
+    for d in jax.devices()[:tp]:
+        with jax.default_device(d):
+            per.append(measure_gemm_rate(shard, b_dense)["gemm_flops_per_s"])
+    rate = sum(per)
+    return {"gemm_flops_per_s": rate, "per_device_gemm_flops_per_s": per,
+            "optimal_tokens_per_s": optimal_tokens_per_s(cfg, rate)}
+
+
 def _measure(step, fwd, params, batch: SyntheticBatch, num_pages: int, page_size: int,
              repeats: int) -> tuple[dict, tuple]:
     """Times one mode on one batch from a fresh cache: its row of the results (time,
@@ -139,11 +159,11 @@ def _measure(step, fwd, params, batch: SyntheticBatch, num_pages: int, page_size
             "kv_tokens_read_per_layer": batch.kv_tokens_read}, out
 
 
-def _roofline_fields(r: dict, cfg, roof: dict) -> None:
+def _roofline_fields(r: dict, cfg, roof: dict, tp: int = 1) -> None:
     from nanojax.bench.roofline import CARD_TFLOPS, optimal_tokens_per_s
     r["fraction_of_optimal"] = r["tokens_per_s"] / roof["optimal_tokens_per_s"]
     r["fraction_of_optimal_at_790_tflops"] = r["tokens_per_s"] / (
-        optimal_tokens_per_s(cfg, CARD_TFLOPS * 1e12))
+        optimal_tokens_per_s(cfg, tp * CARD_TFLOPS * 1e12))
     r["optimal_tokens_per_s"] = roof["optimal_tokens_per_s"]
     r["gemm_tflops"] = roof["gemm_flops_per_s"] / 1e12
 
@@ -184,6 +204,10 @@ def _ratios(results: list, b_dense_list: list[int], workloads: list[str]) -> lis
                 row["overlap_over_non_overlap"] = t["overlap"] / t["non-overlap"]
             if "overlap" in t and "nanobatch-only" in t:
                 row["overlap_over_nanobatch_only"] = t["overlap"] / t["nanobatch-only"]
+            for m in t:  # the TP path at TP 1 against today's path (issue 19's A/B)
+                base = m.split(":")[0]
+                if parse_mode(m)["shard_map"] and base in t:
+                    row[f"{m}_over_{base}"] = t[m] / t[base]
             ratios.append(row)
     return ratios
 
@@ -201,7 +225,7 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
                    modes: list[str], page_size: int = 16, num_pages: int = 16384,
                    max_model_len: int = 2048, repeats: int = 10, timeline_png: str | None = None,
                    progress: bool = True, checkpoint=None, f32_reference: bool = False,
-                   kernels: KernelConfig = KernelConfig()) -> dict:
+                   kernels: KernelConfig = KernelConfig(), tp: int = 1) -> dict:
     """Every mode at every B_dense and workload, in one process: ratios between modes come
     from the same run. Optimal = the GEMM rate measured here at that B_dense.
     checkpoint(results) is called after every mode, so a run cut short keeps what it has.
@@ -211,6 +235,7 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
     from tqdm.auto import tqdm
 
     from nanojax.bench.roofline import measure_gemm_rate
+    from nanojax.parallel.tp import TensorParallelForward
     from nanojax.pipeline.executor import PipelineForward
     from nanojax.pipeline.plan import resize
     from nanojax.profiling import timeline
@@ -221,9 +246,11 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
     results, timelines = [], {}
     bar = tqdm(total=len(b_dense_list) * len(workloads) * len(modes), desc="steps",
                disable=not progress)
-    params = None
+    prepared = {}  # plain or shard_map -> the parameters placed for it
     for b_dense in b_dense_list:
-        roof = measure_gemm_rate(cfg, b_dense) if jax.default_backend() == "gpu" else None
+        roof = None
+        if jax.default_backend() == "gpu":
+            roof = measure_gemm_rate(cfg, b_dense) if tp == 1 else tp_gemm_rate(cfg, b_dense, tp)
         sized = resize(plan, b_dense)
         cuts = tuple(a for a, _ in sized["nano_batches"]["attention"][1:])
         batches = {w: synthetic_batch(cfg, b_dense, workload_lengths(w, max_model_len),
@@ -233,12 +260,16 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
         outputs = {}  # workload -> mode -> (tokens, checked logits)
         for mode in modes:
             p, base, options = _variant(sized, mode, kernels)
-            fusion = options.pop("ragged_fusion")
-            fwd = PipelineForward(cfg, p, base, **options)
+            fusion, shard = options.pop("ragged_fusion"), options.pop("shard_map")
+            fwd = PipelineForward(cfg, p, base, tp=tp, **options)
             if not fusion:  # the ':nofusion' ablation of an MoE model's grouped GEMMs
                 fwd.compiler_options = {}
-            if params is None:
-                params = fwd.prepare(bundle.params)
+            kind = tp > 1 or shard
+            if kind:  # the tensor-parallel path (':shardmap' takes it at TP 1)
+                fwd = TensorParallelForward(fwd, tp)
+            if kind not in prepared:
+                prepared[kind] = fwd.prepare(bundle.params)
+            params = prepared[kind]
             step = make_step(fwd)
             b0 = batches[workloads[0]]
             t0 = time.perf_counter()
@@ -257,7 +288,7 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
                 r = {"b_dense": b_dense, "workload": w, "mode": mode, **r,
                      "compile_s": compile_s}
                 if roof:
-                    _roofline_fields(r, cfg, roof)
+                    _roofline_fields(r, cfg, roof, tp)
                 outputs.setdefault(w, {})[mode] = out
                 _compare(r, out, outputs[w])
                 if timeline_png and b_dense == b_dense_list[0] and w == workloads[0]:

@@ -7,6 +7,7 @@ code, which is what stream annotation and the nano-batch executor need on the GP
 """
 from __future__ import annotations
 
+import copy
 from typing import Protocol
 
 import jax
@@ -44,14 +45,32 @@ class UnrolledForward:
     chunk_cuts: tuple[int, ...] = ()
     kv_page_axis = 0  # of every paged cache array: a list of per-layer [P, KVH, ps, D]
 
-    def __init__(self, cfg: ModelConfig, attention: AttentionBackend = paged_attention):
+    # tp_axis: run as one tensor-parallel shard inside shard_map (nanojax/parallel/tp.py);
+    # cfg is then the shard's shape
+    def __init__(self, cfg: ModelConfig, attention: AttentionBackend = paged_attention,
+                 tp_axis: str | None = None):
         self.cfg = cfg
         self.attention = attention
-        self.model = LlamaForCausalLM(cfg)
+        self.tp_axis = tp_axis
+        self.model = LlamaForCausalLM(cfg, tp_axis=tp_axis)
         self.compiler_options = moe_compiler_options(cfg, jax.default_backend())
 
+    def layer(self, matmul=None) -> DecoderLayer:
+        return DecoderLayer(self.cfg, matmul=matmul, reduce=self.model.reduce)
+
+    def layout(self, params, stack=jnp.stack):
+        """The parameter tree restructured as prepare() places it."""
+        return params
+
+    def for_shard(self, cfg: ModelConfig, tp_axis: str):
+        """This forward for one tensor-parallel shard of shape cfg (inside shard_map)."""
+        new = copy.copy(self)
+        new.cfg, new.tp_axis = cfg, tp_axis
+        new.model = LlamaForCausalLM(cfg, tp_axis=tp_axis)
+        return new
+
     def prepare(self, params):
-        return jax.device_put(params)
+        return jax.device_put(self.layout(params))
 
     def init_kv(self, num_pages: int, page_size: int):
         return init_kv_pages(self.cfg, num_pages, page_size)
@@ -64,11 +83,11 @@ class UnrolledForward:
 class ScanForward(UnrolledForward):
     kv_page_axis = 1  # layers stacked first: [L, P, KVH, ps, D]
 
-    def prepare(self, params):
+    def layout(self, params, stack=jnp.stack):
         p = dict(params["params"])
         layers = [p.pop(f"layers_{i}") for i in range(self.cfg.num_layers)]
-        stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
-        return jax.device_put({"rest": {"params": p}, "layers": stacked})
+        stacked = jax.tree_util.tree_map(lambda *xs: stack(xs), *layers)
+        return {"rest": {"params": p}, "layers": stacked}
 
     def init_kv(self, num_pages: int, page_size: int):
         c = self.cfg
@@ -77,7 +96,7 @@ class ScanForward(UnrolledForward):
         return make(), make()
 
     def __call__(self, params, tokens, kv, meta, logit_idx):
-        model, layer, inv_freq = self.model, DecoderLayer(self.cfg), self.model.inv_freq
+        model, layer, inv_freq = self.model, self.layer(), self.model.inv_freq
         rest = params["rest"]
         x = model.apply(rest, tokens, method=LlamaForCausalLM.embed_tokens)
 

@@ -11,9 +11,9 @@ from nanojax.engine.sampling import SamplingParams
 
 
 class LLM:
-    """model: a name, path or `random:<shape>` (loaded here), or a loaded ModelBundle.
-    The engine's options come as an EngineConfig (`config`) or as its fields
-    (`b_dense=...`), not both."""
+    """model: a name, path or `random:<shape>` (loaded here, straight into its shards under
+    tensor parallelism), or a loaded ModelBundle. The engine's options come as an
+    EngineConfig (`config`) or as its fields (`b_dense=...`), not both."""
 
     def __init__(self, model: str | ModelBundle = "smollm2-135m", dtype: str | None = None,
                  cache_dir=None, forward=None, config: EngineConfig | None = None,
@@ -21,12 +21,14 @@ class LLM:
         if config is not None and engine_kw:
             raise ValueError(f"give either config or engine options, not both "
                              f"({sorted(engine_kw)})")
+        config = config or EngineConfig(**engine_kw)
         if isinstance(model, ModelBundle):
             bundle = model
         else:
             from checkpoints.loader import load_model
-            bundle = load_model(model, dtype=dtype, cache_dir=cache_dir)
-        self.engine = LLMEngine(bundle, config or EngineConfig(**engine_kw), forward=forward)
+            bundle = load_model(model, dtype=dtype, cache_dir=cache_dir,
+                                tensor_parallel_size=config.tensor_parallel_size)
+        self.engine = LLMEngine(bundle, config, forward=forward)
         self.tokenizer = bundle.tokenizer
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,

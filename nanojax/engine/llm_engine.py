@@ -50,16 +50,22 @@ class LLMEngine:
         self.tokenizer = bundle.tokenizer
         self.config = cfg = config or EngineConfig()
         self.max_model_len = min(cfg.max_model_len, self.model_config.max_position_embeddings)
+        forward = forward or default_forward(self.model_config, cfg.kernels)
+        from nanojax.parallel.tp import sharded_forward
+        forward, cache_cfg = sharded_forward(self.model_config, forward,
+                                             cfg.tensor_parallel_size)
+        from nanojax.parallel.multihost import agree, step_broadcast
+        broadcast = step_broadcast(forward)
         num_pages, free = cfg.num_pages, None
         if num_pages is None:
             from nanojax.engine.kv_cache import free_device_bytes
             free = free_device_bytes(cfg.memory_utilization)
+            free = free if free is None or broadcast is None else agree(free)
             if free is None:  # CPU: enough for a modest batch of full-length requests
                 num_pages = max(64, 8 * self.max_model_len // cfg.page_size)
-        self.sizing = size_cache(self.model_config, cfg.page_size, self.max_model_len,
+        self.sizing = size_cache(cache_cfg, cfg.page_size, self.max_model_len,
                                  cfg.b_dense, num_pages=num_pages, memory_bytes=free)
         max_seqs = cfg.max_num_seqs or self.sizing.max_num_seqs
-        forward = forward or default_forward(self.model_config, cfg.kernels)
         self.allocator = PageAllocator(self.sizing.num_pages)
         self.scheduler = Scheduler(self.allocator, cfg.page_size, cfg.b_dense, max_seqs,
                                    self.max_model_len, chunk_cuts=forward.chunk_cuts,
@@ -71,7 +77,7 @@ class LLMEngine:
                                   cfg.page_size, self.scheduler.max_num_seqs, cfg.b_dense,
                                   forward=forward, constant_batch=cfg.constant_batch,
                                   max_pages_per_seq=-(-self.max_model_len // cfg.page_size),
-                                  fixed_shapes=fixed)
+                                  fixed_shapes=fixed, broadcast=broadcast)
         self.prefix_cache = self.offloader = None
         if cfg.enable_prefix_caching:
             self._start_prefix_cache()

@@ -37,15 +37,18 @@ class StepOutput:
     top_logprobs: jax.Array
 
     def to_host(self):
-        return jax.device_get((self.tokens, self.chosen_logprob, self.top_ids,
-                               self.top_logprobs))
+        out = (self.tokens, self.chosen_logprob, self.top_ids, self.top_logprobs)
+        # across processes the outputs are replicated global arrays: read our own copy
+        return jax.device_get(tuple(x if x.is_fully_addressable else x.addressable_data(0)
+                                    for x in out))
 
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, num_pages: int, page_size: int,
                  max_rows: int, b_dense: int, forward: Forward | None = None,
                  constant_batch: bool = False, min_token_bucket: int = 16,
-                 max_pages_per_seq: int | None = None, fixed_shapes: bool = False):
+                 max_pages_per_seq: int | None = None, fixed_shapes: bool = False,
+                 broadcast=None):
         self.cfg = cfg
         self.page_size = page_size
         self.max_rows = bucket(max_rows, 4)
@@ -64,10 +67,18 @@ class ModelRunner:
         self._lock = threading.Lock()
         self._step = jax.jit(self._make_step(forward), donate_argnums=(1,),
                              compiler_options=forward.compiler_options or None)
+        # several processes (parallel/multihost.py): process 0 sends each step's inputs
+        self.broadcast = broadcast
         self._prev = jnp.zeros((self.max_rows,), jnp.int32)
+        if broadcast is not None:
+            self._prev = broadcast.place(np.zeros((self.max_rows,), np.int32))
 
     def _make_step(self, forward):
         max_rows = self.max_rows
+        from nanojax.parallel.tp import TensorParallelForward
+        # vocab-sharded logits: the top logprobs are read shard by shard (parallel/tp.py)
+        top_logprobs = (forward.top_logprobs if isinstance(forward, TensorParallelForward)
+                        else None)
 
         def step(params, kv, prev_tokens, host_tokens, token_src, meta, logit_idx,
                  temperature, top_p, top_k, seeds, steps, penalties):
@@ -78,7 +89,8 @@ class ModelRunner:
             if penalties is not None:  # a decode's input may be a sample the host lacks
                 penalties = with_pending(penalties, tokens[logit_idx],
                                          token_src[logit_idx] >= 0)
-            out = sample(logits, temperature, top_p, top_k, seeds, steps, penalties)
+            out = sample(logits, temperature, top_p, top_k, seeds, steps, penalties,
+                         top_logprobs)
             pad = max_rows - logits.shape[0]
             out = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in out]
             return kv, out
@@ -134,7 +146,35 @@ class ModelRunner:
 
     def launch(self, batch: ScheduledBatch) -> StepOutput:
         """Builds the step's inputs on the host and dispatches it; does not block."""
-        t, r, p = self.shapes_for(batch)
+        inputs = self._host_inputs(batch, *self.shapes_for(batch))
+        if self.broadcast is not None:
+            self.broadcast.send(inputs)
+        return self._run(inputs)
+
+    def follow(self) -> int:
+        """Processes other than 0: run process 0's steps until it stops; returns how many."""
+        empty = types.SimpleNamespace(entries=[], num_decodes=0, num_tokens=0)
+        treedef = jax.tree_util.tree_structure(self._host_inputs(empty, 16, 4, 4))
+        n = 0
+        while (inputs := self.broadcast.receive(treedef)) is not None:
+            self._run(inputs)
+            n += 1
+        return n
+
+    def stop_followers(self) -> None:
+        if self.broadcast is not None:
+            self.broadcast.stop()
+
+    def _run(self, inputs) -> StepOutput:
+        if self.broadcast is not None:
+            inputs = self.broadcast.place(inputs)
+        with self._lock:
+            self.kv, out = self._step(self.params, self.kv, self._prev, *inputs)
+            self._prev = out[0]
+        return StepOutput(*out)
+
+    def _host_inputs(self, batch, t: int, r: int, p: int):
+        """The step's host arrays for a batch at shapes (tokens, rows, pages per row)."""
         host_tokens = np.zeros(t, np.int32)
         token_src = np.full(t, -1, np.int32)
         positions = np.zeros(t, np.int32)
@@ -184,9 +224,5 @@ class ModelRunner:
                              page_table=page_table, context_lens=context_lens,
                              num_decodes=np.int32(batch.num_decodes),
                              prefill_blocks=blocks, prefill_slot=slot)
-        with self._lock:
-            self.kv, out = self._step(self.params, self.kv, self._prev, host_tokens,
-                                      token_src, meta, logit_idx, temperature, top_p, top_k,
-                                      seeds, steps, penalties)
-            self._prev = out[0]
-        return StepOutput(*out)
+        return (host_tokens, token_src, meta, logit_idx, temperature, top_p, top_k, seeds,
+                steps, penalties)

@@ -189,10 +189,15 @@ def apply_penalties(logits, pen: Penalties):
             - pen.presence[:, None] * (counts > 0).astype(jnp.float32))
 
 
-def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties | None = None):
+def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties | None = None,
+           top_logprobs=None):
     """logits [R, V] f32; per-row temperature, top_p, top_k (<=0: off), seeds [R] uint32x2,
     steps [R]; penalties: None or the logit-processing pass's inputs -> (tokens [R],
-    chosen logprob [R], top ids [R, K], top logprobs [R, K])."""
+    chosen logprob [R], top ids [R, K], top logprobs [R, K]).
+    top_logprobs(logprobs, k) -> (values, ids): lax.top_k unless given (tensor parallelism
+    passes one that reads each vocabulary shard on its device, parallel/tp.py); the
+    chosen logprob is then a masked sum (one value plus zeros: exact), which also reduces
+    per shard. The top-k/top-p sort, run only when a row asks for it, sees whole rows."""
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     if penalties is not None:
         logits = apply_penalties(logits, penalties)
@@ -224,6 +229,11 @@ def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties
         return jnp.where(temperature > 0, drawn, greedy_tok)
 
     tokens = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy_tok, scaled)
+    if top_logprobs is not None:
+        hit = jnp.arange(logits.shape[-1], dtype=jnp.int32)[None, :] == tokens[:, None]
+        chosen = jnp.sum(jnp.where(hit, logprobs, 0.0), axis=-1)
+        top_lp, top_ids = top_logprobs(logprobs, MAX_LOGPROBS)
+        return tokens, chosen, top_ids.astype(jnp.int32), top_lp
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
     return tokens, chosen, top_ids.astype(jnp.int32), top_lp

@@ -59,6 +59,9 @@ class Linear(nn.Module):
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
     matmul: Callable | None = None  # every projection's GEMM (None: jnp.dot)
+    # tensor parallelism: sums the row-parallel o/down partial outputs over the shards
+    # (one collective per block); None: one device, nothing to sum
+    reduce: Callable | None = None
 
     def setup(self):
         c, dt, mm = self.cfg, _dtype(self.cfg), self.matmul
@@ -84,14 +87,25 @@ class DecoderLayer(nn.Module):
                 self.k_proj(h).reshape(t, c.num_kv_heads, c.head_dim),
                 self.v_proj(h).reshape(t, c.num_kv_heads, c.head_dim))
 
+    def _reduce(self, y):
+        return y if self.reduce is None else self.reduce(y)
+
     def attn_out(self, attn, residual):
-        return residual + self.o_proj(attn.reshape(attn.shape[0], -1))
+        return residual + self._reduce(self.attn_out_partial(attn))
+
+    def attn_out_partial(self, attn):
+        """The output projection before the sum over TP shards."""
+        return self.o_proj(attn.reshape(attn.shape[0], -1))
 
     def mlp(self, x):
+        return x + self._reduce(self.mlp_partial(x))
+
+    def mlp_partial(self, x):
+        """The MLP without its residual, before the sum over TP shards."""
         h = self.post_attention_norm(x)
         if self.cfg.is_moe:
-            return x + self.moe(h)
-        return x + self.down_proj(nn.silu(self.gate_proj(h)) * self.up_proj(h))
+            return self.moe(h)
+        return self.down_proj(nn.silu(self.gate_proj(h)) * self.up_proj(h))
 
     def __call__(self, x, kv_layer, meta, attention, inv_freq):
         q, k, v = self.qkv(x)
@@ -101,12 +115,16 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     cfg: ModelConfig
+    # tensor parallelism (inside shard_map): the mesh axis the shards sit on. cfg is then
+    # one shard's shape; the embedding holds a contiguous slice of the vocabulary and
+    # logits() returns that slice's logits (nanojax/parallel/tp.py)
+    tp_axis: str | None = None
 
     def setup(self):
         c, dt = self.cfg, _dtype(self.cfg)
         self.embed = nn.Embed(c.vocab_size, c.hidden_size, param_dtype=dt, dtype=dt,
                               embedding_init=nn.initializers.normal(0.02))
-        self.layers = [DecoderLayer(c) for _ in range(c.num_layers)]
+        self.layers = [DecoderLayer(c, reduce=self.reduce) for _ in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, dt)
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.vocab_size, dt)
@@ -115,8 +133,20 @@ class LlamaForCausalLM(nn.Module):
     def inv_freq(self) -> np.ndarray:
         return inverse_frequencies(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
 
+    @property
+    def reduce(self):
+        if self.tp_axis is None:
+            return None
+        return lambda y: jax.lax.psum(y, self.tp_axis)
+
     def embed_tokens(self, tokens):
-        return self.embed(tokens)
+        if self.tp_axis is None:
+            return self.embed(tokens)
+        # vocab-parallel: each shard looks up the ids in its slice, zeros elsewhere; a sum
+        local = tokens - jax.lax.axis_index(self.tp_axis) * self.cfg.vocab_size
+        mine = (local >= 0) & (local < self.cfg.vocab_size)
+        x = self.embed(jnp.where(mine, local, 0))
+        return self.reduce(jnp.where(mine[:, None], x, jnp.zeros_like(x)))
 
     def logits(self, x):
         """Final norm and LM head; logits are f32."""
@@ -155,8 +185,9 @@ def param_shapes(cfg: ModelConfig):
     return jax.eval_shape(lambda r: model.init(r, *_dummy_call(cfg)), jax.random.PRNGKey(0))
 
 
-def init_params(cfg: ModelConfig, seed: int = 0):
-    """Random weights (normal, std 0.02; norms at 1) for shape-only runs, made on device."""
+def init_params(cfg: ModelConfig, seed: int = 0, shardings=None):
+    """Random weights (normal, std 0.02; norms at 1) for shape-only runs, made on device;
+    with shardings (a tree like param_shapes'), each device makes only its shards."""
     model = LlamaForCausalLM(cfg)
-    init = jax.jit(lambda r: model.init(r, *_dummy_call(cfg)))
+    init = jax.jit(lambda r: model.init(r, *_dummy_call(cfg)), out_shardings=shardings)
     return init(jax.random.PRNGKey(seed))

@@ -33,7 +33,7 @@ from nanojax.engine.forward import UnrolledForward, default_forward
 from nanojax.layers.attention import AttentionBackend, PagedMetadata, slice_metadata
 from nanojax.layers.matmul import matmul_at
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
-from nanojax.pipeline.plan import (OP_GROUPS, PRODUCER, PlanError, ablation, check_model,
+from nanojax.pipeline.plan import (PlanError, ablation, check_model, plan_groups, producers,
                                    validate)
 from nanojax.pipeline.streams import (carry_metadata_to_stream_calls, on_stream,
                                       scheduling_group, streams_enabled)
@@ -42,12 +42,13 @@ from nanojax.pipeline.streams import (carry_metadata_to_stream_calls, on_stream,
 def _check_order(plan: dict) -> None:
     """Each nano-op must come after the nano-ops that produce its inputs."""
     nb = plan["nano_batches"]
+    producer = producers(plan_groups(plan))
     done: set = set()
     for op in plan["nano_ops"]:
         g, k = op["op"], op["batch"]
         a, b = nb[g][k]
-        if g in PRODUCER:
-            p = PRODUCER[g]
+        if g in producer:
+            p = producer[g]
             need = {(p, j) for j, (c, d) in enumerate(nb[p]) if c < b and a < d}
             if not need <= done:
                 raise PlanError(f"nano-op {g}[{k}] is ordered before its inputs "
@@ -60,17 +61,21 @@ def overlap_groups(plan: dict) -> dict[tuple[str, int], int]:
     and takes the ops after it, in plan order, that run on another side stream, until one
     consumes the anchor's output or the anchor's stream is used again. XLA schedules a
     group's async starts before all of its dones, so its regions run concurrently.
-    Main-stream ops cannot join: XLA's fusion passes drop their annotation."""
+    Main-stream ops cannot join: XLA's fusion passes drop their annotation; collectives
+    (stream 3) are XLA's own async pairs and join none."""
     nb = plan["nano_batches"]
+    producer = producers(plan_groups(plan))
     groups: dict[tuple[str, int], int] = {}
     anchor, gid = None, 0
     for op in plan["nano_ops"]:
         g, k, stream = op["op"], op["batch"], op.get("stream", 0)
+        if stream == 3:
+            continue
         if anchor is not None:
             ag, ak, astream = anchor
             a, b = nb[g][k]
             c, d = nb[ag][ak]
-            if (PRODUCER.get(g) == ag and a < d and c < b) or stream == astream:
+            if (producer.get(g) == ag and a < d and c < b) or stream == astream:
                 anchor = None  # consumes the anchor's output, or reuses its stream
             elif stream != 0:
                 groups[(g, k)] = gid
@@ -111,11 +116,13 @@ class PipelineForward(UnrolledForward):
     def __init__(self, cfg: ModelConfig, plan: dict, mode: str = "overlap",
                  kernels: KernelConfig = KernelConfig(),
                  attention: AttentionBackend | None = None, num_sms: int = 132,
-                 ctas_per_sm: int = 4, scheduling_groups: bool = True, keep: str = ""):
+                 ctas_per_sm: int = 4, scheduling_groups: bool = True, keep: str = "",
+                 tp: int = 1):
         """kernels: the kernels and placement (streams, GEMM shares); attention: a backend
-        other than the one the kernels describe (tests)."""
+        other than the one the kernels describe (tests); tp: the tensor-parallel degree
+        the plan must be made for (the engine wraps this forward per shard)."""
         validate(plan)
-        check_model(plan, cfg)
+        check_model(plan, cfg, tp)
         self.plan = ablation(plan, mode)
         _check_order(self.plan)
         self.mode = mode
@@ -132,6 +139,8 @@ class PipelineForward(UnrolledForward):
             raise ValueError(f"keep must be one of {KEEP}, got {keep!r}")
         self.keep = keep
         self.chunk_cuts = tuple(a for a, _ in self.plan["nano_batches"]["attention"][1:])
+        self.groups_in_order = plan_groups(self.plan)
+        self.producer = producers(self.groups_in_order)
         self.groups = (overlap_groups(self.plan)
                        if scheduling_groups and streams_enabled(kernels.streams) else {})
         if self.groups and not carry_metadata_to_stream_calls():
@@ -142,7 +151,8 @@ class PipelineForward(UnrolledForward):
 
     def __call__(self, params, tokens, kv, meta: PagedMetadata, logit_idx):
         t = tokens.shape[0]
-        ranges = {g: _clip(self.plan["nano_batches"][g], t) for g in OP_GROUPS}
+        groups = self.groups_in_order
+        ranges = {g: _clip(self.plan["nano_batches"][g], t) for g in groups}
         ops = [op for op in self.plan["nano_ops"]
                if op["batch"] < len(ranges[op["op"]])]
         model = self.model
@@ -174,13 +184,15 @@ class PipelineForward(UnrolledForward):
 
         for li, kv_layer in enumerate(kv):
             lp = {"params": params["params"][f"layers_{li}"]}
-            out = {g: {} for g in OP_GROUPS}
+            out = {g: {} for g in groups}
             for op in ops:
                 g, k = op["op"], op["batch"]
                 gid = self.groups.get((g, k))
-                with scheduling_group(None if gid is None else li * 1000 + gid):
+                # the scope names the nano-op in the HLO's metadata (bench/hlo_schedule.py)
+                with scheduling_group(None if gid is None else li * 1000 + gid), \
+                        jax.named_scope(f"nanoop_{g}_b{k}"):
                     kv_layer = self._nano_op(op, lp, x, meta, ranges, out, kv_layer, placed)
-            x = _gather(out["mlp"], ranges["mlp"], 0, t)
+            x = _gather(out[groups[-1]], ranges[groups[-1]], 0, t)
             new_kv.append(kv_layer)
         return model.apply(params, x[logit_idx], method=LlamaForCausalLM.logits), new_kv
 
@@ -189,8 +201,8 @@ class PipelineForward(UnrolledForward):
         A GEMM nano-op's share bounds its matmuls' grid where enabled (layers/matmul.py)."""
         g, k = op["op"], op["batch"]
         share = float(op.get("share", 1.0))
-        layer = DecoderLayer(self.cfg, matmul=None if g == "attention" else
-                             matmul_at(share, self.num_sms, self.kernels.gemm_shares))
+        layer = self.layer(None if g == "attention" else
+                           matmul_at(share, self.num_sms, self.kernels.gemm_shares))
         inv_freq = self.model.inv_freq
         a, b = ranges[g][k]
         stream = op.get("stream", 0)
@@ -209,10 +221,28 @@ class PipelineForward(UnrolledForward):
             out[g][k], kv_layer = jax.lax.optimization_barrier((o, kv_layer))
         elif g == "o_proj":
             attn = _gather(out["attention"], ranges["attention"], a, b)
-            f = lambda lp, o, r: layer.apply(lp, o, r, method=DecoderLayer.attn_out)  # noqa
-            out[g][k] = placed(f, stream, lp, attn, x[a:b])
-        else:
-            h = _gather(out["o_proj"], ranges["o_proj"], a, b)
-            f = lambda lp, h: layer.apply(lp, h, method=DecoderLayer.mlp)  # noqa: E731
+            if "o_allreduce" in out:  # the partial sum; o_allreduce adds the shards' sums
+                f = lambda lp, o: layer.apply(lp, o, method=DecoderLayer.attn_out_partial)  # noqa
+                out[g][k] = placed(f, stream, lp, attn)
+            else:
+                f = lambda lp, o, r: layer.apply(lp, o, r, method=DecoderLayer.attn_out)  # noqa
+                out[g][k] = placed(f, stream, lp, attn, x[a:b])
+        elif g == "mlp":
+            h = _gather(out[self.producer[g]], ranges[self.producer[g]], a, b)
+            if "mlp_allreduce" in out:
+                f = lambda lp, h: layer.apply(lp, h, method=DecoderLayer.mlp_partial)  # noqa
+            else:
+                f = lambda lp, h: layer.apply(lp, h, method=DecoderLayer.mlp)  # noqa: E731
             out[g][k] = placed(f, stream, lp, h)
+        else:  # a network nano-op: residual + the sum of the shards' partial outputs
+            src = self.producer[g]
+            partial = _gather(out[src], ranges[src], a, b)
+            residual = x[a:b] if g == "o_allreduce" else _gather(
+                out[self.producer[src]], ranges[self.producer[src]], a, b)
+            reduce = self.model.reduce or (lambda y: y)
+            f = lambda p, r: r + reduce(p)  # noqa: E731
+            # stream 3: outside the main stream's chain, so XLA's async all-reduce may
+            # run under the other nano-batches' GEMMs; stream 0: chained (ablations)
+            out[g][k] = f(partial, residual) if stream == 3 else placed(f, 0, partial,
+                                                                         residual)
         return kv_layer

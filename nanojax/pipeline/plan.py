@@ -11,6 +11,12 @@
 
 Streams: 0 is the main stream, 1 and 2 side streams, 3 collectives. `share` is the
 fraction of the GPU a kernel may take (the decode kernel's persistent program count).
+
+Under tensor parallelism (tp > 1) a plan may also carry the network nano-ops
+(NETWORK_GROUPS): "o_allreduce" sums o_proj's partial outputs over the shards and adds the
+residual, "mlp_allreduce" does the same after the MLP. On stream 3 they are left out of the
+main stream's chain, so XLA's async all-reduce of one nano-batch can run under another's
+GEMMs; on stream 0 they are chained like any other op (the ablation modes).
 """
 from __future__ import annotations
 
@@ -25,6 +31,22 @@ from nanojax.errors import NanojaxError
 PLAN_VERSION = 1
 OP_GROUPS = ("qkv", "attention", "o_proj", "mlp")  # the data order within a layer
 PRODUCER = dict(zip(OP_GROUPS[1:], OP_GROUPS))     # op group -> the group it reads
+NETWORK_GROUPS = ("o_allreduce", "mlp_allreduce")
+TP_GROUPS = ("qkv", "attention", "o_proj", "o_allreduce", "mlp", "mlp_allreduce")
+
+
+def groups_of(names) -> tuple[str, ...]:
+    """The op groups, in data order, of a plan (or profile) that names these groups."""
+    return TP_GROUPS if any(g in NETWORK_GROUPS for g in names) else OP_GROUPS
+
+
+def producers(groups) -> dict[str, str]:
+    """op group -> the group it reads."""
+    return dict(zip(groups[1:], groups))
+
+
+def plan_groups(plan: dict) -> tuple[str, ...]:
+    return groups_of(plan["nano_batches"])
 MODES = ("non-overlap", "nanobatch-only", "overlap")
 
 
@@ -45,7 +67,12 @@ def validate(plan: dict) -> dict:
     if not isinstance(b, int) or b <= 0:
         raise PlanError(f"plan b_dense must be a positive integer, got {b!r}")
     nb = plan["nano_batches"]
-    for group in OP_GROUPS:
+    if not isinstance(nb, dict):
+        raise PlanError("plan nano_batches must be an object")
+    groups = plan_groups(plan)
+    if groups != OP_GROUPS and int(plan.get("tp", 1)) < 2:
+        raise PlanError("network nano-ops (o_allreduce, mlp_allreduce) need tp > 1")
+    for group in groups:
         ranges = nb.get(group)
         if not ranges:
             raise PlanError(f"plan has no nano-batches for op group '{group}'")
@@ -60,7 +87,7 @@ def validate(plan: dict) -> dict:
     seen = set()
     for i, op in enumerate(plan["nano_ops"]):
         g, k = op.get("op"), op.get("batch")
-        if g not in OP_GROUPS or not isinstance(k, int) or not 0 <= k < len(nb[g]):
+        if g not in groups or not isinstance(k, int) or not 0 <= k < len(nb[g]):
             raise PlanError(f"nano_ops[{i}] names no nano-batch: {op}")
         if (g, k) in seen:
             raise PlanError(f"nano-op {g}[{k}] appears twice")
@@ -69,7 +96,7 @@ def validate(plan: dict) -> dict:
             raise PlanError(f"nano_ops[{i}] stream must be 0-3, got {op.get('stream')}")
         if not 0 < float(op.get("share", 1.0)) <= 1:
             raise PlanError(f"nano_ops[{i}] share must be in (0, 1], got {op.get('share')}")
-    missing = {(g, k) for g in OP_GROUPS for k in range(len(nb[g]))} - seen
+    missing = {(g, k) for g in groups for k in range(len(nb[g]))} - seen
     if missing:
         raise PlanError(f"plan leaves nano-ops unscheduled: {sorted(missing)}")
     return plan
@@ -112,9 +139,10 @@ def ablation(plan: dict, mode: str) -> dict:
         return plan
     if mode == "non-overlap":
         b = plan["b_dense"]
-        plan["nano_batches"] = {g: [[0, b]] for g in OP_GROUPS}
+        groups = plan_groups(plan)
+        plan["nano_batches"] = {g: [[0, b]] for g in groups}
         plan["nano_ops"] = [{"op": g, "batch": 0, "stream": 0, "share": 1.0}
-                            for g in OP_GROUPS]
+                            for g in groups]
         return plan
     plan["nano_ops"] = [dict(op, stream=0, share=1.0) for op in plan["nano_ops"]]
     return plan
@@ -127,7 +155,7 @@ def resize(plan: dict, b_dense: int) -> dict:
     old, gran = plan["b_dense"], int(plan.get("granularity", 1))
     if gran * 8 > b_dense:
         gran = 1
-    for g in OP_GROUPS:
+    for g in plan_groups(plan):
         cuts = [round(b * b_dense / old / gran) * gran for _, b in plan["nano_batches"][g]]
         cuts[-1] = b_dense
         ranges, pos = [], 0

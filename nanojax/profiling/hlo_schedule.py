@@ -15,6 +15,9 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][a-z0-9\-]*)
 _OPERAND = re.compile(r"%?([\w.\-]+)")
 _GEMM_MARKS = ("__cublas$gemm", "__cublas$lt$matmul", "__triton_gemm", "gemm_fusion",
                "triton_gemm", "cutlass_gemm")
+_NANO_OP = re.compile(r"nanoop_([a-z_]+?)_b(\d+)")
+_COLLECTIVES = ("all-reduce-start", "all-gather-start", "collective-permute-start",
+                "reduce-scatter-start", "all-to-all-start")
 _NOP = {"get-tuple-element", "tuple", "bitcast", "parameter", "constant", "opt-barrier"}
 
 
@@ -35,7 +38,11 @@ def entry_instructions(hlo_text: str) -> list[dict]:
             continue
         name, opcode, rest = m.groups()
         first = _OPERAND.match(rest)
+        nano = _NANO_OP.search(ln)
         out.append({"name": name, "opcode": opcode,
+                    # the executor's nano-op scope (jax.named_scope) in the op's metadata
+                    "nano_op": nano.group(1) if nano else None,
+                    "nano_batch": int(nano.group(2)) if nano else None,
                     "operand": first.group(1) if first else None,
                     "gemm": opcode == "dot" or any(k in ln for k in _GEMM_MARKS),
                     # a compute region (not a collective) run asynchronously
@@ -43,6 +50,7 @@ def entry_instructions(hlo_text: str) -> list[dict]:
                         "_xla_stream_annotation" in ln or "operation_queue_id" in ln
                         or "async_execution_thread" in ln),
                     "thread": _attr(ln, "async_execution_thread"),
+                    "collective": any(c[:-len("-start")] in ln for c in _COLLECTIVES),
                     "stream": _attr(ln, "_xla_stream_annotation"),
                     "group": _attr(ln, "_scheduling_group_id"),
                     "queue": _attr(ln, "operation_queue_id")})
@@ -77,6 +85,33 @@ def side_regions(instrs: list[dict]) -> list[dict]:
     return regions
 
 
+def collective_pairs(instrs: list[dict]) -> list[dict]:
+    """Every async collective's start/done pair (GPU HLO: all-reduce-start ... -done, or an
+    async-start wrapping a collective), with the GEMMs scheduled between them and how many
+    of those belong to another nano-batch than the collective's (the overlap the plan's
+    network nano-ops are for)."""
+    pairs = []
+    for i, x in enumerate(instrs):
+        wrapped = x["opcode"] == "async-start" and x.get("collective")
+        if not (x["opcode"] in _COLLECTIVES or wrapped):
+            continue
+        done = next((j for j in range(i + 1, len(instrs))
+                     if instrs[j]["opcode"].endswith("-done")
+                     and instrs[j]["operand"] == x["name"]), None)
+        if done is None:
+            continue
+        gemms = [y for y in instrs[i + 1:done] if y["gemm"]]
+        other = [y for y in gemms if y["nano_batch"] is not None
+                 and x["nano_batch"] is not None and y["nano_batch"] != x["nano_batch"]]
+        pairs.append({"start": x["name"], "opcode": x["opcode"], "position": i,
+                      "done_at": done, "nano_op": x["nano_op"], "nano_batch": x["nano_batch"],
+                      "gemms_between": len(gemms),
+                      "other_batch_gemms_between": len(other),
+                      "gemms": [f"{y['name']} ({y['nano_op']}[{y['nano_batch']}])"
+                                for y in gemms][:12]})
+    return pairs
+
+
 def report(path: str | Path) -> dict:
     """Summary over one HLO text file (or the largest *after_optimizations.txt in a dump
     directory, which is the model step)."""
@@ -88,10 +123,15 @@ def report(path: str | Path) -> dict:
         p = files[-1]
     instrs = entry_instructions(p.read_text())
     regions = side_regions(instrs)
+    colls = collective_pairs(instrs)
     return {"file": str(p), "instructions": len(instrs),
             "instructions_in_a_group": sum(x["group"] is not None for x in instrs),
             "gemms_in_a_group": sum(x["group"] is not None and x["gemm"] for x in instrs),
             "side_regions": len(regions),
             "regions_with_a_gemm_between": sum(r["gemms_between"] > 0 for r in regions),
             "gemms_between_total": sum(r["gemms_between"] for r in regions),
-            "regions": regions}
+            "regions": regions,
+            "collectives": len(colls),
+            "collectives_with_other_batch_gemm_between": sum(
+                c["other_batch_gemms_between"] > 0 for c in colls),
+            "collective_pairs": colls}

@@ -41,6 +41,8 @@ def parse_trace(path: str) -> list[dict]:
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
     gpu = {p for p, n in procs.items() if n.startswith("/device:GPU")}
+    if len(gpu) > 1:  # tensor parallelism: every GPU runs the same program; keep the first
+        gpu = {min(gpu, key=lambda p: procs[p])}
     out = []
     for e in events:
         if e.get("ph") != "X" or (gpu and e["pid"] not in gpu):
@@ -114,7 +116,11 @@ def summarize(events: list[dict]) -> dict:
     by_kind = {k: _union([(e["start_us"], e["start_us"] + e["dur_us"])
                           for e in events if e["kind"] == k]) for k in KINDS}
     attn = _length(by_kind["attention"])
+    coll = _length(by_kind["collective"])
     return {
+        "collective_us": coll,
+        "collective_overlapped_by_gemm": (_intersect(by_kind["collective"], by_kind["gemm"])
+                                          / coll if coll else 0.0),
         "span_us": span,
         "streams": sorted({e["stream"] for e in events}),
         "kernel_us": {k: sum(e["dur_us"] for e in events if e["kind"] == k) for k in KINDS},

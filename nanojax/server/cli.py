@@ -11,8 +11,7 @@ from nanojax.config_flags import add_engine_args, add_model_args, engine_config_
 
 
 def build_engine(args, bundle):
-    """The LLMEngine `nanojax serve` runs: its forward from --plan; with fixed shapes (the
-    default on a GPU) every step shape compiled before listening."""
+    """The LLMEngine `nanojax serve` runs, with its forward from --plan."""
     from nanojax.engine.llm_engine import LLMEngine
     from nanojax.pipeline.choose import choose_plan
 
@@ -23,16 +22,21 @@ def build_engine(args, bundle):
     forward = None
     if plan is not None:
         from nanojax.pipeline.executor import PipelineForward
-        forward = PipelineForward(bundle.config, plan, args.plan_mode, kernels=config.kernels)
-    engine = LLMEngine(bundle, config, forward=forward)
-    if engine.runner.fixed_shapes:  # no request waits on a compile once the port is open
+        forward = PipelineForward(bundle.config, plan, args.plan_mode, kernels=config.kernels,
+                                  tp=config.tensor_parallel_size)
+    return LLMEngine(bundle, config, forward=forward)
+
+
+def warm_up(engine) -> None:
+    """With fixed shapes (the default on a GPU), every step shape compiled before the
+    port opens, so no request waits on a compile."""
+    if engine.runner.fixed_shapes:
         t0 = time.monotonic()
         n = engine.runner.warmup(progress=True)
         if engine.offloader is not None:  # the KV offload's page copies too
             n += engine.offloader.warmup()
         print(f"nanojax: compiled {n} step shapes in {time.monotonic() - t0:.1f}s",
               file=sys.stderr, flush=True)
-    return engine
 
 
 def cmd_serve(args) -> int:
@@ -42,9 +46,17 @@ def cmd_serve(args) -> int:
     from nanojax.engine.async_engine import AsyncLLMEngine
     from nanojax.server.app import build_app
 
+    from nanojax.parallel.multihost import init_distributed, is_leader
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
+    init_distributed(args)
+    bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
+                        tensor_parallel_size=engine_config_from_args(args).tensor_parallel_size)
     engine = build_engine(args, bundle)
+    if not is_leader():  # process 0 serves; this one runs its steps until it stops
+        n = engine.runner.follow()
+        print(f"nanojax: process 0 stopped after {n} steps", file=sys.stderr)
+        return 0
+    warm_up(engine)
     aeng = AsyncLLMEngine(engine)
     name = args.served_model_name or args.model
     status = {"exit": 0}
@@ -66,6 +78,7 @@ def cmd_serve(args) -> int:
         while aeng.num_pending and aeng.is_alive and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await asyncio.get_running_loop().run_in_executor(None, aeng.shutdown)
+        engine.runner.stop_followers()
 
     app.on_shutdown.append(drain)
     print(f"nanojax: serving {name} on http://{args.host}:{args.port}", file=sys.stderr,
@@ -96,4 +109,6 @@ def register(sub) -> None:
     s.add_argument("--max-body", type=int, default=1 << 20, help="bytes; beyond it: 413")
     s.add_argument("--drain-timeout", type=float, default=5.0)
     s.add_argument("--no-access-log", action="store_true")
+    from nanojax.parallel.multihost import add_distributed_args
+    add_distributed_args(s)
     s.set_defaults(func=cmd_serve)
