@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from nanojax.config import ModelConfig
+from nanojax.layers.linear import Linear
 
 # parameter path in the block -> the axis tensor parallelism splits (the dense FFN's
 # convention: gate/up by columns, down by rows); the rest is replicated
@@ -90,7 +91,6 @@ class MoEBlock(nn.Module):
 
     @nn.compact
     def __call__(self, h):
-        from nanojax.models.llama import Linear
         c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         e, k, f, d = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.hidden_size
         init = nn.initializers.normal(0.02)
