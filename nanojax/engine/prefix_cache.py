@@ -44,10 +44,13 @@ def model_fingerprint(model_config, params, kv, page_size: int, page_axis: int,
     h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
     h.update(f"page_size={page_size}".encode())
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        shape, dtype = leaf.shape, leaf.dtype
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            leaf = leaf.addressable_shards[0].data  # several processes: this one's first shard
         flat = leaf.reshape(-1)
         stride = max(1, flat.shape[0] // sample_elems)
         sample = np.asarray(jax.device_get(flat[::stride][:sample_elems]))
-        h.update(f"{jax.tree_util.keystr(path)}:{leaf.shape}:{leaf.dtype}".encode())
+        h.update(f"{jax.tree_util.keystr(path)}:{shape}:{dtype}".encode())
         h.update(sample.tobytes())
     for leaf in jax.tree_util.tree_leaves(kv):  # per page: the pool's size does not matter
         shape = leaf.shape[:page_axis] + leaf.shape[page_axis + 1:]
