@@ -20,6 +20,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="where the default model is cached (env NANOJAX_CACHE)")
 
 
+def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
+    from nanojax.layers.kv_fp8 import KV_CACHE_DTYPES
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV cache element type: auto (the model's dtype), bf16, or fp8 "
+                        "(e4m3 pages with per-kv-head scales: twice the pages per GB)")
+
+
 def _positive_int(s: str) -> int:
     v = int(s)
     if v <= 0:
@@ -40,7 +47,7 @@ def cmd_generate(args) -> int:
 
     t0 = time.time()
     llm = LLM(model=args.model, dtype=args.dtype, cache_dir=args.cache_dir,
-              max_model_len=args.max_model_len)
+              max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype)
     print(f"nanojax: loaded {args.model} in {time.time() - t0:.1f}s", file=sys.stderr)
     if args.no_chat_template:
         prompt = args.prompt
@@ -96,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--max-model-len", type=_positive_int, default=2048)
+    add_kv_cache_dtype_arg(g)
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt raw")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token_ids) on stdout")

@@ -73,8 +73,11 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * layer + h + head
 
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.kv_size * self.itemsize
+    def kv_bytes_per_token(self, kv_itemsize: int | None = None) -> int:
+        """K and V bytes of one token over all layers; kv_itemsize: the cache's element
+        size when it differs from the model's (1 for an FP8 cache; its per-head scales
+        are a few bytes per layer, not per token)."""
+        return 2 * self.num_layers * self.kv_size * (kv_itemsize or self.itemsize)
 
     @property
     def itemsize(self) -> int:

@@ -63,7 +63,8 @@ def cmd_throughput(args) -> int:
                 b_dense=args.b_dense, num_pages=args.num_pages, page_size=args.page_size,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 async_scheduling=(mode != "sync"), constant_batch=args.constant_batch,
-                admission=args.admission, fixed_shapes=args.fixed_shapes),
+                admission=args.admission, fixed_shapes=args.fixed_shapes,
+                kv_cache_dtype=args.kv_cache_dtype),
                 forward=forward)
             results[mode] = run_offline(eng, reqs, progress=not args.quiet)
         except Exception as e:  # record the failure of one mode, measure the others
@@ -89,7 +90,7 @@ def cmd_throughput(args) -> int:
                                                   "output_len": args.output_len,
                                                   "trace": args.trace, "seed": args.seed},
                "engine": {"b_dense": args.b_dense, "page_size": args.page_size,
-                          "admission": args.admission,
+                          "admission": args.admission, "kv_cache_dtype": args.kv_cache_dtype,
                           "num_pages": args.num_pages, "max_model_len": args.max_model_len},
                "results": results}
     if peer is not None:
@@ -166,11 +167,12 @@ def cmd_step(args) -> int:
                          num_pages=args.num_pages, max_model_len=args.max_model_len,
                          repeats=args.repeats, timeline_png=args.timeline,
                          progress=not args.quiet, f32_reference=args.f32_reference,
+                         kv_cache_dtype=args.kv_cache_dtype,
                          checkpoint=lambda part: write_json(args.json, {
                              "command": " ".join(["nanojax"] + sys.argv[1:]), **part}))
     payload = {"command": " ".join(["nanojax"] + sys.argv[1:]), "env": environment(),
                "model": args.model, "num_layers": bundle.config.num_layers,
-               "plan": args.plan, **out}
+               "plan": args.plan, "kv_cache_dtype": args.kv_cache_dtype, **out}
     if args.dump_hlo:
         payload["schedule"] = _schedules(args.dump_hlo)
         for name, rep in payload["schedule"].items():
@@ -230,11 +232,12 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub) -> None:
-    from nanojax.cli import _add_model_args
+    from nanojax.cli import _add_model_args, add_kv_cache_dtype_arg
     bench = sub.add_parser("bench", help="benchmarks: throughput (offline, default) or serve")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     t = bsub.add_parser("throughput", help="offline throughput through the engine")
     _add_model_args(t)
+    add_kv_cache_dtype_arg(t)
     add_workload_args(t)
     t.add_argument("--b-dense", type=int, default=256, help="tokens per iteration")
     t.add_argument("--page-size", type=int, default=16)
@@ -270,6 +273,7 @@ def register(sub) -> None:
     st = bsub.add_parser("step", help="time one dense iteration of each pipeline mode on a "
                                       "synthetic steady-state batch (GPU), with a timeline")
     _add_model_args(st)
+    add_kv_cache_dtype_arg(st)
     st.add_argument("--plan", required=True, help="plan name or JSON path")
     st.add_argument("--b-dense", default="2048", help="comma-separated B_dense values")
     st.add_argument("--workloads", default="512/512",

@@ -235,13 +235,16 @@ def logits_distance(logits, ref_logits) -> float:
 def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[str],
                    modes: list[str], page_size: int = 16, num_pages: int = 16384,
                    max_model_len: int = 2048, repeats: int = 10, timeline_png: str | None = None,
-                   progress: bool = True, checkpoint=None, f32_reference: bool = False) -> dict:
+                   progress: bool = True, checkpoint=None, f32_reference: bool = False,
+                   kv_cache_dtype: str = "auto") -> dict:
     """Every mode at every B_dense and workload, in one process: ratios between modes come
     from the same run. Optimal = the GEMM rate measured here at that B_dense.
     checkpoint(results) is called after every mode, so a run cut short keeps what it has.
     f32_reference: also run the step in float32 and say how far each mode's logits are
     from it (what a mode's difference from another must be measured against on a GPU,
-    where each GEMM shape may get another kernel and so another rounding)."""
+    where each GEMM shape may get another kernel and so another rounding).
+    kv_cache_dtype: the cache's element type (--kv-cache-dtype; the float32 reference
+    keeps a float32 cache)."""
     from tqdm.auto import tqdm
 
     from nanojax.bench import timeline
@@ -250,7 +253,10 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
     from nanojax.pipeline.executor import PipelineForward
     from nanojax.pipeline.plan import resize
 
+    from nanojax.layers.kv_fp8 import resolve_kv_cache_dtype
+
     cfg = bundle.config
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, cfg.dtype)
     max_pages = -(-max_model_len // page_size)
     on_gpu = jax.default_backend() == "gpu"
     results, timelines = [], {}
@@ -272,7 +278,7 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
             fwd = PipelineForward(cfg, p, base, **options)
             if params is None:
                 params = fwd.prepare(bundle.params)
-                kv = fwd.init_kv(num_pages, page_size)
+                kv = fwd.init_kv(num_pages, page_size, kv_dtype)
             step = make_step(fwd)
             t0 = time.perf_counter()
             try:
@@ -287,7 +293,7 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
             for w in workloads:
                 b = batches[w]
                 kv = None  # a fresh cache: every mode starts from the same contents
-                kv = fwd.init_kv(num_pages, page_size)
+                kv = fwd.init_kv(num_pages, page_size, kv_dtype)
                 secs, kv, out, first = time_step(step, params, kv, b, repeats)
                 tokens.setdefault(w, {})[mode] = out
                 r = {"b_dense": b_dense, "workload": w, "mode": mode, "step_s": secs,

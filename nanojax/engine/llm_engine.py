@@ -21,6 +21,7 @@ from nanojax.engine.sampling import SamplingParams
 from nanojax.engine.scheduler import ScheduledBatch, Scheduler
 from nanojax.engine.sequence import Sequence
 from nanojax.errors import NanojaxError
+from nanojax.layers.kv_fp8 import resolve_kv_cache_dtype
 from nanojax.tokenizer import IncrementalDetokenizer
 
 
@@ -40,6 +41,7 @@ class EngineConfig:
     memory_utilization: float = 0.9
     admission: str = "greedy"         # "predicted": NanoFlow's memory-usage prediction
     fixed_shapes: bool = False        # one row count and page width: warmup() compiles all
+    kv_cache_dtype: str = "auto"      # "auto" (the model's), "bf16", "fp8" (layers/kv_fp8.py)
     seed: int = 0
 
 
@@ -60,6 +62,7 @@ class LLMEngine:
         self.tokenizer = bundle.tokenizer
         self.config = cfg = config or EngineConfig()
         self.max_model_len = min(cfg.max_model_len, self.model_config.max_position_embeddings)
+        self.kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.model_config.dtype)
         free = None
         if cfg.num_pages is None:
             from nanojax.engine.kv_cache import free_device_bytes
@@ -67,7 +70,8 @@ class LLMEngine:
             if free is None:  # CPU: enough for a modest batch of full-length requests
                 cfg.num_pages = max(64, 8 * self.max_model_len // cfg.page_size)
         self.sizing = size_cache(self.model_config, cfg.page_size, self.max_model_len,
-                                 cfg.b_dense, num_pages=cfg.num_pages, memory_bytes=free)
+                                 cfg.b_dense, num_pages=cfg.num_pages, memory_bytes=free,
+                                 kv_itemsize=self.kv_dtype.itemsize)
         max_seqs = cfg.max_num_seqs or self.sizing.max_num_seqs
         self.allocator = PageAllocator(self.sizing.num_pages)
         self.scheduler = Scheduler(self.allocator, cfg.page_size, cfg.b_dense, max_seqs,
@@ -78,7 +82,7 @@ class LLMEngine:
                                   cfg.page_size, self.scheduler.max_num_seqs, cfg.b_dense,
                                   forward=forward, constant_batch=cfg.constant_batch,
                                   max_pages_per_seq=-(-self.max_model_len // cfg.page_size),
-                                  fixed_shapes=cfg.fixed_shapes)
+                                  fixed_shapes=cfg.fixed_shapes, kv_cache_dtype=self.kv_dtype)
         self.eos_ids = tuple(self.tokenizer.eos_token_ids if self.tokenizer
                              else self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}

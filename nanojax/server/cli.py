@@ -25,7 +25,8 @@ def cmd_serve(args) -> int:
     engine = LLMEngine(bundle, EngineConfig(
         b_dense=args.b_dense, num_pages=args.num_pages, page_size=args.page_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        admission=args.admission, fixed_shapes=compile_at_start))
+        admission=args.admission, fixed_shapes=compile_at_start,
+        kv_cache_dtype=args.kv_cache_dtype))
     if compile_at_start:  # no request waits on a compile once the port is open
         n = engine.runner.warmup()
         print(f"nanojax: compiled {n} step shapes", file=sys.stderr, flush=True)
@@ -51,9 +52,10 @@ def cmd_serve(args) -> int:
 
 
 def register(sub) -> None:
-    from nanojax.cli import _add_model_args
+    from nanojax.cli import _add_model_args, add_kv_cache_dtype_arg
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_model_args(s)
+    add_kv_cache_dtype_arg(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None)
