@@ -191,11 +191,11 @@ def cache_value_stats(kv) -> dict:
 
 
 def measure(bundle, prompts, max_tokens: int, dtypes: tuple[str, ...],
-            baseline: str, group: int = 16, log=print) -> dict:
+            baseline: str, group: int = 16, log=print, calibrate: bool = True) -> dict:
     """Greedy agreement and teacher-forced logits distance of every dtype against the
     baseline dtype, on the baseline's generations. For an FP8 dtype and a float baseline
     also the logits with per-head absmax / 448 scales calibrated on the first group (the
-    alternative to scale 1.0)."""
+    alternative to scale 1.0; calibrate=False skips it)."""
     gens, secs = {}, {}
     for dt in dict.fromkeys((baseline, *dtypes)):
         ids, gens[dt], secs[dt] = greedy_generations(bundle, prompts, max_tokens, dt)
@@ -210,7 +210,7 @@ def measure(bundle, prompts, max_tokens: int, dtypes: tuple[str, ...],
     t0 = time.perf_counter()
     for gi, batch in enumerate(_groups(seqs, starts, group, 16)):
         ref, ref_kv = scorers[baseline](*batch)
-        if gi == 0 and not isinstance(ref_kv, QuantizedKV):  # what FP8 has to hold
+        if gi == 0 and calibrate and not isinstance(ref_kv, QuantizedKV):
             result["baseline_cache_values"] = stats = cache_value_stats(ref_kv)
             cal = tuple(np.maximum(np.asarray(stats[n]["absmax_per_layer_head"], np.float32),
                                    1e-6) / FP8_MAX for n in ("k", "v"))
