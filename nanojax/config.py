@@ -111,8 +111,11 @@ class ModelConfig:
         shared expert always). Optimal throughput is FLOP/s / (2 x this)."""
         return self.param_count(self.num_experts_per_tok)
 
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.kv_size * self.itemsize
+    def kv_bytes_per_token(self, kv_itemsize: int | None = None) -> int:
+        """K and V bytes of one token over all layers; kv_itemsize: the cache's element
+        size when it differs from the model's (1 for an FP8 cache; its per-head scales
+        are a few bytes per layer, not per token)."""
+        return 2 * self.num_layers * self.kv_size * (kv_itemsize or self.itemsize)
 
     @property
     def itemsize(self) -> int:
@@ -338,6 +341,8 @@ class KernelConfig:
 
 
 ADMISSION = ("greedy", "predicted")
+# --kv-cache-dtype names (nanojax/layers/kv_fp8.py maps them to element types)
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8", "fp8_e4m3", "float32", "fp32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,6 +373,9 @@ class EngineConfig:
         "cost logits for every row)"))
     seed: int = dataclasses.field(default=0, metadata=_opt(
         "seed of the per-request seeds of unseeded requests", cli=False))
+    kv_cache_dtype: str = dataclasses.field(default="auto", metadata=_opt(
+        "KV cache element type: auto (the model's dtype), bf16, or fp8 (e4m3 pages with "
+        "per-kv-head scales: twice the pages per GB)", choices=KV_CACHE_DTYPES))
     tensor_parallel_size: int = dataclasses.field(default=1, metadata=_opt(
         "split the model over this many devices (shard_map over a 'tp' mesh axis)"))
     # KV reuse (names as vLLM's --enable-prefix-caching; sizes take K/M/G/T suffixes)

@@ -58,11 +58,14 @@ def _scalar_type(tp):
     return args[0] if args else tp
 
 
-def _add_fields(parser, cls, dest_prefix: str, skip: tuple[str, ...]) -> None:
+def _add_fields(parser, cls, dest_prefix: str, skip: tuple[str, ...],
+                only: tuple[str, ...] | None = None) -> None:
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__)
     for f in dataclasses.fields(cls):
         if f.name in skip or not f.metadata.get("cli", True):
+            continue
+        if only is not None and f.name not in only:
             continue
         tp = _scalar_type(hints[f.name])
         if dataclasses.is_dataclass(tp):
@@ -84,13 +87,13 @@ def _add_fields(parser, cls, dest_prefix: str, skip: tuple[str, ...]) -> None:
 
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),
-                    kernels_only: bool = False) -> None:
-    """Flags for every EngineConfig field (kernels_only: KernelConfig's alone), except
-    `skip`. Unset flags keep the dataclass default."""
+                    kernels_only: bool = False, only: tuple[str, ...] | None = None) -> None:
+    """Flags for every EngineConfig field (kernels_only: KernelConfig's alone; only: just
+    these EngineConfig fields), except `skip`. Unset flags keep the dataclass default."""
     if kernels_only:
         _add_fields(parser, KernelConfig, "kernels.", skip)
     else:
-        _add_fields(parser, EngineConfig, "", skip)
+        _add_fields(parser, EngineConfig, "", skip, only)
 
 
 def _given(args: argparse.Namespace, prefix: str) -> dict:

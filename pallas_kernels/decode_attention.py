@@ -6,6 +6,12 @@ serves every query head of that group with one pass over the sequence's pages. T
 is persistent: `num_programs` programs (the resource share R of NanoFlow) stride over the
 B x KVH units, so the kernel occupies a bounded part of the GPU and a concurrent GEMM can
 have the rest.
+
+FP8 pages (float8_e4m3fn, stored as x / scale with one float32 scale per kv head for k and
+for v): the kernel loads the 1-byte rows and converts them to the query's dtype in
+registers; the k scale is folded into the query (so into the scores) and the v scale into
+the output, so the bytes read per key halve and the arithmetic is unchanged. Any other page
+dtype that differs from the query's (bf16 pages under f32 queries) is converted the same way.
 """
 from __future__ import annotations
 
@@ -21,26 +27,38 @@ _NEG = -1e30
 _MIN_ROWS = 16  # tl.dot needs at least 16 rows: the query group is padded up to this
 
 
-def decode_attention_reference(q, k_pages, v_pages, page_table, context_lens):
+def decode_attention_reference(q, k_pages, v_pages, page_table, context_lens, k_scale=None,
+                               v_scale=None):
     """q [B, H, D]; pages [N, KVH, ps, D]; page_table [B, P]; context_lens [B] -> [B, H, D].
-    Computed in f32."""
+    Computed in f32. k_scale, v_scale [KVH]: the scales of FP8 pages (page * scale is the
+    value), or None."""
     b, h, d = q.shape
     n, kvh, ps, _ = k_pages.shape
     g = h // kvh
     k = k_pages[page_table].transpose(0, 2, 1, 3, 4).reshape(b, kvh, -1, d)  # [B,KVH,P*ps,D]
     v = v_pages[page_table].transpose(0, 2, 1, 3, 4).reshape(b, kvh, -1, d)
     qg = q.reshape(b, kvh, g, d).astype(jnp.float32) / math.sqrt(d)
+    if k_scale is not None:
+        qg = qg * k_scale.astype(jnp.float32)[None, :, None, None]
     s = jnp.einsum("bkgd,bksd->bkgs", qg, k.astype(jnp.float32))
     mask = jnp.arange(k.shape[2])[None, :] < context_lens[:, None]
     s = jnp.where(mask[:, None, None, :], s, _NEG)
     p = jax.nn.softmax(s, axis=-1)
     v = jnp.where(mask[:, None, :, None], v.astype(jnp.float32), 0.0)
     o = jnp.einsum("bkgs,bksd->bkgd", p, v)
+    if v_scale is not None:
+        o = o * v_scale.astype(jnp.float32)[None, :, None, None]
     return o.reshape(b, h, d).astype(q.dtype)
 
 
-def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, rowpos_ref, o_ref, *, kvh, num_work,
-            num_programs, pages_per_block, page_size, scale, prefetch):
+def _kernel(*refs, kvh, num_work, num_programs, pages_per_block, page_size, scale, prefetch,
+            scaled):
+    if scaled:  # FP8 pages: per-kv-head scales of k and v
+        q_ref, k_ref, v_ref, pt_ref, len_ref, rowpos_ref, ks_ref, vs_ref, o_ref = refs
+    else:
+        q_ref, k_ref, v_ref, pt_ref, len_ref, rowpos_ref, o_ref = refs
+    cd = q_ref.dtype  # pages of another dtype (FP8) are converted to it in registers
+    convert = k_ref.dtype != cd
     pid = pl.program_id(0)
     rows, d = q_ref.shape[2], q_ref.shape[3]
     block_k = pages_per_block * page_size
@@ -51,7 +69,10 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, rowpos_ref, o_ref, *, kvh, num
         b, h = w // kvh, w % kvh
         ctx = len_ref[b]
         last = rowpos_ref[b]  # [rows]: the last key position each row may see
-        q = q_ref[b, h] * scale  # [rows, D]
+        if scaled:  # the k scale folded into the query: scores come out scaled
+            q = (q_ref[b, h].astype(jnp.float32) * (scale * ks_ref[h])).astype(cd)
+        else:
+            q = q_ref[b, h] * scale  # [rows, D]
         n_blocks = (ctx + block_k - 1) // block_k
 
         def pages_of(j):  # clamped: a look-ahead past the last block rereads it (cached)
@@ -63,6 +84,8 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, rowpos_ref, o_ref, *, kvh, num
             return k_ref[idx].reshape(block_k, d), v_ref[idx].reshape(block_k, d)
 
         def attend(j, k, v, o, m, l):
+            if convert:  # here, not at the load: a prefetched block stays 1-byte
+                k, v = k.astype(cd), v.astype(cd)
             s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # [rows, block_k]
             key_pos = j * block_k + jnp.arange(block_k)
             s = jnp.where(key_pos[None, :] <= last[:, None], s, _NEG)
@@ -96,6 +119,8 @@ def _kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, rowpos_ref, o_ref, *, kvh, num
                 return attend(j, *kv_of(pages_of(j)), *carry)
 
             o, m, l = lax.fori_loop(0, n_blocks, block, init)
+        if scaled:
+            o = o * vs_ref[h]
         o_ref[b, h] = (o / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
         return carry
 
@@ -121,14 +146,15 @@ def _use_prefetch(programs: int) -> bool:
 
 
 def paged_attention_call(qg, k_pages, v_pages, page_table, context_lens, row_last, *,
-                         num_programs: int | None = None, pages_per_block: int | None = None,
+                         k_scale=None, v_scale=None, num_programs: int | None = None, pages_per_block: int | None = None,
                          num_warps: int | None = None, num_stages: int = 2,
                          prefetch: bool | None = None, interpret: bool = False):
     """The kernel over units of (query group, kv head), shared by decode and prefill.
 
     qg [B, KVH, rows, D]: the query rows of unit b for kv head h; page_table [B, P];
     context_lens [B]: keys the unit reads; row_last [B, rows]: the last key position each
-    row may see (causal masking; decode rows see the whole context). -> [B, KVH, rows, D]
+    row may see (causal masking; decode rows see the whole context); k_scale, v_scale
+    [KVH]: FP8 pages' scales (both or neither). -> [B, KVH, rows, D]
     """
     b, kvh, rows, d = qg.shape
     n, _, ps, _ = k_pages.shape
@@ -145,7 +171,10 @@ def paged_attention_call(qg, k_pages, v_pages, page_table, context_lens, row_las
                              [(0, 0, 0), (0, pad, 0)])
     kern = functools.partial(_kernel, kvh=kvh, num_work=num_work, num_programs=nprog,
                              pages_per_block=pages_per_block, page_size=ps,
-                             scale=1.0 / math.sqrt(d), prefetch=prefetch)
+                             scale=1.0 / math.sqrt(d), prefetch=prefetch,
+                             scaled=k_scale is not None)
+    scales = () if k_scale is None else (k_scale.astype(jnp.float32),
+                                         v_scale.astype(jnp.float32))
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
@@ -157,11 +186,11 @@ def paged_attention_call(qg, k_pages, v_pages, page_table, context_lens, row_las
         interpret=interpret, **params,
     )(qg, k_pages.reshape(n * kvh, ps, d), v_pages.reshape(n * kvh, ps, d),
       page_table.astype(jnp.int32), context_lens.astype(jnp.int32),
-      row_last.astype(jnp.int32))
+      row_last.astype(jnp.int32), *scales)
 
 
 def decode_attention_impl(q, k_pages, v_pages, page_table, context_lens, *,
-                          num_programs: int | None = None, pages_per_block: int | None = None,
+                          k_scale=None, v_scale=None, num_programs: int | None = None, pages_per_block: int | None = None,
                           num_warps: int | None = None, num_stages: int = 2,
                           prefetch: bool | None = None, interpret: bool = False):
     """Pallas paged decode attention; same contract as decode_attention_reference.
@@ -182,7 +211,7 @@ def decode_attention_impl(q, k_pages, v_pages, page_table, context_lens, *,
                                                    (0, 0, 0)])
     row_last = lax.broadcast_in_dim(context_lens.astype(jnp.int32) - 1, (b, rows), (0,))
     out = paged_attention_call(qg, k_pages, v_pages, page_table, context_lens, row_last,
-                               num_programs=num_programs, pages_per_block=pages_per_block,
+                               k_scale=k_scale, v_scale=v_scale, num_programs=num_programs, pages_per_block=pages_per_block,
                                num_warps=num_warps, num_stages=num_stages,
                                prefetch=prefetch, interpret=interpret)
     return out[:, :, :g].reshape(b, h, d)

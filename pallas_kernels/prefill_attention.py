@@ -22,10 +22,12 @@ from pallas_kernels.decode_attention import (_MIN_ROWS, decode_attention_referen
                                              paged_attention_call)
 
 
-def prefill_attention_reference(q, k_pages, v_pages, page_table, seq_ids, positions):
-    """q [T, H, D]: token t attends to its sequence's keys at positions <= positions[t]."""
+def prefill_attention_reference(q, k_pages, v_pages, page_table, seq_ids, positions,
+                                k_scale=None, v_scale=None):
+    """q [T, H, D]: token t attends to its sequence's keys at positions <= positions[t].
+    k_scale, v_scale [KVH]: FP8 pages' scales (see decode_attention.py), or None."""
     return decode_attention_reference(q, k_pages, v_pages, page_table[seq_ids],
-                                      positions + 1)
+                                      positions + 1, k_scale, v_scale)
 
 
 def query_blocks(seq_ids: np.ndarray, positions: np.ndarray, block_q: int,
@@ -57,7 +59,7 @@ def query_blocks(seq_ids: np.ndarray, positions: np.ndarray, block_q: int,
 
 
 def prefill_attention_impl(q, k_pages, v_pages, page_table, positions, blocks, token_slot,
-                           *, block_q: int = 16, num_programs: int | None = None,
+                           *, k_scale=None, v_scale=None, block_q: int = 16, num_programs: int | None = None,
                            pages_per_block: int | None = None, num_warps: int | None = None,
                            num_stages: int = 2, interpret: bool = False):
     """Same result as prefill_attention_reference, for tokens grouped by query_blocks."""
@@ -80,7 +82,7 @@ def prefill_attention_impl(q, k_pages, v_pages, page_table, positions, blocks, t
         last = lax.pad(last, jnp.int32(-1), [(0, 0, 0), (0, pad, 0)])
     ctx = last.max(axis=1) + 1                                       # 0 for unused blocks
     out = paged_attention_call(qb, k_pages, v_pages, page_table[blocks[:, 2]], ctx, last,
-                               num_programs=num_programs, pages_per_block=pages_per_block,
+                               k_scale=k_scale, v_scale=v_scale, num_programs=num_programs, pages_per_block=pages_per_block,
                                num_warps=num_warps, num_stages=num_stages,
                                interpret=interpret)
     out = out[:, :, :block_q * g].reshape(nb, kvh, block_q, g, d).transpose(0, 2, 1, 3, 4)

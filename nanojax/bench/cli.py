@@ -179,14 +179,17 @@ def cmd_step(args) -> int:
                         num_layers=args.num_layers,
                         tensor_parallel_size=args.tensor_parallel_size)
     kernels = kernel_config_from_args(args)
+    kv_cache_dtype = getattr(args, "kv_cache_dtype", "auto")
     record = {**run_record(kernels), "model": args.model, "plan": args.plan,
-              "tensor_parallel_size": args.tensor_parallel_size}
+              "tensor_parallel_size": args.tensor_parallel_size,
+              "kv_cache_dtype": kv_cache_dtype}
     out = run_step_bench(bundle, plan, b_dense, args.workloads.split(","),
                          modes, page_size=args.page_size,
                          num_pages=args.num_pages, max_model_len=args.max_model_len,
                          repeats=args.repeats, timeline_png=args.timeline,
                          progress=not args.quiet, f32_reference=args.f32_reference,
                          kernels=kernels, tp=args.tensor_parallel_size,
+                         kv_cache_dtype=kv_cache_dtype,
                          checkpoint=lambda part: write_json(args.json, {**record, **part}))
     payload = {**record, "num_layers": bundle.config.num_layers, **out}
     if args.dump_hlo:
@@ -290,6 +293,7 @@ def register(sub) -> None:
     st.add_argument("--quiet", action="store_true")
     st.add_argument("--json", default=None)
     add_engine_args(st, kernels_only=True)
+    add_engine_args(st, only=("kv_cache_dtype",))
     st.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="one process over this many GPUs (the plan must be for this tp)")
     st.set_defaults(func=cmd_step)

@@ -144,10 +144,10 @@ def tp_gemm_rate(cfg: ModelConfig, b_dense: int, tp: int) -> dict:
 
 
 def _measure(step, fwd, params, batch: SyntheticBatch, num_pages: int, page_size: int,
-             repeats: int) -> tuple[dict, tuple]:
+             repeats: int, kv_dtype=None) -> tuple[dict, tuple]:
     """Times one mode on one batch from a fresh cache: its row of the results (time,
     whether it repeats itself) and its output (tokens, checked rows' logits)."""
-    kv = fwd.init_kv(num_pages, page_size)  # every mode starts from the same contents
+    kv = fwd.init_kv(num_pages, page_size, kv_dtype)  # every mode: the same contents
     secs, kv, out, first = time_step(step, params, kv, batch, repeats)
     del kv
     return {"step_s": secs, "tokens_per_s": len(batch.tokens) / secs,
@@ -180,9 +180,9 @@ def _compare(r: dict, out, outputs: dict) -> None:
 
 
 def _capture_timeline(step, fwd, params, batch: SyntheticBatch, num_pages: int,
-                      page_size: int) -> list:
+                      page_size: int, kv_dtype=None) -> list:
     from nanojax.profiling import timeline
-    kv = fwd.init_kv(num_pages, page_size)
+    kv = fwd.init_kv(num_pages, page_size, kv_dtype)
     args = (batch.tokens, batch.meta, batch.logit_idx)
     kv, _ = step(params, kv, *args)  # warm: the trace holds one steady call
     holder = {}
@@ -225,22 +225,27 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
                    modes: list[str], page_size: int = 16, num_pages: int = 16384,
                    max_model_len: int = 2048, repeats: int = 10, timeline_png: str | None = None,
                    progress: bool = True, checkpoint=None, f32_reference: bool = False,
-                   kernels: KernelConfig = KernelConfig(), tp: int = 1) -> dict:
+                   kernels: KernelConfig = KernelConfig(), tp: int = 1,
+                   kv_cache_dtype: str = "auto") -> dict:
     """Every mode at every B_dense and workload, in one process: ratios between modes come
     from the same run. Optimal = the GEMM rate measured here at that B_dense.
     checkpoint(results) is called after every mode, so a run cut short keeps what it has.
     f32_reference: also run the step in float32 and say how far each mode's logits are
     from it (what a mode's difference from another must be measured against on a GPU,
-    where each GEMM shape may get another kernel and so another rounding)."""
+    where each GEMM shape may get another kernel and so another rounding).
+    kv_cache_dtype: the cache's element type (--kv-cache-dtype; the float32 reference
+    keeps a float32 cache)."""
     from tqdm.auto import tqdm
 
     from nanojax.bench.roofline import measure_gemm_rate
+    from nanojax.layers.kv_fp8 import resolve_kv_cache_dtype
     from nanojax.parallel.tp import TensorParallelForward
     from nanojax.pipeline.executor import PipelineForward
     from nanojax.pipeline.plan import resize
     from nanojax.profiling import timeline
 
     cfg = bundle.config
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, cfg.dtype)
     max_pages = -(-max_model_len // page_size)
     block_q = kernels.prefill_block_q if kernels.prefill_kernel else None
     results, timelines = [], {}
@@ -274,7 +279,7 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
             b0 = batches[workloads[0]]
             t0 = time.perf_counter()
             try:
-                kv_shape = jax.eval_shape(lambda: fwd.init_kv(num_pages, page_size))
+                kv_shape = jax.eval_shape(lambda: fwd.init_kv(num_pages, page_size, kv_dtype))
                 step.lower(params, kv_shape, b0.tokens, b0.meta, b0.logit_idx).compile()
             except Exception as e:  # record the mode's failure, measure the others
                 results.append({"b_dense": b_dense, "mode": mode,
@@ -284,7 +289,7 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
             compile_s = time.perf_counter() - t0
             for w in workloads:
                 r, out = _measure(step, fwd, params, batches[w], num_pages, page_size,
-                                  repeats)
+                                  repeats, kv_dtype)
                 r = {"b_dense": b_dense, "workload": w, "mode": mode, **r,
                      "compile_s": compile_s}
                 if roof:
@@ -293,7 +298,7 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
                 _compare(r, out, outputs[w])
                 if timeline_png and b_dense == b_dense_list[0] and w == workloads[0]:
                     timelines[mode] = _capture_timeline(step, fwd, params, batches[w],
-                                                        num_pages, page_size)
+                                                        num_pages, page_size, kv_dtype)
                     r["timeline"] = timeline.summarize(timelines[mode])
                 results.append(r)
                 bar.update(1)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from nanojax.config import KernelConfig, ModelConfig
 from nanojax.engine.kv_cache import init_kv_pages
 from nanojax.layers.attention import AttentionBackend, paged_attention, pallas_backend
+from nanojax.layers.kv_fp8 import init_kv_layer
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
 from nanojax.models.moe import compiler_options as moe_compiler_options
 
@@ -33,8 +34,9 @@ class Forward(Protocol):
     def prepare(self, params):
         """Parameters as this forward wants them on device."""
 
-    def init_kv(self, num_pages: int, page_size: int):
-        """The paged KV cache in this forward's layout."""
+    def init_kv(self, num_pages: int, page_size: int, dtype=None):
+        """The paged KV cache in this forward's layout (dtype: the cache's element type,
+        FP8 included; None: the model's)."""
 
     def __call__(self, params, tokens, kv, meta, logit_idx):
         """One iteration over the packed tokens -> (logits [R, V] f32 of the rows
@@ -72,8 +74,8 @@ class UnrolledForward:
     def prepare(self, params):
         return jax.device_put(self.layout(params))
 
-    def init_kv(self, num_pages: int, page_size: int):
-        return init_kv_pages(self.cfg, num_pages, page_size)
+    def init_kv(self, num_pages: int, page_size: int, dtype=None):
+        return init_kv_pages(self.cfg, num_pages, page_size, dtype=dtype)
 
     def __call__(self, params, tokens, kv, meta, logit_idx):
         return self.model.apply(params, tokens, kv, meta, self.attention,
@@ -89,11 +91,10 @@ class ScanForward(UnrolledForward):
         stacked = jax.tree_util.tree_map(lambda *xs: stack(xs), *layers)
         return {"rest": {"params": p}, "layers": stacked}
 
-    def init_kv(self, num_pages: int, page_size: int):
+    def init_kv(self, num_pages: int, page_size: int, dtype=None):
         c = self.cfg
         shape = (c.num_layers, num_pages, c.num_kv_heads, page_size, c.head_dim)
-        make = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(c.dtype)))
-        return make(), make()
+        return init_kv_layer(shape, dtype or c.dtype)  # every layer's, stacked
 
     def __call__(self, params, tokens, kv, meta, logit_idx):
         model, layer, inv_freq = self.model, self.layer(), self.model.inv_freq
@@ -101,12 +102,11 @@ class ScanForward(UnrolledForward):
         x = model.apply(rest, tokens, method=LlamaForCausalLM.embed_tokens)
 
         def body(x, xs):
-            layer_params, k, v = xs
-            x, (k, v) = layer.apply({"params": layer_params}, x, (k, v), meta,
-                                    self.attention, inv_freq)
-            return x, (k, v)
+            layer_params, kv_layer = xs
+            return layer.apply({"params": layer_params}, x, kv_layer, meta,
+                               self.attention, inv_freq)
 
-        x, kv = jax.lax.scan(body, x, (params["layers"], *kv))
+        x, kv = jax.lax.scan(body, x, (params["layers"], kv))
         return model.apply(rest, x[logit_idx], method=LlamaForCausalLM.logits), kv
 
 

@@ -1,7 +1,8 @@
 """Paged KV cache: the page allocator, the device arrays, and capacity sizing.
 
 Pages are [num_pages, KVH, page_size, D] per layer for k and for v: head-major inside a
-page, so a decode kernel streams contiguous rows of one head.
+page, so a decode kernel streams contiguous rows of one head. Their element type is the
+model's or the one --kv-cache-dtype names (FP8 pages carry scales: layers/kv_fp8.py).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 
 from nanojax.config import ModelConfig
 from nanojax.errors import ConfigError
+from nanojax.layers.kv_fp8 import init_kv_layer
 
 
 class OutOfPages(Exception):
@@ -121,11 +123,14 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
-def init_kv_pages(cfg: ModelConfig, num_pages: int, page_size: int, sharding=None):
+def init_kv_pages(cfg: ModelConfig, num_pages: int, page_size: int, sharding=None,
+                  dtype=None):
+    """One (k_pages, v_pages) pair per layer (a QuantizedKV for FP8); dtype None: the
+    model's."""
     shape = (num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
-    dtype = jnp.dtype(cfg.dtype)
-    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return [(make(), make()) for _ in range(cfg.num_layers)]
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    make = lambda fn: jax.jit(fn, out_shardings=sharding)()  # noqa: E731
+    return [init_kv_layer(shape, dtype, make) for _ in range(cfg.num_layers)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,14 +154,16 @@ def free_device_bytes(utilization: float = 0.9) -> int | None:
 
 def size_cache(cfg: ModelConfig, page_size: int, max_model_len: int, b_dense: int,
                num_pages: int | None = None, memory_bytes: int | None = None,
-               expected_context: int | None = None) -> CacheSizing:
+               expected_context: int | None = None,
+               kv_itemsize: int | None = None) -> CacheSizing:
     """NanoFlow sizes the decode batch from KV capacity: as many requests as fit at their
-    average context (prompt + half the output), never more than B_dense."""
+    average context (prompt + half the output), never more than B_dense. kv_itemsize: bytes
+    per cached element (1 for FP8: twice the pages of bf16); None: the model's."""
     if num_pages is None:
         memory_bytes = memory_bytes if memory_bytes is not None else free_device_bytes()
         if memory_bytes is None:
             raise ConfigError("cannot measure device memory here: give num_pages")
-        per_page = cfg.kv_bytes_per_token() * page_size
+        per_page = cfg.kv_bytes_per_token(kv_itemsize) * page_size
         num_pages = int(memory_bytes // per_page)
     if num_pages * page_size < max_model_len:
         raise ConfigError(f"KV cache of {num_pages} pages x {page_size} tokens cannot hold "

@@ -23,6 +23,7 @@ from nanojax.engine.sampling import SamplingError, SamplingParams
 from nanojax.engine.scheduler import ScheduledBatch, Scheduler
 from nanojax.engine.sequence import Sequence
 from nanojax.errors import NanojaxError
+from nanojax.layers.kv_fp8 import resolve_kv_cache_dtype
 from nanojax.tokenizer import IncrementalDetokenizer
 
 
@@ -50,6 +51,7 @@ class LLMEngine:
         self.tokenizer = bundle.tokenizer
         self.config = cfg = config or EngineConfig()
         self.max_model_len = min(cfg.max_model_len, self.model_config.max_position_embeddings)
+        self.kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.model_config.dtype)
         forward = forward or default_forward(self.model_config, cfg.kernels)
         from nanojax.parallel.tp import sharded_forward
         forward, cache_cfg = sharded_forward(self.model_config, forward,
@@ -64,7 +66,8 @@ class LLMEngine:
             if free is None:  # CPU: enough for a modest batch of full-length requests
                 num_pages = max(64, 8 * self.max_model_len // cfg.page_size)
         self.sizing = size_cache(cache_cfg, cfg.page_size, self.max_model_len,
-                                 cfg.b_dense, num_pages=num_pages, memory_bytes=free)
+                                 cfg.b_dense, num_pages=num_pages, memory_bytes=free,
+                                 kv_itemsize=self.kv_dtype.itemsize)
         max_seqs = cfg.max_num_seqs or self.sizing.max_num_seqs
         self.allocator = PageAllocator(self.sizing.num_pages)
         self.scheduler = Scheduler(self.allocator, cfg.page_size, cfg.b_dense, max_seqs,
@@ -77,7 +80,8 @@ class LLMEngine:
                                   cfg.page_size, self.scheduler.max_num_seqs, cfg.b_dense,
                                   forward=forward, constant_batch=cfg.constant_batch,
                                   max_pages_per_seq=-(-self.max_model_len // cfg.page_size),
-                                  fixed_shapes=fixed, broadcast=broadcast)
+                                  fixed_shapes=fixed, broadcast=broadcast,
+                                  kv_cache_dtype=self.kv_dtype)
         self.prefix_cache = self.offloader = None
         if cfg.enable_prefix_caching:
             self._start_prefix_cache()

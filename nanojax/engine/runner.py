@@ -48,7 +48,7 @@ class ModelRunner:
                  max_rows: int, b_dense: int, forward: Forward | None = None,
                  constant_batch: bool = False, min_token_bucket: int = 16,
                  max_pages_per_seq: int | None = None, fixed_shapes: bool = False,
-                 broadcast=None):
+                 broadcast=None, kv_cache_dtype=None):
         self.cfg = cfg
         self.page_size = page_size
         self.max_rows = bucket(max_rows, 4)
@@ -62,7 +62,7 @@ class ModelRunner:
         forward = forward or default_forward(cfg)
         self.forward = forward
         self.params = forward.prepare(params)
-        self.kv = forward.init_kv(num_pages, page_size)
+        self.kv = forward.init_kv(num_pages, page_size, kv_cache_dtype)  # None: the model's
         self.num_compiles = 0
         self._lock = threading.Lock()
         self._step = jax.jit(self._make_step(forward), donate_argnums=(1,),

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nanojax.config import KernelConfig
+from nanojax.layers.kv_fp8 import is_fp8, kv_parts, quantize, with_pages
 from nanojax.layers.rotary import apply_rope
 
 NEG_INF = -1e30
@@ -44,15 +45,21 @@ class AttentionBackend(Attention, Protocol):
         """attend limited to a share of the GPU (where the kernel has a bounded grid)."""
 
 
-def _softmax_attend(q, keys, values, mask):
-    """q [T, H, D]; keys/values [T, L, KVH, D] (per-token key set); mask [T, L]."""
+def _softmax_attend(q, keys, values, mask, k_scale=None, v_scale=None):
+    """q [T, H, D]; keys/values [T, L, KVH, D] (per-token key set); mask [T, L].
+    k_scale, v_scale [KVH]: FP8 pages' scales (the k scale multiplies the scores, the v
+    scale the output)."""
     t, h, d = q.shape
     kvh = keys.shape[2]
     qg = q.reshape(t, kvh, h // kvh, d).astype(jnp.float32) * (d ** -0.5)
+    if k_scale is not None:
+        qg = qg * k_scale[None, :, None, None]
     scores = jnp.einsum("tkgd,tlkd->tkgl", qg, keys.astype(jnp.float32))
     scores = jnp.where(mask[:, None, None, :], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("tkgl,tlkd->tkgd", probs, values.astype(jnp.float32))
+    if v_scale is not None:
+        out = out * v_scale[None, :, None, None]
     return out.reshape(t, h, d).astype(q.dtype)
 
 
@@ -135,9 +142,12 @@ def slice_metadata(meta: PagedMetadata, a: int, b: int) -> PagedMetadata:
         prefill_slot=None if meta.prefill_slot is None else meta.prefill_slot[a:b])
 
 
-def write_kv_pages(k_pages, v_pages, k, v, slot_mapping):
-    """Scatter k, v [T, KVH, D] into their pages; slots < 0 are dropped."""
+def write_kv_pages(k_pages, v_pages, k, v, slot_mapping, k_scale=None, v_scale=None):
+    """Scatter k, v [T, KVH, D] into their pages; slots < 0 are dropped. With scales
+    (FP8 pages) the stored values are x / scale, saturated (layers/kv_fp8.py)."""
     num_pages, _, page_size, _ = k_pages.shape
+    if k_scale is not None:
+        k, v = quantize(k, k_scale), quantize(v, v_scale)
     # lax.div/rem rather than // and %: jnp's versions are nested jits, which XLA refuses
     # inside stream-annotated regions; slots are non-negative where they are used
     page = jnp.where(slot_mapping >= 0, jax.lax.div(slot_mapping, page_size), num_pages)
@@ -154,33 +164,39 @@ def gather_sequence_kv(pages, page_table_rows):
     return g.transpose(0, 1, 3, 2, 4).reshape(t, p * ps, kvh, d)
 
 
-def paged_attention_reference(q, k_pages, v_pages, meta: PagedMetadata):
+def paged_attention_reference(q, k_pages, v_pages, meta: PagedMetadata, k_scale=None,
+                              v_scale=None):
     """Each token attends to its own sequence's cached keys up to its position (causal)."""
     rows = meta.page_table[meta.seq_ids]
     keys = gather_sequence_kv(k_pages, rows)
     values = gather_sequence_kv(v_pages, rows)
     key_pos = jnp.arange(keys.shape[1])
     mask = key_pos[None, :] <= meta.positions[:, None]
-    return _softmax_attend(q, keys, values, mask)
+    return _softmax_attend(q, keys, values, mask, k_scale, v_scale)
 
 
 def append_kv(k, v, kv_layer, meta: PagedMetadata, inv_freq):
     """RoPE on the new keys, then write k and v into their pages (the step's KV append)."""
     k = apply_rope(k, meta.positions, inv_freq)
-    return write_kv_pages(*kv_layer, k, v, meta.slot_mapping)
+    k_pages, v_pages, ks, vs = kv_parts(kv_layer)
+    return with_pages(kv_layer, *write_kv_pages(k_pages, v_pages, k, v, meta.slot_mapping,
+                                                 ks, vs))
 
 
 def append_kv_pallas(k, v, kv_layer, meta: PagedMetadata, inv_freq, interpret=False):
     """The same append as one Pallas kernel (pallas_kernels/rope_append.py)."""
     from pallas_kernels.rope_append import rope_append_impl
-    return rope_append_impl(k, v, *kv_layer, meta.positions, meta.slot_mapping, inv_freq,
-                            interpret=interpret)
+    k_pages, v_pages, ks, vs = kv_parts(kv_layer)
+    return with_pages(kv_layer, *rope_append_impl(
+        k, v, k_pages, v_pages, meta.positions, meta.slot_mapping, inv_freq,
+        k_scale=ks, v_scale=vs, interpret=interpret))
 
 
 def attend_reference(q, kv_layer, meta: PagedMetadata, inv_freq):
     """Pure-JAX attention over pages that already hold this step's keys (CPU path)."""
     q = apply_rope(q, meta.positions, inv_freq)
-    return paged_attention_reference(q, *kv_layer, meta)
+    k_pages, v_pages, ks, vs = kv_parts(kv_layer)
+    return paged_attention_reference(q, k_pages, v_pages, meta, ks, vs)
 
 
 def _decode_kernel(name: str):
@@ -203,7 +219,11 @@ def choose_decode_kernel(name: str, q, k_pages) -> str:
     """"auto": the Mosaic GPU swap-AB kernel on a Hopper or newer GPU when it takes the
     operands (16-bit, head dim % 64, page size % 8, group <= its column limit; on the H200
     it reads 98-102% of copy bandwidth on the full grid, 94% on half the SMs, where Triton
-    reads 61% and 34%), else Triton. Interpret mode (no GPU) gets Triton."""
+    reads 61% and 34%), else Triton. Interpret mode (no GPU) gets Triton. FP8 pages get
+    Triton, whatever the name: the swap-AB kernel reads them (widened to f16 in shared
+    memory) slower per byte than bf16 pages (bench/results/decode_kernel/)."""
+    if is_fp8(k_pages.dtype):
+        return "triton"
     if name != "auto":
         return name
     from pallas_kernels.decode_attention_swapab import unsupported
@@ -232,13 +252,15 @@ def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, share: float | Non
     each prefill token re-reads its whole context). With them (meta.prefill_blocks, made
     with the same block_q), the decode kernel serves the decode tokens and the
     chunked-prefill kernel the rest."""
-    kernel = choose_decode_kernel(decode_kernel, q, kv_layer[0])
+    k_pages, v_pages, ks, vs = kv_parts(kv_layer)
+    kernel = choose_decode_kernel(decode_kernel, q, k_pages)
     decode = _decode_kernel(kernel)
     if kernel == "triton":
         decode = functools.partial(decode, prefetch=decode_prefetch)
+    if ks is not None:  # FP8 pages (Triton only, see choose_decode_kernel)
+        decode = functools.partial(decode, k_scale=ks, v_scale=vs)
     num_programs = decode_programs(kernel, share, num_sms, ctas_per_sm)
     q = apply_rope(q, meta.positions, inv_freq)
-    k_pages, v_pages = kv_layer
     rows = meta.page_table[meta.seq_ids]
     if meta.prefill_blocks is None:
         return decode(q, k_pages, v_pages, rows, meta.positions + 1,
@@ -249,7 +271,7 @@ def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, share: float | Non
                  num_programs=num_programs, interpret=interpret)
     pre = prefill_attention_impl(q, k_pages, v_pages, meta.page_table, meta.positions,
                                  meta.prefill_blocks, meta.prefill_slot, block_q=block_q,
-                                 interpret=interpret)
+                                 k_scale=ks, v_scale=vs, interpret=interpret)
     return jnp.where(is_decode[:, None, None], dec, pre)
 
 

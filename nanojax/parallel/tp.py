@@ -194,8 +194,8 @@ class TensorParallelForward:
             jax.tree_util.tree_map(np.asarray, params), np), stack=np.stack)
         return jax.tree_util.tree_map(place_host, host, shardings)
 
-    def init_kv(self, num_pages: int, page_size: int):
-        local = jax.eval_shape(lambda: self.inner.init_kv(num_pages, page_size))
+    def init_kv(self, num_pages: int, page_size: int, dtype=None):
+        local = jax.eval_shape(lambda: self.inner.init_kv(num_pages, page_size, dtype))
 
         def zeros(x):
             shape = list(x.shape)
