@@ -24,20 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from bench_decode import copy_bandwidth  # noqa: E402  (one copy-bandwidth probe)
+
 H, KVH, D, PS = 32, 8, 128, 16
 FP8_MAX = 448.0
-
-
-def copy_bandwidth(gib: int) -> float:
-    x = jnp.ones((gib << 28,), jnp.float32)
-    f = jax.jit(lambda x: jax.lax.fori_loop(0, 10, lambda i, y: y * 1.0001 + 1.0, x))
-    f(x).block_until_ready()
-    ts = []
-    for _ in range(5):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        ts.append((time.perf_counter() - t) / 10)
-    return 2 * x.nbytes / float(np.median(ts))
 
 
 def pages(n, key, fp8: bool):

@@ -70,9 +70,7 @@ def side_regions(instrs: list[dict]) -> list[dict]:
     for i, x in enumerate(instrs):
         if not (x["opcode"].endswith("-start") and x["side"]):
             continue
-        done = next((j for j in range(i + 1, len(instrs))
-                     if instrs[j]["opcode"].endswith("-done")
-                     and instrs[j]["operand"] == x["name"]), None)
+        done = _done_of(instrs, i)
         if done is None:
             continue
         between = [y for y in instrs[i + 1:done] if y["opcode"] not in _NOP]
@@ -85,6 +83,13 @@ def side_regions(instrs: list[dict]) -> list[dict]:
     return regions
 
 
+def _done_of(instrs: list[dict], i: int) -> int | None:
+    """Position of the -done that closes the async start at position i (None: none)."""
+    return next((j for j in range(i + 1, len(instrs))
+                 if instrs[j]["opcode"].endswith("-done")
+                 and instrs[j]["operand"] == instrs[i]["name"]), None)
+
+
 def collective_pairs(instrs: list[dict]) -> list[dict]:
     """Every async collective's start/done pair (GPU HLO: all-reduce-start ... -done, or an
     async-start wrapping a collective), with the GEMMs scheduled between them and how many
@@ -95,9 +100,7 @@ def collective_pairs(instrs: list[dict]) -> list[dict]:
         wrapped = x["opcode"] == "async-start" and x.get("collective")
         if not (x["opcode"] in _COLLECTIVES or wrapped):
             continue
-        done = next((j for j in range(i + 1, len(instrs))
-                     if instrs[j]["opcode"].endswith("-done")
-                     and instrs[j]["operand"] == x["name"]), None)
+        done = _done_of(instrs, i)
         if done is None:
             continue
         gemms = [y for y in instrs[i + 1:done] if y["gemm"]]
