@@ -17,7 +17,6 @@ import argparse
 import json
 import platform
 import sys
-import time
 from pathlib import Path
 
 import jax
