@@ -12,6 +12,7 @@ import aiohttp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from server_checks import wait_until_healthy
 from hypothesis import strategies as st
 
 MODEL = "smollm2-135m"
@@ -331,16 +332,7 @@ def test_sigterm_exits_cleanly(tmp_path):
                              "--fixed-shapes"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 180
-        import urllib.request
-        while time.time() < deadline:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("server did not start")
+        wait_until_healthy(port, 180)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         assert "compiled 2 step shapes" in proc.stdout.read()  # token buckets 16 and 32

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from server_checks import wait_until_healthy
 from test_server import MODEL, ServerThread, _check_error, _post
 
 VOCAB = 49152  # the tokenizer's
@@ -308,7 +309,6 @@ def test_serve_exits_with_status_1_when_the_engine_dies():
     503, and the process exits with status 1 (a supervisor restarts it)."""
     import subprocess
     import sys
-    import urllib.request
 
     from test_server import _free_port
     port = _free_port()
@@ -322,15 +322,7 @@ def test_serve_exits_with_status_1_when_the_engine_dies():
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.3)
-        else:
-            pytest.fail("server did not start")
+        wait_until_healthy(port, 120)
         status, text = asyncio.run(_post(f"http://127.0.0.1:{port}/v1/completions",
                                          json.dumps({"prompt": [1, 2], "max_tokens": 2})))
         assert status == 503 and "device lost" in text
