@@ -69,8 +69,9 @@ def stage2(profile: Profile, sched: dict, time_limit: float = 60.0) -> dict:
               0, 0)
         m.row({share[o]: 1, **{z[o][r]: -r for r in levels}}, 0, 0)
         m.row({cmax: 1, start[o]: -1, dur[o]: -1}, 0)
-        if g in producer:  # data dependency within the nano-batch
-            p = (producer[g], o[1])
+    for o in ops:  # after all variables exist: a producer may be sorted after its consumer
+        if o[0] in producer:  # data dependency within the nano-batch
+            p = (producer[o[0]], o[1])
             m.row({start[o]: 1, start[p]: -1, dur[p]: -1}, 0)
     for res in {profile.resource[g] for g, _ in ops}:  # stage I's order on each resource
         seq = [o for o in ops if profile.resource[o[0]] == res]

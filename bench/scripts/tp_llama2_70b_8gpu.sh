@@ -5,5 +5,5 @@
 # from a measured profile with
 #   nanojax profile --model random:llama2-70b --tp 8 --out prof.json && \
 #   nanojax search --profile prof.json --tp 8 --out plan.json
-# Usage: OUT=dir PART=step|step1024|sharegpt|engine bash bench/scripts/tp_llama2_70b_8gpu.sh
+# Usage: OUT=dir PART="step engine" bash bench/scripts/tp_llama2_70b_8gpu.sh
 exec env MODEL=llama2-70b TP=8 bash "$(dirname "$0")/tp_llama3_70b.sh"

@@ -6,19 +6,22 @@
 # 40 GiB per GPU, the engine sizes its cache from what is left (0.9 of it).
 # TP=8 variant (the paper's configuration): bench/scripts/tp_llama2_70b_8gpu.sh.
 #
-# Usage: OUT=dir PART=step|step1024|sharegpt|engine|8b bash bench/scripts/tp_llama3_70b.sh
-# Each part is one call of under 10 minutes (LIMIT, default 560 s):
-#   step     : the step at B_dense 2048 on 512/512 in the three modes (non-overlap,
-#              nanobatch-only, overlap with the searched plan incl. network nano-ops);
-#              % of optimal from both GPUs' GEMM rates measured in the run; timeline PNG
-#              (collective time and the share of it under a GEMM: timeline
-#              summary 'collective_overlapped_by_gemm'); HLO schedule report (each
+# Usage: OUT=dir PART="step engine 8b" bash bench/scripts/tp_llama3_70b.sh
+# PART lists parts run in order inside one call; each gets what is left of LIMIT (default
+# 560 s, one device call) and a part that dies leaves the next to run:
+#   step     : the step at every B_DENSE (default 2048) on every WORKLOADS (default
+#              512/512,sharegpt) in the three modes (non-overlap, nanobatch-only, overlap
+#              with the searched plan incl. network nano-ops), in one process (weights made
+#              once); % of optimal from both GPUs' GEMM rates measured in the run; timeline
+#              PNG of the first B_dense and workload (collective time and the share of it
+#              under a GEMM: 'collective_overlapped_by_gemm'); HLO schedule report (each
 #              all-reduce start/done pair and the other nano-batch's GEMMs between)
-#   step1024 : the same at B_dense 1024 (no timeline)
-#   sharegpt : the same on the sharegpt trace at B_dense 2048
-#   engine   : the engine end to end, 256 requests of 512/512, non-overlap and overlap
+#   step1024 : the same at B_dense 1024 on 512/512 (no timeline)
+#   engine   : the engine end to end, NUM_PROMPTS (default 384) requests of 512/512,
+#              non-overlap and overlap
 #   8b       : LLaMA-3-8B shape at TP=2 against TP=1: step with the float32 reference
 #              (distance of each to float32) and engine throughput on the same requests
+#   topo     : nvidia-smi topology and the GPUs' clocks/power (how the GPUs are linked)
 # NUM_LAYERS=8: a first probe on the first 8 layers (compiles and inits 10x faster);
 # MODES=...: a subset of modes when a part would run past its call.
 set -u
@@ -36,44 +39,59 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # nano-batches' all-reduces into one (that would wait for every nano-batch's GEMM)
 export XLA_FLAGS="${TP_XLA_FLAGS:---xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_all_reduce_combine_threshold_bytes=0}"
 MODES=${MODES:-non-overlap,nanobatch-only,overlap}
+END=$((SECONDS + LIMIT))
+left() { echo $((END - SECONDS > 0 ? END - SECONDS : 1)); }
 step() {  # step NAME EXTRA_ARGS...
   local name=$1; shift
-  timeout "$LIMIT" python3 -m nanojax bench step --model "random:$MODEL" \
+  timeout "$(left)" python3 -m nanojax bench step --model "random:$MODEL" \
     --tensor-parallel-size "$TP" --plan "$PLAN" --modes "$MODES" --repeats 10 --quiet \
     ${NUM_LAYERS:+--num-layers "$NUM_LAYERS"} --json "$OUT/$name.json" "$@" 2>&1 \
     | grep -v "^[WI]1" | tail -n 12
 }
-case "$PART" in
+run_part() {
+case "$1" in
+  topo)
+    nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
+    nvidia-smi --query-gpu=index,name,power.limit,clocks.max.sm,pcie.link.gen.current \
+      --format=csv >> "$OUT/topo.txt" 2>&1
+    nvidia-smi nvlink --status >> "$OUT/topo.txt" 2>&1
+    head -n 12 "$OUT/topo.txt" ;;
   step)
-    step "step_${MODEL}_tp${TP}_2048" --b-dense 2048 --workloads 512/512 \
-      --timeline "$OUT/timeline_${MODEL}_tp${TP}_2048.png" --dump-hlo "$OUT/hlo"
+    step "step_${MODEL}_tp${TP}" --b-dense "${B_DENSE:-2048}" \
+      --workloads "${WORKLOADS:-512/512,sharegpt}" \
+      --timeline "$OUT/timeline_${MODEL}_tp${TP}.png" --dump-hlo "$OUT/hlo"
+    # the schedule report is in the JSON; the HLO text comes back only if it is small
     find "$OUT/hlo" -type f ! -name '*after_optimizations.txt' -delete 2>/dev/null
-    (cd "$OUT" && tar czf hlo_${MODEL}_tp${TP}.tar.gz hlo && rm -rf hlo) ;;
+    (cd "$OUT" && tar czf hlo_${MODEL}_tp${TP}.tar.gz hlo && rm -rf hlo
+     [ "$(stat -c %s hlo_${MODEL}_tp${TP}.tar.gz)" -lt 15000000 ] || rm hlo_${MODEL}_tp${TP}.tar.gz) ;;
   step1024)
     step "step_${MODEL}_tp${TP}_1024" --b-dense 1024 --workloads 512/512 ;;
-  sharegpt)
-    step "step_${MODEL}_tp${TP}_2048_sharegpt" --b-dense 2048 --workloads sharegpt ;;
   engine)
-    timeout "$LIMIT" python3 -m nanojax bench throughput --model "random:$MODEL" \
+    timeout "$(left)" python3 -m nanojax bench throughput --model "random:$MODEL" \
       --tensor-parallel-size "$TP" --plan "$PLAN" --modes non-overlap,overlap \
-      --num-prompts 256 --input-len 512 --output-len 512 --b-dense 2048 \
+      --num-prompts "${NUM_PROMPTS:-384}" --input-len 512 --output-len 512 --b-dense 2048 \
       --constant-batch --fixed-shapes --admission predicted --quiet \
       --json "$OUT/engine_${MODEL}_tp${TP}_512_512.json" 2>&1 | grep -v "^[WI]1" | tail -n 8 ;;
   8b)
     for tp in 1 2; do
       plan=llama3-8b-1gpu
       [ "$tp" = 2 ] && plan=bench/results/search_tp/plan_llama3-8b_tp2_h200_datasheet.json
-      timeout 270 python3 -m nanojax bench step --model random:llama3-8b \
+      timeout "$(left)" python3 -m nanojax bench step --model random:llama3-8b \
         --tensor-parallel-size $tp --plan $plan --b-dense 2048 --workloads 512/512 \
         --modes non-overlap,overlap --f32-reference --quiet \
         --json "$OUT/step_llama3-8b_tp${tp}_f32ref.json" 2>&1 | grep -v "^[WI]1" | tail -n 4
     done
     for tp in 1 2; do
-      timeout 250 python3 -m nanojax bench throughput --model random:llama3-8b \
+      timeout "$(left)" python3 -m nanojax bench throughput --model random:llama3-8b \
         --tensor-parallel-size $tp --num-prompts 256 --input-len 512 --output-len 512 \
         --b-dense 2048 --constant-batch --fixed-shapes --quiet \
         --json "$OUT/engine_llama3-8b_tp${tp}_512_512.json" 2>&1 | grep -v "^[WI]1" | tail -n 3
     done ;;
-  *) echo "unknown PART $PART" >&2; exit 2 ;;
+  *) echo "unknown PART $1" >&2; return 2 ;;
 esac
+}
+for part in $PART; do
+  echo "== $part ($(left) s left)"
+  run_part "$part"
+done
 ls -la "$OUT"

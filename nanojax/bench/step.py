@@ -106,11 +106,16 @@ def _variant(plan: dict, mode: str, kernels: KernelConfig):
 def f32_reference_outputs(bundle, plan: dict, batches: dict, num_pages: int,
                           page_size: int) -> dict:
     """workload -> (tokens, checked rows' logits) of the non-overlap step with weights,
-    activations, KV cache and matmuls in float32 (highest precision: no TF32)."""
+    activations, KV cache and matmuls in float32 (highest precision: no TF32), on one
+    device whatever the run's tensor parallelism."""
     from nanojax.pipeline.executor import PipelineForward
-    fwd = PipelineForward(bundle.config.replace(dtype="float32"), plan, "non-overlap")
+    from nanojax.pipeline.plan import single_device
+    fwd = PipelineForward(bundle.config.replace(dtype="float32"), single_device(plan),
+                          "non-overlap")
+    one = jax.devices()[0]
     params = fwd.prepare(jax.tree_util.tree_map(
-        lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+        lambda x: jax.device_put(x, one).astype(jnp.float32)
+        if jnp.issubdtype(x.dtype, jnp.floating) else jax.device_put(x, one),
         bundle.params))
     step = make_step(fwd)
     out = {}

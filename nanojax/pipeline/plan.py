@@ -148,6 +148,17 @@ def ablation(plan: dict, mode: str) -> dict:
     return plan
 
 
+def single_device(plan: dict) -> dict:
+    """The non-overlap plan of the same model and B_dense on one device (no network
+    nano-ops): the yardstick a tensor-parallel run's numerics are measured against."""
+    plan = ablation(plan, "non-overlap")
+    plan["tp"] = 1
+    plan["nano_batches"] = {g: r for g, r in plan["nano_batches"].items()
+                            if g not in NETWORK_GROUPS}
+    plan["nano_ops"] = [op for op in plan["nano_ops"] if op["op"] not in NETWORK_GROUPS]
+    return validate(plan)
+
+
 def resize(plan: dict, b_dense: int) -> dict:
     """The plan's splits scaled to another B_dense (cuts rounded to the plan's granularity
     where the batch allows), for sweeps over B_dense with one searched plan."""
