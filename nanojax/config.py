@@ -294,6 +294,7 @@ def named_shape(name: str, dtype: str | None = None) -> ModelConfig:
 
 
 DECODE_KERNELS = ("auto", "triton", "mosaic", "mosaic-rows")
+GROUPED_GEMMS = ("auto", "xla")
 
 
 def _opt(help: str, **kw) -> dict:
@@ -321,6 +322,9 @@ class KernelConfig:
         "query tokens per block of the chunked-prefill kernel"))
     fused_append: bool = dataclasses.field(default=False, metadata=_opt(
         "write the KV cache with the fused RoPE + append kernel"))
+    grouped_gemm: str = dataclasses.field(default="auto", metadata=_opt(
+        "MoE expert GEMMs: auto (the Mosaic GPU grouped GEMM on Hopper where it takes the "
+        "operands, else XLA's ragged_dot), xla (always ragged_dot)", choices=GROUPED_GEMMS))
     gemm_shares: bool = dataclasses.field(default=False, metadata=_opt(
         "plan GEMM nano-ops with a share below 1 run on that share of the SMs "
         "(Mosaic GPU matmul, Hopper)"))
@@ -333,6 +337,9 @@ class KernelConfig:
         if self.decode_kernel not in DECODE_KERNELS:
             raise ConfigError(f"unknown decode kernel {self.decode_kernel!r}; known: "
                               f"{', '.join(DECODE_KERNELS)}")
+        if self.grouped_gemm not in GROUPED_GEMMS:
+            raise ConfigError(f"unknown grouped GEMM {self.grouped_gemm!r}; known: "
+                              f"{', '.join(GROUPED_GEMMS)}")
         if self.prefill_block_q <= 0:
             raise ConfigError(f"prefill_block_q must be positive, got {self.prefill_block_q}")
 

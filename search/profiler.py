@@ -55,7 +55,7 @@ class LayerOps:
         self.max_pages = -(-max_model_len // page_size)
         forward = default_forward(cfg, kernels)
         self.attention = forward.attention
-        self.compiler_options = forward.compiler_options  # an MoE MLP's grouped GEMMs
+        self.compiler_options = forward.compiler_options  # XLA options the step compiles with
         self.inv_freq = LlamaForCausalLM(cfg).inv_freq
         self.dense = synthetic_batch(cfg, b_dense, self.lengths, page_size, num_pages,
                                      self.max_pages, tuple(range(granularity, b_dense,

@@ -76,13 +76,13 @@ def test_step_modes_parse_into_their_options():
     from nanojax.bench.step import parse_mode
     m = parse_mode("overlap:0.25:nogroups:gemm0.5:keepinputs")
     assert m == {"base": "overlap", "attention_share": 0.25, "gemm_share": 0.5,
-                 "scheduling_groups": False, "keep": "inputs", "ragged_fusion": True,
+                 "scheduling_groups": False, "keep": "inputs", "xla_grouped": False,
                  "shard_map": False}
     assert parse_mode("overlap:1.0:keepall")["keep"] == "values"
     assert parse_mode("non-overlap::shardmap")["shard_map"]
     assert parse_mode("non-overlap")["attention_share"] is None
-    assert parse_mode("non-overlap")["ragged_fusion"] is True
-    assert parse_mode("non-overlap::nofusion")["ragged_fusion"] is False
+    assert parse_mode("non-overlap")["xla_grouped"] is False
+    assert parse_mode("non-overlap::xlagrouped")["xla_grouped"] is True
     for bad in ("overlap:0", "overlap:0.5:foo", "overlap::gemm2", "sideways",
                 "overlap:1.0:keepinputs:keepall"):
         with pytest.raises(ValueError, match=bad):

@@ -1,11 +1,10 @@
-"""Which grouped GEMM does this jax give jax.lax.ragged_dot on this GPU? Times the MoE
-block's expert GEMM (Mixtral-8x7B gate projection: rows sorted by expert, 8 groups) as
-ragged_dot (XLA's default: a masked dense dot on NVIDIA GPUs), with XLA's cuDNN ragged-dot
-fusion (what nanojax compiles MoE steps with on a GPU), with jax's Pallas Triton lowering
-where this jax has it, against one dense
-GEMM of the same rows (the grouped GEMM's ideal) and the all-experts dense product (what a
-masked rewrite costs). Usage: python bench/scripts/moe_grouped_gemm_probe.py OUT.json
-[--small] (--small: toy shapes, a CPU smoke run of the script itself)
+"""The MoE expert GEMM on this GPU: XLA's ragged_dot (a masked dense dot on NVIDIA GPUs),
+the Mosaic GPU grouped GEMM (pallas_kernels/grouped_matmul_mgpu.py) at a few tilings, and
+one dense GEMM of the same rows (the grouped GEMM's ideal), at the Mixtral-8x7B gate/up
+and down shapes for B_dense 512-2048 at top-2, with balanced groups; plus the kernel's
+error against the f32 reference on uneven groups with empty ones.
+Usage: python bench/scripts/moe_grouped_gemm_probe.py OUT.json [--small]
+(--small: toy shapes, a smoke run of the script on a GPU)
 """
 import json
 import sys
@@ -15,48 +14,62 @@ import jax.numpy as jnp
 import numpy as np
 
 from nanojax.profiling.timing import device_seconds
-from nanojax.models.moe import RAGGED_DOT_FUSION
+from pallas_kernels.grouped_matmul_mgpu import (GroupedTiling, grouped_matmul_mgpu,
+                                                grouped_matmul_reference)
+
+TILINGS = {"128x128x64s4": GroupedTiling(),
+           "128x128x64s4n2": GroupedTiling(grid_block_n=2),
+           "128x128x64s5": GroupedTiling(max_concurrent_steps=5),
+           "64x128x64s6": GroupedTiling(block_m=64, max_concurrent_steps=6)}
+
+
+def _timed(f, *args) -> float | str:
+    try:
+        return device_seconds(f, *args)
+    except Exception as e:  # a tiling that does not fit (shared memory) or lower
+        return f"{type(e).__name__}: {str(e)[:200]}"
+
 
 def main(out: str, small: bool = False) -> None:
-    from jax._src import config as jax_config
-    triton_lowering = getattr(jax_config, "jax_ragged_dot_use_gpu_pallas_triton_lowering", None)
     E, H, F = (8, 256, 512) if small else (8, 4096, 14336)
-    rows = {}
     key = jax.random.PRNGKey(0)
-    w = jax.random.normal(key, (E, H, F), jnp.bfloat16)
-    for b_dense in (512, 1024, 2048):
-        m = b_dense * 2  # top-2: every token is two rows
-        x = jax.random.normal(key, (m, H), jnp.bfloat16)
-        sizes = jnp.asarray(np.diff(np.linspace(0, m, E + 1).astype(int)), jnp.int32)
-        flops = 2 * m * H * F
-        r = {"rows": m, "active_tflop": flops / 1e12}
-        r["ragged_dot_s"] = device_seconds(jax.jit(jax.lax.ragged_dot), x, w, sizes)
-        # as nanojax compiles MoE steps on a GPU (models/moe.py): cuDNN's grouped GEMM
-        r["ragged_dot_cudnn_fusion_s"] = device_seconds(
-            jax.jit(jax.lax.ragged_dot), x, w, sizes,
-            compiler_options={RAGGED_DOT_FUSION: True})
-        try:
-            if triton_lowering is None:
-                raise NotImplementedError("no jax_ragged_dot_use_gpu_pallas_triton_lowering")
-            with triton_lowering(True):
-                r["ragged_dot_pallas_triton_s"] = device_seconds(
-                    jax.jit(jax.lax.ragged_dot), x, w, sizes)
-        except Exception as e:  # this jax has no such lowering
-            r["ragged_dot_pallas_triton_s"] = f"{type(e).__name__}: {str(e)[:200]}"
-        r["dense_same_rows_s"] = device_seconds(jnp.dot, x, w[0])
-        r["all_experts_dense_s"] = device_seconds(
-            jax.jit(lambda x, w: jnp.einsum("mh,ehf->mf", x, w)), x, w)
-        for k in list(r):
-            if k.endswith("_s") and isinstance(r[k], float):
-                r[k[:-2] + "_tflops"] = flops / r[k] / 1e12
-        rows[b_dense] = r
-        print(b_dense, json.dumps(r), flush=True)
-    text = jax.jit(jax.lax.ragged_dot).lower(x, w, sizes).compile().as_text()
-    verdict = {"hlo_has_custom_call": "custom-call" in text,
-               "hlo_ops": sorted({ln.split("=")[1].split("(")[0].strip().split(" ")[-1]
-                                  for ln in text.splitlines() if " = " in ln})[:60]}
+    rows = {}
+    for name, (k, n) in {"gate_up": (H, F), "down": (F, H)}.items():
+        w = (jax.random.normal(key, (E, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
+        for b_dense in (512, 1024, 2048):
+            m = b_dense * 2  # top-2: every token is two rows
+            x = jax.random.normal(key, (m, k), jnp.bfloat16)
+            sizes = jnp.full((E,), m // E, jnp.int32)
+            flops = 2 * m * k * n
+            r = {"rows": m, "k": k, "n": n, "tflop": flops / 1e12,
+                 "xla_ragged_dot_s": _timed(jax.jit(jax.lax.ragged_dot), x, w, sizes),
+                 "dense_same_rows_s": _timed(jax.jit(jnp.dot), x, w[0])}
+            for t_name, tiling in TILINGS.items():
+                r[f"mosaic_{t_name}_s"] = _timed(
+                    jax.jit(lambda a, b, s, t=tiling: grouped_matmul_mgpu(a, b, s, tiling=t)),
+                    x, w, sizes)
+            for key_ in list(r):
+                if key_.endswith("_s") and isinstance(r[key_], float):
+                    r[key_[:-2] + "_tflops"] = flops / r[key_] / 1e12
+            rows[f"{name}_{b_dense}"] = r
+            print(name, b_dense, json.dumps({a: (round(b, 1) if isinstance(b, float) else b)
+                                             for a, b in r.items() if a.endswith("tflops")}),
+                  flush=True)
+    # correctness on uneven groups, some empty, against the f32 reference
+    m, k, n = (512, 256, 512) if small else (4096, 4096, 2048)
+    sizes = np.array([0, 1000, 24, 0, 129, 2500, 0, 443]) * m // 4096
+    sizes[-1] += m - sizes.sum()
+    x = jax.random.normal(key, (m, k), jnp.bfloat16)
+    w = (jax.random.normal(key, (E, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
+    g = jnp.asarray(sizes, jnp.int32)
+    got = np.asarray(grouped_matmul_mgpu(x, w, g), np.float64)
+    ref = np.asarray(grouped_matmul_reference(x, w, g), np.float64)
+    check = {"group_sizes": sizes.tolist(), "finite": bool(np.isfinite(got).all()),
+             "rel_error": float(np.linalg.norm(got - ref) / np.linalg.norm(ref))}
+    print("check", json.dumps(check), flush=True)
     json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind,
-               "results": rows, "compiled": verdict}, open(out, "w"), indent=1)
+               "command": " ".join(sys.argv), "results": rows, "check": check},
+              open(out, "w"), indent=1)
 
 
 if __name__ == "__main__":

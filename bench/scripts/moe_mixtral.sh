@@ -1,12 +1,9 @@
 #!/bin/bash
 # Mixtral-8x7B shape (random bf16 weights, ~93 GB; 12.9B active of 46.7B parameters) on
 # one H200. Each PART fits one 10-minute GPU call:
-#   PART=probe   which grouped GEMM ragged_dot gets here (bench/scripts/
-#                moe_grouped_gemm_probe.py), by default and with XLA's cuDNN ragged-dot
-#                fusion (xla_gpu_experimental_use_ragged_dot_fusion): XLA's GPU
-#                compiler otherwise rewrites ragged-dot into a masked dense dot over all
-#                experts (RaggedDotRewriter), E/k = 4x the active expert FLOPs for
-#                Mixtral; that shows as ragged_dot_s near all_experts_dense_s. ~1-2 min.
+#   PART=probe   the expert GEMM: XLA's ragged_dot against the Mosaic GPU grouped GEMM
+#                (a few tilings) and a dense GEMM of the same rows, and the kernel's error
+#                on uneven groups (bench/scripts/moe_grouped_gemm_probe.py). ~1-2 min.
 #   PART=step    one dense iteration (B_dense 2048, workloads 512/512 and splitwise) in
 #                the three modes with the hand-written plan nanojax/plans/mixtral-8x7b-1gpu
 #                (the 8B plan on the Mixtral signature); % of optimal uses active
@@ -18,8 +15,9 @@
 #                transformers' generate_batch on a MixtralForCausalLM of the same shape
 #                (built in bf16 on the GPU, run first in its own process), one run.
 #                Peer capped at PEER_LIMIT s (default 240); ~8-9 min in all.
-# MoE steps compile with XLA's cuDNN ragged-dot fusion on the GPU (models/moe.py); the step
-# PART also runs non-overlap without it (mode non-overlap::nofusion) for the A/B.
+# MoE steps run the expert GEMMs through the Mosaic GPU grouped GEMM on Hopper
+# (models/moe.py); the step PART also runs non-overlap with XLA's ragged_dot (mode
+# non-overlap::xlagrouped) for the A/B. MODES overrides the step's modes.
 # Usage: OUT=dir PART=probe|step|engine [KERNEL=triton] bash bench/scripts/moe_mixtral.sh
 set -u
 OUT=${OUT:?set OUT}
@@ -34,7 +32,7 @@ probe)
 step)
   timeout "${LIMIT1:-560}" python3 -m nanojax bench step --model random:mixtral-8x7b \
     --plan mixtral-8x7b-1gpu --b-dense "${BDENSE:-2048}" \
-    --workloads "${WORKLOADS:-512/512,splitwise}" --modes non-overlap,nanobatch-only,overlap,non-overlap::nofusion \
+    --workloads "${WORKLOADS:-512/512,splitwise}" --modes "${MODES:-non-overlap,non-overlap::xlagrouped,nanobatch-only,overlap}" \
     --repeats 5 --quiet --json "$OUT/step_mixtral-8x7b_1xh200.json" 2>&1 | quiet 16
   ;;
 engine)

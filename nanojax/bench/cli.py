@@ -163,7 +163,7 @@ def cmd_step(args) -> int:
     except ValueError as e:
         raise NanojaxError(f"bad --b-dense or --modes ({e}): B_dense values are integers; a "
                            f"mode is one of {MODES}, optionally ':SHARE' in (0, 1], "
-                           "':nogroups', ':keepinputs' or ':keepall', ':gemmSHARE' and ':nofusion'"
+                           "':nogroups', ':keepinputs' or ':keepall', ':gemmSHARE' and ':xlagrouped'"
                            ) from None
     if any(b <= 0 for b in b_dense):
         raise NanojaxError(f"B_dense must be positive, got {args.b_dense}")

@@ -50,8 +50,8 @@ def time_step(step, params, kv, batch: SyntheticBatch, repeats: int = 10):
 
 def parse_mode(mode: str) -> dict:
     """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs|keepall][:gemmSHARE]
-    [:nofusion] ('nofusion': an MoE step without XLA's cuDNN ragged-dot fusion, i.e. with
-    the masked dense expert GEMMs, for the A/B of models/moe.py):
+    [:xlagrouped] ('xlagrouped': an MoE step's expert GEMMs through XLA's ragged_dot instead
+    of the Mosaic GPU grouped GEMM, the A/B of models/moe.py):
     'overlap:0.25' runs the plan with every attention nano-op at share 0.25; 'nogroups'
     turns off the executor's XLA scheduling groups (the ablation that shows what they do);
     'shardmap' runs the step through the tensor-parallel shard_map path even at TP 1
@@ -63,7 +63,7 @@ def parse_mode(mode: str) -> dict:
     from nanojax.pipeline.plan import MODES
     base, *opts = mode.split(":")
     out = {"base": base, "attention_share": None, "gemm_share": None,
-           "scheduling_groups": True, "keep": "", "ragged_fusion": True, "shard_map": False}
+           "scheduling_groups": True, "keep": "", "xla_grouped": False, "shard_map": False}
     try:
         if opts and opts[0]:
             out["attention_share"] = float(opts[0])
@@ -74,8 +74,8 @@ def parse_mode(mode: str) -> dict:
                 out["keep"] = "inputs" if o == "keepinputs" else "values"
             elif o.startswith("gemm"):
                 out["gemm_share"] = float(o[4:])
-            elif o == "nofusion":
-                out["ragged_fusion"] = False
+            elif o == "xlagrouped":
+                out["xla_grouped"] = True
             elif o == "shardmap":  # the tensor-parallel path even at TP 1 (the A/B)
                 out["shard_map"] = True
             else:
@@ -98,9 +98,10 @@ def _variant(plan: dict, mode: str, kernels: KernelConfig):
             op["share"] = share
     if m["gemm_share"] is not None:
         kernels = kernels.replace(gemm_shares=True)
+    if m["xla_grouped"]:
+        kernels = kernels.replace(grouped_gemm="xla")
     return plan, m["base"], dict(scheduling_groups=m["scheduling_groups"], keep=m["keep"],
-                                 kernels=kernels, ragged_fusion=m["ragged_fusion"],
-                                 shard_map=m["shard_map"])
+                                 kernels=kernels, shard_map=m["shard_map"])
 
 
 def f32_reference_outputs(bundle, plan: dict, batches: dict, num_pages: int,
@@ -270,10 +271,8 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
         outputs = {}  # workload -> mode -> (tokens, checked logits)
         for mode in modes:
             p, base, options = _variant(sized, mode, kernels)
-            fusion, shard = options.pop("ragged_fusion"), options.pop("shard_map")
+            shard = options.pop("shard_map")
             fwd = PipelineForward(cfg, p, base, tp=tp, **options)
-            if not fusion:  # the ':nofusion' ablation of an MoE model's grouped GEMMs
-                fwd.compiler_options = {}
             kind = tp > 1 or shard
             if kind:  # the tensor-parallel path (':shardmap' takes it at TP 1)
                 fwd = TensorParallelForward(fwd, tp)

@@ -18,7 +18,6 @@ from nanojax.engine.kv_cache import init_kv_pages
 from nanojax.layers.attention import AttentionBackend, paged_attention, pallas_backend
 from nanojax.layers.kv_fp8 import init_kv_layer
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
-from nanojax.models.moe import compiler_options as moe_compiler_options
 
 
 class Forward(Protocol):
@@ -55,10 +54,12 @@ class UnrolledForward:
         self.attention = attention
         self.tp_axis = tp_axis
         self.model = LlamaForCausalLM(cfg, tp_axis=tp_axis)
-        self.compiler_options = moe_compiler_options(cfg, jax.default_backend())
+        self.compiler_options = {}
+        self.grouped_gemm = "auto"  # an MoE FFN's expert GEMMs (KernelConfig.grouped_gemm)
 
     def layer(self, matmul=None) -> DecoderLayer:
-        return DecoderLayer(self.cfg, matmul=matmul, reduce=self.model.reduce)
+        return DecoderLayer(self.cfg, matmul=matmul, reduce=self.model.reduce,
+                            grouped_gemm=self.grouped_gemm)
 
     def layout(self, params, stack=jnp.stack):
         """The parameter tree restructured as prepare() places it."""
@@ -113,6 +114,7 @@ class ScanForward(UnrolledForward):
 def default_forward(cfg: ModelConfig, kernels: KernelConfig = KernelConfig()) -> Forward:
     """GPU: straight-line layers with the Pallas kernels the KernelConfig names; CPU:
     scan, pure JAX."""
-    if jax.default_backend() == "gpu":
-        return UnrolledForward(cfg, attention=pallas_backend(kernels))
-    return ScanForward(cfg)
+    fwd = (UnrolledForward(cfg, attention=pallas_backend(kernels))
+           if jax.default_backend() == "gpu" else ScanForward(cfg))
+    fwd.grouped_gemm = kernels.grouped_gemm
+    return fwd

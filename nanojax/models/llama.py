@@ -32,6 +32,7 @@ class DecoderLayer(nn.Module):
     # tensor parallelism: sums the row-parallel o/down partial outputs over the shards
     # (one collective per block); None: one device, nothing to sum
     reduce: Callable | None = None
+    grouped_gemm: str = "auto"  # an MoE FFN's expert GEMMs (KernelConfig.grouped_gemm)
 
     def setup(self):
         c, dt, mm = self.cfg, _dtype(self.cfg), self.matmul
@@ -42,7 +43,7 @@ class DecoderLayer(nn.Module):
         self.o_proj = Linear(c.hidden_size, dt, matmul=mm)
         self.post_attention_norm = RMSNorm(c.rms_norm_eps, dt)
         if c.is_moe:  # Mixtral / Qwen2-MoE: a routed mixture of experts is the FFN
-            self.moe = MoEBlock(c, mm)
+            self.moe = MoEBlock(c, mm, self.grouped_gemm)
         else:
             self.gate_proj = Linear(c.intermediate_size, dt, matmul=mm)
             self.up_proj = Linear(c.intermediate_size, dt, matmul=mm)

@@ -3,7 +3,7 @@
     router:  softmax(h @ W_router) in f32 -> top-k experts per token; Mixtral renormalises
              the k weights (norm_topk_prob), Qwen2-MoE keeps the softmax probabilities
     experts: the T*k (token, expert) pairs sorted by expert, then each SwiGLU GEMM as one
-             grouped GEMM over the sorted rows (jax.lax.ragged_dot: group e multiplies
+             grouped GEMM over the sorted rows (expert_matmul: group e multiplies
              expert e's weights), then each token sums its k rows times their weights
     shared:  Qwen2-MoE's always-on expert, scaled by sigmoid(h @ w_gate)
 
@@ -13,11 +13,12 @@ dense FFN's gate/up/down (TP_SHARDED_AXIS); the router and the shared expert's g
 replicated. Each rank then holds every expert's slice, so routing needs no all-to-all and
 the down projection's partial sums meet in the layer's one all-reduce.
 
-Where ragged_dot runs: jax lowers it on the CPU as masked dense dots over all experts, and
-XLA's GPU compiler rewrites it the same way (RaggedDotRewriter) unless its cuDNN ragged-dot
-fusion is on: the masked form costs E/k times the active expert FLOPs. So the forwards
-compile MoE steps with that fusion on a GPU (compiler_options below; not yet measured:
-bench/scripts/moe_grouped_gemm_probe.py measures both forms on a GPU).
+Where the grouped GEMM runs: on a Hopper GPU, the Mosaic GPU grouped GEMM
+(pallas_kernels/grouped_matmul_mgpu.py) where it takes the operands; elsewhere
+jax.lax.ragged_dot, which jax lowers on the CPU, and XLA on NVIDIA GPUs (RaggedDotRewriter),
+as masked dense dots over all experts: on the H200 that ran at ~95 TFLOP/s against ~710 for
+one dense GEMM of the same rows, and XLA's cuDNN ragged-dot fusion changed nothing
+(bench/results/moe/). KernelConfig.grouped_gemm = "xla" keeps ragged_dot (the A/B).
 """
 from __future__ import annotations
 
@@ -49,14 +50,15 @@ def tp_slice(block_params: dict, rank: int, tp: int) -> dict:
     return jax.tree_util.tree_map_with_path(cut, block_params)
 
 
-RAGGED_DOT_FUSION = "xla_gpu_experimental_use_ragged_dot_fusion"
-
-
-def compiler_options(cfg: ModelConfig, backend: str) -> dict:
-    """XLA options a step of this model compiles with: on a GPU, an MoE model asks for
-    cuDNN's grouped GEMM for ragged_dot (where cuDNN cannot take one, XLA still rewrites
-    it into the masked dense dot)."""
-    return {RAGGED_DOT_FUSION: True} if cfg.is_moe and backend == "gpu" else {}
+def expert_matmul(x, w, group_sizes, kernel: str = "auto"):
+    """Rows of group e times w[e] (x sorted by expert): the Mosaic GPU grouped GEMM on
+    Hopper where it takes the operands ("auto"), else XLA's ragged_dot."""
+    if kernel == "auto":
+        from pallas_kernels.grouped_matmul_mgpu import grouped_matmul_mgpu, unsupported
+        from pallas_kernels.mosaic_gpu_support import on_hopper
+        if on_hopper() and unsupported(x, w) is None:
+            return grouped_matmul_mgpu(x, w, group_sizes)
+    return jax.lax.ragged_dot(x, w, group_sizes)
 
 
 def route(logits, k: int, renormalise: bool):
@@ -77,17 +79,18 @@ def sort_by_expert(experts, num_experts: int):
     return order, sizes
 
 
-def grouped_swiglu(x_sorted, gate, up, down, group_sizes):
+def grouped_swiglu(x_sorted, gate, up, down, group_sizes, kernel: str = "auto"):
     """SwiGLU of rows grouped by expert: rows of group e use expert e's weights."""
-    g = jax.lax.ragged_dot(x_sorted, gate, group_sizes)
-    u = jax.lax.ragged_dot(x_sorted, up, group_sizes)
-    return jax.lax.ragged_dot((nn.silu(g) * u).astype(x_sorted.dtype), down, group_sizes)
+    g = expert_matmul(x_sorted, gate, group_sizes, kernel)
+    u = expert_matmul(x_sorted, up, group_sizes, kernel)
+    return expert_matmul((nn.silu(g) * u).astype(x_sorted.dtype), down, group_sizes, kernel)
 
 
 class MoEBlock(nn.Module):
     """h [T, hidden] (after the post-attention norm) -> FFN output [T, hidden]."""
     cfg: ModelConfig
     matmul: Callable | None = None  # the router's and shared expert's GEMMs (None: dot)
+    grouped_gemm: str = "auto"  # the expert GEMMs (expert_matmul)
 
     @nn.compact
     def __call__(self, h):
@@ -102,7 +105,7 @@ class MoEBlock(nn.Module):
         weights, experts = route(Linear(e, dt, matmul=self.matmul, name="router")(h), k,
                                  c.norm_topk_prob)
         order, sizes = sort_by_expert(experts, e)
-        rows = grouped_swiglu(h[order // k], gate, up, down, sizes)   # [T*k, hidden]
+        rows = grouped_swiglu(h[order // k], gate, up, down, sizes, self.grouped_gemm)   # [T*k, hidden]
         # back to (token, slot) order: each token's k rows, weighted, summed in f32
         unsort = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
         rows = rows[unsort].reshape(t, k, d).astype(jnp.float32)

@@ -130,6 +130,7 @@ class PipelineForward(UnrolledForward):
         if attention is None:
             attention = default_forward(cfg, kernels).attention
         super().__init__(cfg, attention)
+        self.grouped_gemm = kernels.grouped_gemm
         self.num_sms, self.ctas_per_sm = num_sms, ctas_per_sm
         # a diagnostic for cross-stream buffer reuse: each side-stream region also returns
         # its inputs ("inputs") or every value it computes ("values"), so they stay alive

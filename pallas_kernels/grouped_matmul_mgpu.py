@@ -1,0 +1,66 @@
+"""Grouped GEMM for mixture-of-experts layers (rows sorted by expert), Mosaic GPU (Hopper).
+
+x [M, K] rows sorted by group, w [G, K, N], group_sizes [G] (summing to M) -> [M, N]:
+the rows of group g times w[g]. This is jax.lax.ragged_dot's contract.
+
+Why: XLA lowers ragged_dot on NVIDIA GPUs as a masked dense product over every group (its
+RaggedDotRewriter); on the H200 with jax 0.11.2 the Mixtral-8x7B expert GEMM ran at ~95
+TFLOP/s against ~710 for one dense GEMM of the same rows, with or without XLA's cuDNN
+ragged-dot fusion (bench/results/moe/moe_grouped_gemm_probe_h200.json), so an MoE step
+spent most of its time there. The kernel body is jax's own Hopper ragged dot
+(`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`): a persistent grid walks (row block,
+column block) tiles, each row block belongs to one group (a block that straddles two
+groups is visited once for each, storing only its own rows), a TMA pipeline over K feeds
+WGMMA. This module checks the shapes it tiles, picks the tiling measured on the H200 and
+keeps the pure-JAX reference beside it. jax's kernel has no interpret mode, so the CPU
+tests check the CUDA lowering (jax.export) and the reference; the GPU test compares the
+two (tests/test_grouped_matmul_mgpu.py).
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class GroupedTiling(NamedTuple):
+    """Output tile block_m x block_n (one warpgroup's WGMMA accumulator), K steps of
+    block_k, max_concurrent_steps in flight, grid_block_n column blocks walked together
+    (an L2 swizzle of the tile order). 128 x 128 x 64 x 4 stages: 160 KB of shared memory."""
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    max_concurrent_steps: int = 4
+    grid_block_n: int = 1
+
+
+def unsupported(x, w, tiling: GroupedTiling = GroupedTiling()) -> str | None:
+    """Why the kernel cannot take these operands (None when it can)."""
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
+        return f"needs [M, K] x [G, K, N], got {x.shape} x {w.shape}"
+    if x.dtype != w.dtype or jnp.dtype(x.dtype).itemsize != 2:
+        return f"needs two 16-bit operands of one dtype, got {x.dtype} and {w.dtype}"
+    (m, k), n = x.shape, w.shape[2]
+    for name, size, tile in (("M", m, tiling.block_m), ("K", k, tiling.block_k),
+                             ("N", n, tiling.block_n * tiling.grid_block_n)):
+        if size % tile:
+            return f"{name} = {size} is not a multiple of {tile}"
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("tiling",))
+def grouped_matmul_mgpu(x, w, group_sizes, *, tiling: GroupedTiling = GroupedTiling()):
+    """Rows of group g of x times w[g] (f32 accumulation, x's dtype out)."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    if (why := unsupported(x, w, tiling)) is not None:
+        raise ValueError(why)
+    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes.astype(jnp.int32),
+                                      **tiling._asdict())
+
+
+def grouped_matmul_reference(x, w, group_sizes):
+    """The same product in f32, group by group (XLA's ragged_dot)."""
+    return jax.lax.ragged_dot(x.astype(jnp.float32), w.astype(jnp.float32),
+                              group_sizes.astype(jnp.int32))
