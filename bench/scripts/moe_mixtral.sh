@@ -22,8 +22,9 @@
 set -u
 OUT=${OUT:?set OUT}
 mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1  # decode kernel: --decode-kernel (default auto)
-quiet() { grep -v "^[WI]1" | tail -n "$1"; }
+# 93 GB of weights: XLA may take 0.95 of the GPU's memory (its default 0.75 leaves ~12 GB)
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95}
+quiet() { tee -a "$OUT/moe_${PART}.log" | grep -v "^[WI]1" | tail -n "$1"; }  # full log kept
 case "${PART:?set PART to probe, step or engine}" in
 probe)
   timeout "${LIMIT1:-400}" python3 bench/scripts/moe_grouped_gemm_probe.py \
@@ -31,7 +32,7 @@ probe)
   ;;
 step)
   timeout "${LIMIT1:-560}" python3 -m nanojax bench step --model random:mixtral-8x7b \
-    --plan mixtral-8x7b-1gpu --b-dense "${BDENSE:-2048}" \
+    --plan mixtral-8x7b-1gpu --b-dense "${BDENSE:-2048}" --num-pages "${PAGES:-8192}" \
     --workloads "${WORKLOADS:-512/512,splitwise}" --modes "${MODES:-non-overlap,non-overlap::xlagrouped,nanobatch-only,overlap}" \
     --repeats 5 --quiet --json "$OUT/step_mixtral-8x7b_1xh200.json" 2>&1 | quiet 16
   ;;
