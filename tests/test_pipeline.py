@@ -229,3 +229,12 @@ def test_the_modes_compute_the_same_function_on_the_gpu(tmp_path):
            or r["logits_max_diff_over_std_vs_f32"] > 1.25 * base[r["b_dense"], r["workload"]]
            or r["logits_max_diff_over_std"] > base[r["b_dense"], r["workload"]]]
     assert not bad, bad
+
+
+def test_side_stream_attention_takes_triton_unless_a_kernel_is_named():
+    from nanojax.config import KernelConfig
+    from nanojax.pipeline.executor import side_stream_kernels
+    auto = KernelConfig()
+    assert side_stream_kernels(auto) == auto.replace(decode_kernel="triton")
+    named = KernelConfig(decode_kernel="mosaic", prefill_kernel=True)
+    assert side_stream_kernels(named) == named

@@ -110,6 +110,12 @@ KEEP = ("", "inputs", "values")  # PipelineForward's keep diagnostic
 KEEP_BYTES = 256 << 20  # keep="values" leaves out larger values (a layer's KV pages)
 
 
+def side_stream_kernels(kernels: KernelConfig) -> KernelConfig:
+    """The kernels of attention nano-ops on a side stream: "auto" means Triton there (the
+    Mosaic GPU kernels' compile inside async computations, see PipelineForward)."""
+    return kernels.replace(decode_kernel="triton") if kernels.decode_kernel == "auto" else kernels
+
+
 class PipelineForward(UnrolledForward):
     """The Forward interface (see engine/forward.py) driven by a plan."""
 
@@ -127,8 +133,17 @@ class PipelineForward(UnrolledForward):
         _check_order(self.plan)
         self.mode = mode
         self.kernels = kernels
+        # attention nano-ops on a side stream: with the default kernel choice, Triton's.
+        # On jax 0.11.2 a 32-layer overlap step whose side streams held the Mosaic GPU
+        # swap-AB kernel had not finished compiling after 4-7 minutes (XLA instantiating
+        # Mosaic custom calls inside async computations one by one), where the same step
+        # with Triton compiled in 58 s (bench/results/README.md §19)
+        self.side_attention = attention
         if attention is None:
             attention = default_forward(cfg, kernels).attention
+            self.side_attention = attention
+            if side_stream_kernels(kernels) != kernels:
+                self.side_attention = default_forward(cfg, side_stream_kernels(kernels)).attention
         super().__init__(cfg, attention)
         self.grouped_gemm = kernels.grouped_gemm
         self.num_sms, self.ctas_per_sm = num_sms, ctas_per_sm
@@ -213,10 +228,12 @@ class PipelineForward(UnrolledForward):
         elif g == "attention":
             q, kk, vv = _gather(out["qkv"], ranges["qkv"], a, b)
             m = slice_metadata(meta, a, b)
-            attend = self.attention.attend_at(share, self.num_sms, self.ctas_per_sm)
+            backend = (self.side_attention if stream != 0 and self.kernels.streams
+                       else self.attention)
+            attend = backend.attend_at(share, self.num_sms, self.ctas_per_sm)
 
             def f(q, kk, vv, kvl, m):
-                kvl = self.attention.append(kk, vv, kvl, m, inv_freq)
+                kvl = backend.append(kk, vv, kvl, m, inv_freq)
                 return attend(q, kvl, m, inv_freq), kvl
             o, kv_layer = placed(f, stream, q, kk, vv, kv_layer, m, keep=(0, 1, 2, 4))
             out[g][k], kv_layer = jax.lax.optimization_barrier((o, kv_layer))
