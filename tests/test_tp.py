@@ -56,6 +56,9 @@ def test_tp_tokens_equal_tp1(tiny):
     g = tiny["greedy"]
     assert g["1"] == g["2"] == g["4"]
     assert tiny["sampled"]["1"] == tiny["sampled"]["2"] == tiny["sampled"]["4"]
+    # penalties and logit_bias on the vocab-sharded logits: the same tokens, and they bite
+    pen = tiny["penalized"]
+    assert pen["1"] == pen["2"] == pen["4"] and pen["1"] != g["1"]
     lp = tiny["top_logprobs"]
     for tp in ("2", "4"):
         assert lp[tp][0] == pytest.approx(lp["1"][0], abs=1e-5)
@@ -92,6 +95,7 @@ def test_two_processes_equal_one(tiny):
         assert p.returncode == 0 and lines, err[-3000:]
         outs.append(json.loads(lines[-1][len("RESULT "):]))
     assert outs[0]["tokens"] == tiny["greedy"]["1"]
+    assert outs[0]["penalized"] == tiny["penalized"]["1"]
     assert outs[1]["followed_steps"] == outs[0]["steps"] > 0
 
 

@@ -16,6 +16,14 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 PROMPTS = [[1, 5, 9, 33, 7], [100, 200, 300], list(range(40, 60))]  # one 32-token prefill
 
 
+def _penalized():
+    """Greedy with every logit-processing input (applied to the vocab-sharded logits)."""
+    from nanojax.engine.sampling import SamplingParams
+    return SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.3,
+                          frequency_penalty=0.4, presence_penalty=0.3,
+                          logit_bias={3: 0.05, 300: -0.05, 511: 0.08})
+
+
 def _tokens(llm_or_engine, prompts, params):
     from nanojax.engine.llm import LLM
     if isinstance(llm_or_engine, LLM):
@@ -61,6 +69,7 @@ def case_tiny():
         out["greedy"][tp] = toks
         out["top_logprobs"][tp] = [[t[1] for t in lps[0][0]["top"]]]
         out["sampled"][tp] = _tokens(llm, PROMPTS, sampled)[0]
+        out.setdefault("penalized", {})[tp] = _tokens(llm, PROMPTS, _penalized())[0]
         if tp > 1:
             out["bytes"][tp] = _sharded_bytes(llm.engine.runner.params, tp)
             out["bytes"][f"{tp}_kv"] = _sharded_bytes(llm.engine.runner.kv, tp)
@@ -154,8 +163,9 @@ def case_mp():
     if not is_leader():
         return {"followed_steps": eng.runner.follow()}
     toks = _tokens(eng, PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))[0]
+    penalized = _tokens(eng, PROMPTS, _penalized())[0]  # steps with more inputs
     eng.runner.stop_followers()
-    return {"tokens": toks, "steps": eng.stats.steps}
+    return {"tokens": toks, "penalized": penalized, "steps": eng.stats.steps}
 
 
 if __name__ == "__main__":

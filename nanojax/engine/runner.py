@@ -18,7 +18,7 @@ import numpy as np
 
 from nanojax.config import ModelConfig
 from nanojax.engine.forward import Forward, default_forward
-from nanojax.engine.sampling import penalty_inputs, sample, with_pending
+from nanojax.engine.sampling import Penalties, penalty_inputs, sample, with_pending
 from nanojax.engine.scheduler import ScheduledBatch
 from nanojax.layers.attention import PagedMetadata, prefill_metadata
 
@@ -154,9 +154,12 @@ class ModelRunner:
     def follow(self) -> int:
         """Processes other than 0: run process 0's steps until it stops; returns how many."""
         empty = types.SimpleNamespace(entries=[], num_decodes=0, num_tokens=0)
-        treedef = jax.tree_util.tree_structure(self._host_inputs(empty, 16, 4, 4))
+        plain = self._host_inputs(empty, 16, 4, 4)  # no row processes its logits
+        with_penalties = plain[:-1] + (Penalties(*[np.zeros(1)] * len(Penalties._fields)),)
+        treedefs = {len(jax.tree_util.tree_leaves(t)): jax.tree_util.tree_structure(t)
+                    for t in (plain, with_penalties)}
         n = 0
-        while (inputs := self.broadcast.receive(treedef)) is not None:
+        while (inputs := self.broadcast.receive(treedefs)) is not None:
             self._run(inputs)
             n += 1
         return n

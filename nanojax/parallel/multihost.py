@@ -101,12 +101,16 @@ class StepBroadcast:
         header[0] = 1
         self._exchange(header, [])
 
-    def receive(self, treedef):
-        """Other processes: the next step's inputs, or None when process 0 stopped."""
+    def receive(self, treedefs: dict):
+        """Other processes: the next step's inputs, or None when process 0 stopped.
+        treedefs: leaf count -> the inputs' structure (a step with or without the
+        logit-processing inputs; the header says how many leaves came)."""
         header, leaves = self._exchange(np.zeros(2 + 5 * _MAX_LEAVES, np.int64), [])
         if leaves is None:
             return None
-        return jax.tree_util.tree_unflatten(treedef, leaves)
+        if len(leaves) not in treedefs:
+            raise ValueError(f"step inputs of {len(leaves)} arrays: no known structure")
+        return jax.tree_util.tree_unflatten(treedefs[len(leaves)], leaves)
 
 
 def step_broadcast(forward) -> StepBroadcast | None:
