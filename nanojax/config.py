@@ -320,6 +320,11 @@ class KernelConfig:
         "one pass over the pages) instead of as rows of the decode kernel"))
     prefill_block_q: int = dataclasses.field(default=16, metadata=_opt(
         "query tokens per block of the chunked-prefill kernel"))
+    prefill_max_seqs: int = dataclasses.field(default=64, metadata=_opt(
+        "with the chunked-prefill kernel: most sequences prefilling in one iteration; its "
+        "query blocks are then bounded by B_dense / prefill_block_q + this (the bound of one "
+        "block per row was 2,176 blocks at B_dense 2048, 11x this one's 192, each gathered, "
+        "attended and scattered back in every layer)"))
     fused_append: bool = dataclasses.field(default=False, metadata=_opt(
         "write the KV cache with the fused RoPE + append kernel"))
     grouped_gemm: str = dataclasses.field(default="auto", metadata=_opt(
@@ -340,8 +345,9 @@ class KernelConfig:
         if self.grouped_gemm not in GROUPED_GEMMS:
             raise ConfigError(f"unknown grouped GEMM {self.grouped_gemm!r}; known: "
                               f"{', '.join(GROUPED_GEMMS)}")
-        if self.prefill_block_q <= 0:
-            raise ConfigError(f"prefill_block_q must be positive, got {self.prefill_block_q}")
+        for name in ("prefill_block_q", "prefill_max_seqs"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
 
     def replace(self, **kw) -> "KernelConfig":
         return dataclasses.replace(self, **kw)

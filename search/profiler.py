@@ -60,7 +60,8 @@ class LayerOps:
         self.dense = synthetic_batch(cfg, b_dense, self.lengths, page_size, num_pages,
                                      self.max_pages, tuple(range(granularity, b_dense,
                                                                  granularity)),
-                                     prefill_block_q=self.attention.prefill_block_q)
+                                     prefill_block_q=self.attention.prefill_block_q,
+                                     prefill_max_seqs=self.attention.prefill_max_seqs)
         self.mix = {}  # n -> (decodes, prefill tokens) of the attention batch profiled
 
     def inputs(self, op: str, n: int):

@@ -132,6 +132,21 @@ def test_scheduler_ends_prefill_chunks_at_the_attention_cuts():
     assert sizes[:2] == [32, 32]
 
 
+def test_scheduler_caps_the_sequences_prefilling_in_one_iteration():
+    from nanojax.engine.kv_cache import PageAllocator
+    from nanojax.engine.scheduler import Scheduler
+    from nanojax.engine.sequence import Sequence
+
+    sched = Scheduler(PageAllocator(256), page_size=4, b_dense=64, max_num_seqs=8,
+                      max_model_len=128, max_prefill_seqs=2)
+    for i in range(5):
+        sched.add(Sequence(f"r{i}", list(range(1, 9)), SamplingParams(max_tokens=4)))
+    first = sched.schedule()
+    assert len(first.entries) == 2 and first.num_decodes == 0  # budget left: the cap binds
+    second = sched.schedule()
+    assert second.num_decodes == 2 and len(second.entries) == 4
+
+
 def test_attention_nano_ops_in_any_order_give_the_reference_tokens(smollm2):
     """With chunks ending at the cuts, the decode nano-batch's attention may run after the
     prefill one's (the shipped 8B plan's order)."""

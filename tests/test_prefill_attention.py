@@ -118,7 +118,8 @@ def test_engine_with_the_pallas_kernels_matches_pure_jax(tiny_bundle, pipeline):
     prompts = [rng.integers(1, cfg.vocab_size, size=int(n)).tolist() for n in (23, 5, 40)]
     outs = []
     for attention in (paged_attention, pallas_backend(KernelConfig(
-            prefill_kernel=True, prefill_block_q=4, fused_append=True, interpret=True))):
+            prefill_kernel=True, prefill_block_q=4, prefill_max_seqs=1, fused_append=True,
+            interpret=True))):  # one prefilling sequence an iteration: the cap binds
         fwd = (PipelineForward(cfg, plan, "overlap", attention=attention) if pipeline
                else UnrolledForward(cfg, attention))
         eng = LLMEngine(tiny_bundle, EngineConfig(b_dense=32, num_pages=48, page_size=4,

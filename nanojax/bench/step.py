@@ -266,7 +266,8 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
         cuts = tuple(a for a, _ in sized["nano_batches"]["attention"][1:])
         batches = {w: synthetic_batch(cfg, b_dense, workload_lengths(w, max_model_len),
                                       page_size, num_pages, max_pages, cuts,
-                                      prefill_block_q=block_q)
+                                      prefill_block_q=block_q,
+                                      prefill_max_seqs=kernels.prefill_max_seqs)
                    for w in workloads}
         outputs = {}  # workload -> mode -> (tokens, checked logits)
         for mode in modes:

@@ -72,7 +72,9 @@ class LLMEngine:
         self.allocator = PageAllocator(self.sizing.num_pages)
         self.scheduler = Scheduler(self.allocator, cfg.page_size, cfg.b_dense, max_seqs,
                                    self.max_model_len, chunk_cuts=forward.chunk_cuts,
-                                   admission=cfg.admission)
+                                   admission=cfg.admission, max_prefill_seqs=(
+                                       forward.attention.prefill_max_seqs
+                                       if forward.attention.prefill_block_q else None))
         fixed = cfg.fixed_shapes
         if fixed is None:  # a GPU compiles every shape at start; the CPU pays per row
             fixed = jax.default_backend() == "gpu"

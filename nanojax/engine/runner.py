@@ -222,7 +222,8 @@ class ModelRunner:
         block_q = self.forward.attention.prefill_block_q
         if block_q:  # query blocks for the chunked-prefill kernel
             blocks, slot = prefill_metadata(seq_ids, positions, batch.num_decodes, i,
-                                            block_q, r)
+                                            block_q, min(r, self.forward.attention
+                                                         .prefill_max_seqs))
         meta = PagedMetadata(positions=positions, slot_mapping=slots, seq_ids=seq_ids,
                              page_table=page_table, context_lens=context_lens,
                              num_decodes=np.int32(batch.num_decodes),

@@ -55,11 +55,13 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, b_dense: int,
                  max_num_seqs: int, max_model_len: int, chunk_cuts: tuple[int, ...] = (),
-                 admission: str = "greedy", prefix_cache: PrefixCache | None = None):
+                 admission: str = "greedy", prefix_cache: PrefixCache | None = None,
+                 max_prefill_seqs: int | None = None):
         """chunk_cuts: positions in the dense batch that no prefill chunk may straddle (the
         forward's attention nano-batch boundaries: a nano-batch then holds whole chunks,
         so the nano-batches' attention can run in any order). admission: "greedy" or
-        "predicted" (see the module docstring)."""
+        "predicted" (see the module docstring). max_prefill_seqs: most sequences that
+        prefill in one iteration (the chunked-prefill kernel's bound; None: no limit)."""
         if admission not in ADMISSION:
             raise ConfigError(f"admission must be one of {ADMISSION}, got {admission!r}")
         self.admission = admission
@@ -74,6 +76,7 @@ class Scheduler:
         self.running: list[Sequence] = []   # admission order: newest last
         self.num_preemptions = 0
         self.prefix_cache = prefix_cache
+        self.max_prefill_seqs = max_prefill_seqs or b_dense
         self._loads: list[tuple[list[int], list]] = []  # (fresh pages, tier entries)
 
     # ---- queue management ------------------------------------------------------------
@@ -164,7 +167,7 @@ class Scheduler:
 
         # 2. running requests part-way through their prompt
         for seq in list(self.running):
-            if budget <= 0:
+            if budget <= 0 or len(entries) - num_decodes >= self.max_prefill_seqs:
                 break
             if seq not in self.running or id(seq) in scheduled:
                 continue
@@ -178,7 +181,8 @@ class Scheduler:
             budget -= chunk
 
         # 3. admit from the queue, first come first served
-        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
+        while (budget > 0 and self.waiting and len(self.running) < self.max_num_seqs
+               and len(entries) - num_decodes < self.max_prefill_seqs):
             seq = self.waiting[0]
             if seq.pending:  # preempted with a token still on the device: next iteration
                 break

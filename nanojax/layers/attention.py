@@ -34,6 +34,7 @@ class AttentionBackend(Attention, Protocol):
     so that the nano-batch executor can run an attention nano-op that only reads."""
 
     prefill_block_q: int | None  # query block of the chunked-prefill kernel, if it runs
+    prefill_max_seqs: int  # with it: most sequences prefilling in one iteration
 
     def append(self, k, v, kv_layer, meta, inv_freq):
         """RoPE on k, then k and v written into their pages -> the new kv_layer."""
@@ -111,14 +112,15 @@ class PagedMetadata:
 
 
 def prefill_metadata(seq_ids: np.ndarray, positions: np.ndarray, num_decodes: int,
-                     num_tokens: int, block_q: int, max_rows: int):
+                     num_tokens: int, block_q: int, max_seqs: int):
     """Query blocks of the prefill tokens [num_decodes, num_tokens) (host side), with a
-    block count fixed by the batch's shape (T // block_q + rows) so shapes stay bucketed."""
+    block count fixed by the batch's shape, T // block_q + max_seqs (each prefilling
+    sequence adds at most one partial block), so shapes stay bucketed."""
     from pallas_kernels.prefill_attention import query_blocks
     t = len(seq_ids)
     blocks, slot = query_blocks(seq_ids[num_decodes:num_tokens],
                                 positions[num_decodes:num_tokens], block_q,
-                                max_blocks=t // block_q + max_rows)
+                                max_blocks=t // block_q + max_seqs)
     blocks[:, 0] += num_decodes
     full = np.zeros(t, np.int32)
     full[num_decodes:num_tokens] = slot
@@ -284,6 +286,7 @@ class PagedAttention:
     prefill_block_q: int | None = None
     append: Callable = append_kv
     takes_share: bool = False
+    prefill_max_seqs: int = KernelConfig().prefill_max_seqs
 
     def attend_at(self, share: float, num_sms: int = 132, ctas_per_sm: int = 4) -> Callable:
         if self.takes_share and share < 1.0:
@@ -311,4 +314,5 @@ def pallas_backend(kernels: KernelConfig = KernelConfig()) -> PagedAttention:
                                interpret=kernels.interpret)
     append = (functools.partial(append_kv_pallas, interpret=kernels.interpret)
               if kernels.fused_append else append_kv)
-    return PagedAttention(attend, block_q, append, takes_share=True)
+    return PagedAttention(attend, block_q, append, takes_share=True,
+                          prefill_max_seqs=kernels.prefill_max_seqs)

@@ -54,8 +54,11 @@ def steady_state_mix(lengths: list[tuple[int, int]], b_dense: int,
 def synthetic_batch(cfg: ModelConfig, b_dense: int, lengths: list[tuple[int, int]],
                     page_size: int, num_pages: int, max_pages: int,
                     cuts: tuple[int, ...] = (), seed: int = 0,
-                    prefill_block_q: int | None = None) -> SyntheticBatch:
-    """A steady-state dense batch of the workload `lengths` (see steady_state_mix)."""
+                    prefill_block_q: int | None = None,
+                    prefill_max_seqs: int | None = None) -> SyntheticBatch:
+    """A steady-state dense batch of the workload `lengths` (see steady_state_mix).
+    prefill_block_q, prefill_max_seqs: the chunked-prefill kernel's query blocks, bounded
+    as the engine bounds them (None: one block per row at most)."""
     rng = np.random.default_rng(seed)
     contexts, chunks = steady_state_mix(lengths, b_dense, rng, cuts)
     return build_batch(cfg, contexts, chunks, page_size, num_pages, max_pages, rng,
@@ -98,7 +101,7 @@ def build_batch(cfg: ModelConfig, contexts: list[int], chunks: list[int], page_s
     blocks = slot = None
     if prefill_block_q:  # query blocks for the chunked-prefill kernel, as the runner makes
         blocks, slot = prefill_metadata(seq_ids, positions, len(contexts), t,
-                                        prefill_block_q, t)
+                                        prefill_block_q, prefill_max_seqs or t)
     meta = PagedMetadata(positions=positions, slot_mapping=slots.astype(np.int32),
                          seq_ids=seq_ids, page_table=page_table, context_lens=context_lens,
                          num_decodes=np.int32(len(contexts)), prefill_blocks=blocks,
