@@ -163,6 +163,9 @@ def test_throughput_bench_compares_modes_in_one_run(tmp_path):
         assert m["output_tokens"] == 12 * 6 and m["prompt_tokens"] == 12 * 20
         assert m["same_outputs_as_non-overlap"] == 1.0
         assert 0 < m["mean_batch_fill"] <= 1 and m["iterations"] > 0
+        # host work and device waits are parts of the run's wall time
+        assert m["host_ms_per_iteration"] > 0 and 0 <= m["device_wait_share"] < 1
+        assert m["host_ms_per_iteration"] * m["iterations"] / 1e3 < m["wall_s"]
 
 
 @pytest.mark.parametrize("argv,msg", [

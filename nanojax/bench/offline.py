@@ -27,6 +27,7 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
         engine.run_to_completion()
     compiles_before = engine.runner.num_compiles
     steps_before, tokens_before = engine.stats.steps, engine.stats.scheduled_tokens
+    host_before, wait_before = engine.stats.host_s, engine.stats.wait_s
     ids = [engine.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len,
                                                            ignore_eos=True, temperature=0))
            for r in requests]
@@ -34,6 +35,7 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
     with tqdm(total=len(ids), desc="requests", unit="req", disable=not progress) as bar:
         done = engine.run_to_completion(bar)
     wall = time.perf_counter() - t0
+    iterations = max(1, engine.stats.steps - steps_before)
     digests = [hashlib.sha1(str(done[i].token_ids).encode()).hexdigest()[:12] for i in ids]
     prompt_tokens = sum(len(done[i].prompt_token_ids) for i in ids)
     output_tokens = sum(len(done[i].token_ids) for i in ids)
@@ -50,6 +52,10 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
         "mean_batch_fill": ((engine.stats.scheduled_tokens - tokens_before)
                             / max(1, engine.stats.steps - steps_before)
                             / engine.config.b_dense),
+        # where the wall time goes (EngineStats): the host's own work per iteration, and
+        # the share of the run the host sat waiting for the device (the rest: host-bound)
+        "host_ms_per_iteration": 1e3 * (engine.stats.host_s - host_before) / iterations,
+        "device_wait_share": (engine.stats.wait_s - wait_before) / wall,
         "preemptions": engine.scheduler.num_preemptions,
         "compiles_during_run": engine.runner.num_compiles - compiles_before,
         "output_digests": digests,  # per request, to compare modes' tokens

@@ -37,6 +37,11 @@ class EngineStats:
     generation_tokens: int = 0    # tokens sampled and kept
     steps: int = 0
     scheduled_tokens: int = 0     # tokens in the launched batches (their fill of B_dense)
+    # where an iteration's wall time goes: the host forming, launching and retiring
+    # batches, and the host waiting for the device's tokens (with async scheduling, the
+    # device is the bottleneck while wait_s grows; the host while it stays near 0)
+    host_s: float = 0.0
+    wait_s: float = 0.0
     finished: dict = dataclasses.field(default_factory=dict)  # finish_reason -> count
 
 
@@ -183,6 +188,7 @@ class LLMEngine:
 
     # ---- one iteration -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        start, wait_before = time.perf_counter(), self.stats.wait_s
         prev_rows = {}
         if self._in_flight is not None:
             prev_rows = {id(e.seq): r for r, e in enumerate(self._in_flight[0].entries)}
@@ -208,10 +214,14 @@ class LLMEngine:
             results += self._process(*launched)
         if self.offloader is not None:  # finished requests' pages: copy out before reuse
             self.offloader.flush()
+        self.stats.host_s += (time.perf_counter() - start
+                              - (self.stats.wait_s - wait_before))
         return results
 
     def _process(self, batch: ScheduledBatch, out) -> list[RequestOutput]:
+        t = time.perf_counter()
         tokens, chosen, top_ids, top_lp = out.to_host()
+        self.stats.wait_s += time.perf_counter() - t
         results = []
         for row, e in enumerate(batch.entries):
             seq = e.seq
