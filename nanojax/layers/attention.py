@@ -199,6 +199,45 @@ def attend_reference(q, kv_layer, meta: PagedMetadata, inv_freq):
     return paged_attention_reference(q, k_pages, v_pages, meta, ks, vs)
 
 
+def _rows_attention(q, k_pages, v_pages, meta: PagedMetadata, k_scale=None, v_scale=None):
+    """Every token against the keys of all the batch's rows, read once per row and masked
+    to its own row up to its position: [R, P * ps] keys for T tokens, where the per-token
+    gather reads T x P * ps (a 256-token chunk re-read its context 256 times)."""
+    keys = gather_sequence_kv(k_pages, meta.page_table)    # [R, L, KVH, D]
+    values = gather_sequence_kv(v_pages, meta.page_table)
+    r, length, kvh, d = keys.shape
+    t, h, _ = q.shape
+    key_row = jnp.repeat(jnp.arange(r, dtype=jnp.int32), length)
+    key_pos = jnp.tile(jnp.arange(length, dtype=jnp.int32), r)
+    mask = ((key_row[None, :] == meta.seq_ids[:, None])
+            & (key_pos[None, :] <= meta.positions[:, None]))    # [T, R * L]
+    qg = q.reshape(t, kvh, h // kvh, d).astype(jnp.float32) * (d ** -0.5)
+    if k_scale is not None:
+        qg = qg * k_scale[None, :, None, None]
+    keys = keys.reshape(r * length, kvh, d).astype(jnp.float32)
+    values = values.reshape(r * length, kvh, d).astype(jnp.float32)
+    scores = jnp.einsum("tkgd,lkd->tkgl", qg, keys)
+    scores = jnp.where(mask[:, None, None, :], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("tkgl,lkd->tkgd", probs, values)
+    if v_scale is not None:
+        out = out * v_scale[None, :, None, None]
+    return out.reshape(t, h, d).astype(q.dtype)
+
+
+def attend_cpu(q, kv_layer, meta: PagedMetadata, inv_freq):
+    """Pure-JAX attention for the CPU step: a decode-only batch gathers each token's own
+    context (one token per row, nothing re-read); a batch with prefill tokens reads each
+    row's context once and masks (_rows_attention). Both branches compile; one runs."""
+    q = apply_rope(q, meta.positions, inv_freq)
+    k_pages, v_pages, ks, vs = kv_parts(kv_layer)
+    decode_only = jnp.sum(meta.slot_mapping >= 0) <= meta.num_decodes
+    return jax.lax.cond(
+        decode_only,
+        lambda: paged_attention_reference(q, k_pages, v_pages, meta, ks, vs),
+        lambda: _rows_attention(q, k_pages, v_pages, meta, ks, vs))
+
+
 def _decode_kernel(name: str):
     """The paged decode kernel: Triton (pallas_kernels/decode_attention.py, any GPU), the
     Mosaic GPU swap-AB kernel (decode_attention_swapab.py, Hopper: keeps its bandwidth on
@@ -296,7 +335,7 @@ class PagedAttention:
         return self.attend(q, kv_layer, meta, inv_freq), kv_layer
 
 
-paged_attention = PagedAttention(attend_reference)  # the pure-JAX backend (CPU)
+paged_attention = PagedAttention(attend_cpu)  # the pure-JAX backend (CPU)
 
 
 def pallas_backend(kernels: KernelConfig = KernelConfig()) -> PagedAttention:
