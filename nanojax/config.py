@@ -373,8 +373,8 @@ class EngineConfig:
         "cost logits for every row)"))
     min_token_bucket: int | None = dataclasses.field(default=None, metadata=_opt(
         "smallest token count a step is padded to (token buckets are powers of two up to "
-        "B_dense); default: 16 on a GPU, 1 on the CPU, where every padding token costs "
-        "its share of the matmuls and attention"))
+        "B_dense); default: 16 on a GPU or with fixed shapes, else 1 (the CPU, where every "
+        "padding token costs its share of the matmuls and attention)"))
     min_row_bucket: int | None = dataclasses.field(default=None, metadata=_opt(
         "smallest row count (sequences) a step is padded to; default: 4 on a GPU, 1 on "
         "the CPU (each padding row costs logits over the vocabulary)"))

@@ -184,14 +184,18 @@ def cmd_latency(args) -> int:
         raise NanojaxError(f"the transformers peer needs the model's GGUF file: give "
                            f"--peer-gguf for {args.model!r}, or --no-peer")
     peer = None if args.no_peer else TransformersPeer(gguf, threads)
-    llm = LLM(bundle, config=config)
+    forward = None
+    if args.unrolled_layers:  # straight-line layers: no per-layer weight slice copies
+        from nanojax.engine.forward import UnrolledForward
+        forward = UnrolledForward(bundle.config)
+    llm = LLM(bundle, config=config, forward=forward)
     prompt = bundle.tokenizer.encode(DECODE_PROMPT) if bundle.tokenizer else None
     out = run_latency(llm, peer, new_tokens=args.new_tokens,
                       prefill_tokens=args.prefill_tokens, batch=args.batch,
                       repeats=args.repeats, decode_prompt=prompt, seed=args.seed,
                       progress=not args.quiet)
     import torch
-    payload = {**run_record(config), "model": args.model, "peer_gguf": str(gguf),
+    payload = {**run_record(config), "model": args.model, "peer_gguf": str(gguf) if peer else None,
                "peer": peer.stack if peer else None,
                "threads": {"cpu_affinity": len(os.sched_getaffinity(0)),
                            "torch_num_threads": torch.get_num_threads(),
@@ -232,6 +236,9 @@ def register_latency(bsub) -> None:
     p.add_argument("--peer-gguf", default=None,
                    help="GGUF file transformers loads (default: the embedded model's)")
     p.add_argument("--no-peer", action="store_true", help="ours only")
+    p.add_argument("--unrolled-layers", action="store_true",
+                   help="our step with straight-line layers instead of the CPU's scan "
+                        "(reads each layer's weights in place; compiles ~3x longer)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--json", default=None, help="write the full result here")

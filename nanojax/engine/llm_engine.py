@@ -78,8 +78,9 @@ class LLMEngine:
         if fixed is None:  # a GPU compiles every shape at start; the CPU pays per row
             fixed = on_gpu
         # the CPU pays for every padding token and row (a 1-token decode padded to 16
-        # tokens and 4 rows ran at half speed); a GPU step barely notices them
-        min_tokens = cfg.min_token_bucket or (16 if on_gpu else 1)
+        # tokens and 4 rows ran at half speed); a GPU step barely notices them, and fixed
+        # shapes compile every bucket at start (fewer buckets, shorter start)
+        min_tokens = cfg.min_token_bucket or (16 if on_gpu or fixed else 1)
         min_rows = cfg.min_row_bucket or (4 if on_gpu else 1)
         self.runner = ModelRunner(self.model_config, bundle.params, self.sizing.num_pages,
                                   cfg.page_size, self.scheduler.max_num_seqs, cfg.b_dense,
