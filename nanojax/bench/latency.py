@@ -154,6 +154,52 @@ def run_latency(llm, peer: TransformersPeer | None, *, new_tokens: int = 128,
     return out
 
 
+def decode_breakdown(llm, prompt: list[int], steps: int = 20) -> dict:
+    """Where one stream's decode time goes: the bare jitted step relaunched on a captured
+    decode batch (device time plus dispatch), its LM head alone, and the per-token time of
+    the whole generate (the rest is the engine's host work: scheduling, inputs, outputs)."""
+    import jax
+    import jax.numpy as jnp
+
+    from nanojax.models.llama import LlamaForCausalLM
+    runner = llm.engine.runner
+    captured = []
+
+    def capture(inputs, run=runner._run):
+        captured.append(inputs)
+        return run(inputs)
+
+    runner._run = capture  # on this instance only, for one generation
+    try:
+        t0 = time.perf_counter()
+        _ours(llm, [prompt], steps)
+        per_token = (time.perf_counter() - t0) / steps
+    finally:
+        del runner._run
+    inputs = captured[-1]  # a decode step of one row
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = runner._run(inputs)
+    jax.block_until_ready(out.tokens)
+    step = (time.perf_counter() - t0) / steps
+    fwd = runner.forward
+    head = jax.jit(lambda p, x: fwd.model.apply(
+        p["rest"] if "rest" in p else p, x, method=LlamaForCausalLM.logits))
+    x = jnp.ones((1, llm.engine.model_config.hidden_size), jnp.float32)
+    jax.block_until_ready(head(runner.params, x))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        y = head(runner.params, x)
+    jax.block_until_ready(y)
+    lm_head = (time.perf_counter() - t0) / steps
+    return {"generate_ms_per_token": 1e3 * per_token, "bare_step_ms": 1e3 * step,
+            "lm_head_ms": 1e3 * lm_head, "layers_and_sampling_ms": 1e3 * (step - lm_head),
+            "engine_host_ms_per_token": 1e3 * (per_token - step),
+            "step_shapes": {"tokens": int(inputs[0].shape[0]),
+                            "rows": int(inputs[2].page_table.shape[0]),
+                            "page_table_width": int(inputs[2].page_table.shape[1])}}
+
+
 def _engine_state(llm) -> dict:
     """The shapes our engine actually ran with (CPU defaults differ from the GPU's)."""
     r = llm.engine.runner
@@ -194,13 +240,14 @@ def cmd_latency(args) -> int:
                       prefill_tokens=args.prefill_tokens, batch=args.batch,
                       repeats=args.repeats, decode_prompt=prompt, seed=args.seed,
                       progress=not args.quiet)
+    breakdown = decode_breakdown(llm, prompt or [1000 + i for i in range(16)])
     import torch
     payload = {**run_record(config), "model": args.model, "peer_gguf": str(gguf) if peer else None,
                "peer": peer.stack if peer else None,
                "threads": {"cpu_affinity": len(os.sched_getaffinity(0)),
                            "torch_num_threads": torch.get_num_threads(),
                            "jax": "XLA's CPU thread pool over every core of the affinity"},
-               "engine": _engine_state(llm), **out}
+               "engine": _engine_state(llm), "decode_breakdown": breakdown, **out}
     print(format_table(out), file=sys.stderr)
     print(json.dumps(out.get("ratios", {})))
     write_json(args.json, payload)
