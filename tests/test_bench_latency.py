@@ -49,4 +49,6 @@ def test_latency_record_and_ratios(tmp_path, monkeypatch):
     assert ratios["batch_ours_over_transformers"] == pytest.approx(
         ours["batch_tokens_per_s"] / theirs["batch_tokens_per_s"])
     assert rec["greedy_tokens_agree"]["of"] == 3
+    bd = rec["decode_breakdown"]
+    assert bd["bare_step_ms"] > 0 and bd["lm_head_ms"] > 0 and bd["step_shapes"]["tokens"] == 1
     assert "decode_ours_over_transformers" in latency.format_table(rec)

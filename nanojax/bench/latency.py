@@ -240,7 +240,9 @@ def cmd_latency(args) -> int:
                       prefill_tokens=args.prefill_tokens, batch=args.batch,
                       repeats=args.repeats, decode_prompt=prompt, seed=args.seed,
                       progress=not args.quiet)
-    breakdown = decode_breakdown(llm, prompt or [1000 + i for i in range(16)])
+    vocab = bundle.config.vocab_size
+    breakdown = decode_breakdown(llm, prompt or _prompts(np.random.default_rng(args.seed),
+                                                         vocab, 1, 16)[0])
     import torch
     payload = {**run_record(config), "model": args.model, "peer_gguf": str(gguf) if peer else None,
                "peer": peer.stack if peer else None,
