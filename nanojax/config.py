@@ -384,6 +384,13 @@ class EngineConfig:
         "one row count and page-table width, so every step shape (one per token bucket) "
         "compiles before serving; default: on a GPU (off on the CPU, where fixed rows "
         "cost logits for every row)"))
+    min_token_bucket: int | None = dataclasses.field(default=None, metadata=_opt(
+        "smallest token count a step is padded to (token buckets are powers of two up to "
+        "B_dense); default: 16 on a GPU or with fixed shapes, else 1 (the CPU, where every "
+        "padding token costs its share of the matmuls and attention)"))
+    min_row_bucket: int | None = dataclasses.field(default=None, metadata=_opt(
+        "smallest row count (sequences) a step is padded to; default: 4 on a GPU, 1 on "
+        "the CPU (each padding row costs logits over the vocabulary)"))
     seed: int = dataclasses.field(default=0, metadata=_opt(
         "seed of the per-request seeds of unseeded requests", cli=False))
     kv_cache_dtype: str = dataclasses.field(default="auto", metadata=_opt(
@@ -407,7 +414,7 @@ class EngineConfig:
         for name in ("b_dense", "page_size", "max_model_len", "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("num_pages", "max_num_seqs"):
+        for name in ("num_pages", "max_num_seqs", "min_token_bucket", "min_row_bucket"):
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ConfigError(f"{name} must be positive, got {v}")

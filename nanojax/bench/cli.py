@@ -309,3 +309,5 @@ def register(sub) -> None:
     pt.add_argument("--title", default="one iteration")
     pt.set_defaults(func=cmd_plot_timeline)
     register_serve(bsub)
+    from nanojax.bench.latency import register_latency
+    register_latency(bsub)

@@ -80,15 +80,22 @@ class LLMEngine:
                                    admission=cfg.admission, max_prefill_seqs=(
                                        forward.attention.prefill_max_seqs
                                        if forward.attention.prefill_block_q else None))
+        on_gpu = jax.default_backend() == "gpu"
         fixed = cfg.fixed_shapes
         if fixed is None:  # a GPU compiles every shape at start; the CPU pays per row
-            fixed = jax.default_backend() == "gpu"
+            fixed = on_gpu
+        # the CPU pays for every padding token and row (a 1-token decode padded to 16
+        # tokens and 4 rows ran at half speed); a GPU step barely notices them, and fixed
+        # shapes compile every bucket at start (fewer buckets, shorter start)
+        min_tokens = cfg.min_token_bucket or (16 if on_gpu or fixed else 1)
+        min_rows = cfg.min_row_bucket or (4 if on_gpu else 1)
         self.runner = ModelRunner(self.model_config, bundle.params, self.sizing.num_pages,
                                   cfg.page_size, self.scheduler.max_num_seqs, cfg.b_dense,
                                   forward=forward, constant_batch=cfg.constant_batch,
                                   max_pages_per_seq=-(-self.max_model_len // cfg.page_size),
                                   fixed_shapes=fixed, broadcast=broadcast,
-                                  kv_cache_dtype=self.kv_dtype)
+                                  kv_cache_dtype=self.kv_dtype, min_token_bucket=min_tokens,
+                                  min_row_bucket=min_rows)
         self.prefix_cache = self.offloader = None
         if cfg.enable_prefix_caching:
             self._start_prefix_cache()

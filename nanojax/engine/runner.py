@@ -48,10 +48,11 @@ class ModelRunner:
                  max_rows: int, b_dense: int, forward: Forward | None = None,
                  constant_batch: bool = False, min_token_bucket: int = 16,
                  max_pages_per_seq: int | None = None, fixed_shapes: bool = False,
-                 broadcast=None, kv_cache_dtype=None):
+                 broadcast=None, kv_cache_dtype=None, min_row_bucket: int = 4):
         self.cfg = cfg
         self.page_size = page_size
-        self.max_rows = bucket(max_rows, 4)
+        self.min_row_bucket = min_row_bucket
+        self.max_rows = bucket(max_rows, min_row_bucket)
         self.b_dense = b_dense
         self.constant_batch = constant_batch
         self.max_pages_per_seq = max_pages_per_seq
@@ -105,7 +106,9 @@ class ModelRunner:
                                                             self.b_dense)
         if self.fixed_shapes:
             return t, self.max_rows, bucket(self.max_pages_per_seq, 4)
-        r = bucket(len(batch.entries), 4, self.max_rows)
+        r = bucket(len(batch.entries), self.min_row_bucket, self.max_rows)
+        if self.max_pages_per_seq and getattr(self.forward.attention, "width_free", False):
+            return t, r, bucket(self.max_pages_per_seq, 4)  # one width: fewer compiles
         p = bucket(max(len(e.seq.pages) for e in batch.entries), 4)
         return t, r, p
 

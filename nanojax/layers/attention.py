@@ -201,6 +201,94 @@ def attend_reference(q, kv_layer, meta: PagedMetadata, inv_freq):
     return paged_attention_reference(q, k_pages, v_pages, meta, ks, vs)
 
 
+def _online_step(carry, scores, values, contract: str):
+    """One key block of an online softmax: carry (max, sum, acc) of the blocks so far;
+    scores [..., L] (masked: NEG_INF), values the block's. Every query has an unmasked key
+    in block 0 (its own row's position 0), so the running max is finite from then on."""
+    m, l, acc = carry
+    m_new = jnp.maximum(m, scores.max(-1))
+    corr = jnp.exp(m - m_new)
+    p = jnp.exp(scores - m_new[..., None])
+    acc = acc * corr[..., None] + jnp.einsum(contract, p, values)
+    return m_new, l * corr + p.sum(-1), acc
+
+
+def _key_blocks(meta: PagedMetadata, page_size: int, block_pages: int):
+    """The page table padded to whole key blocks, and how many blocks this batch needs
+    (up to its longest context: the loop's trip count, so a wide page table costs
+    nothing beyond it)."""
+    r, p = meta.page_table.shape
+    n = -(-p // block_pages)
+    table = jnp.pad(meta.page_table, ((0, 0), (0, n * block_pages - p)))
+    valid = meta.slot_mapping >= 0
+    longest = jnp.max(jnp.where(valid, meta.positions + 1, 1))
+    return table, jnp.clip(-(-longest // (block_pages * page_size)), 1, n)
+
+
+def _blocked_attention(q, k_pages, v_pages, meta: PagedMetadata, k_scale=None,
+                       v_scale=None, per_token: bool = True, block_pages: int = 16):
+    """Flash-style attention over the paged cache in blocks of block_pages pages, looping
+    only over the blocks the longest context reaches. per_token: each token reads its own
+    row's keys (a decode batch: one token per row). Otherwise each block's keys are read
+    once per row and every token is scored against all rows, masked to its own (prefill
+    chunks: a 256-token chunk read per token re-read its context 256 times)."""
+    t, h, d = q.shape
+    _, kvh, ps, _ = k_pages.shape
+    g = h // kvh
+    bl = block_pages * ps
+    table, n_blocks = _key_blocks(meta, ps, block_pages)
+    qg = q.reshape(t, kvh, g, d).astype(jnp.float32) * (d ** -0.5)
+    if k_scale is not None:
+        qg = qg * k_scale[None, :, None, None]
+    if per_token:
+        table = table[meta.seq_ids]                                  # [T, nb * bp]
+    else:
+        qg = qg.transpose(1, 0, 2, 3).reshape(kvh, t * g, d)        # [KVH, T*G, D]
+    r = table.shape[0]
+    key_row = jnp.repeat(jnp.arange(r, dtype=jnp.int32), bl)
+
+    def block(i, carry):
+        pages = jax.lax.dynamic_slice_in_dim(table, i * block_pages, block_pages, axis=1)
+        kb, vb = (x[pages].astype(jnp.float32) for x in (k_pages, v_pages))  # [R,bp,KVH,ps,D]
+        pos = i * bl + jnp.arange(bl, dtype=jnp.int32)
+        if per_token:
+            kb, vb = (x.transpose(0, 2, 1, 3, 4).reshape(t, kvh, bl, d) for x in (kb, vb))
+            s = jnp.einsum("tkgd,tkld->tkgl", qg, kb)
+            mask = pos[None, :] <= meta.positions[:, None]          # [T, L]
+            s = jnp.where(mask[:, None, None, :], s, NEG_INF)
+            return _online_step(carry, s, vb, "tkgl,tkld->tkgd")
+        kb, vb = (x.transpose(2, 0, 1, 3, 4).reshape(kvh, r * bl, d) for x in (kb, vb))
+        s = jnp.einsum("ktd,kld->ktl", qg, kb).reshape(kvh, t, g, r * bl)
+        mask = ((key_row[None, :] == meta.seq_ids[:, None])
+                & (jnp.tile(pos, r)[None, :] <= meta.positions[:, None]))  # [T, R*L]
+        s = jnp.where(mask[None, :, None, :], s, NEG_INF).reshape(kvh, t * g, r * bl)
+        return _online_step(carry, s, vb, "ktl,kld->ktd")
+
+    shape = qg.shape[:-1]
+    init = (jnp.full(shape, NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(qg.shape, jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, n_blocks, block, init)
+    out = acc / l[..., None]
+    if v_scale is not None:
+        out = out * (v_scale[None, :, None, None] if per_token else v_scale[:, None, None])
+    if not per_token:
+        out = out.reshape(kvh, t, g, d).transpose(1, 0, 2, 3)
+    return out.reshape(t, h, d).astype(q.dtype)
+
+
+def attend_cpu(q, kv_layer, meta: PagedMetadata, inv_freq):
+    """Pure-JAX attention for the CPU step (_blocked_attention): a decode-only batch reads
+    each token's own context; a batch with prefill tokens reads each row's context once
+    for all its tokens. Both branches compile; one runs."""
+    q = apply_rope(q, meta.positions, inv_freq)
+    k_pages, v_pages, ks, vs = kv_parts(kv_layer)
+    decode_only = jnp.sum(meta.slot_mapping >= 0) <= meta.num_decodes
+    return jax.lax.cond(
+        decode_only,
+        lambda: _blocked_attention(q, k_pages, v_pages, meta, ks, vs, per_token=True),
+        lambda: _blocked_attention(q, k_pages, v_pages, meta, ks, vs, per_token=False))
+
+
 def _decode_kernel(name: str):
     """The paged decode kernel: Triton (pallas_kernels/decode_attention.py, any GPU), the
     Mosaic GPU swap-AB kernel (decode_attention_swapab.py, Hopper: keeps its bandwidth on
@@ -287,6 +375,9 @@ class PagedAttention:
     append: Callable = append_kv
     takes_share: bool = False
     prefill_max_seqs: int = KernelConfig().prefill_max_seqs
+    # attend's cost follows the batch's longest context, not the page table's width (it
+    # loops over key blocks): the runner can then launch one width and compile less
+    width_free: bool = False
 
     def attend_at(self, share: float, num_sms: int = 132, ctas_per_sm: int = 4) -> Callable:
         if self.takes_share and share < 1.0:
@@ -299,7 +390,7 @@ class PagedAttention:
         return self.attend(q, kv_layer, meta, inv_freq), kv_layer
 
 
-paged_attention = PagedAttention(attend_reference)  # the pure-JAX backend (CPU)
+paged_attention = PagedAttention(attend_cpu, width_free=True)  # the pure-JAX backend (CPU)
 
 
 def pallas_backend(kernels: KernelConfig = KernelConfig()) -> PagedAttention:
