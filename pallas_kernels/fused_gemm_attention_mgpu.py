@@ -172,6 +172,30 @@ def gemm_program(a_ref, b_ref, out_ref, program, programs: int, config, wg):
                   collective_axes="wg")
 
 
+@functools.partial(jax.jit, static_argnames=("num_programs", "config", "interpret"))
+def gemm_part(a, b, *, num_programs: int | None = None, config=None,
+              interpret: bool = False):
+    """The fused kernel's GEMM alone, a @ b on num_programs programs (None: one per SM):
+    the same body, threads and lowering, to time it against XLA's GEMM and to learn what
+    the pair costs beyond its parts."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    config = config or default_config()
+    if num_programs is None:
+        num_programs = getattr(jax.devices()[0], "core_count", None) or 132
+    if (why := gemm_unsupported(a, b, config)) is not None:
+        raise ValueError(f"GEMM: {why}")
+
+    def body(a_ref, b_ref, c_ref):
+        gemm_program(a_ref, b_ref, c_ref, lax.axis_index("p"), num_programs, config,
+                     lax.axis_index("wg"))
+    return plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((a.shape[0], b.shape[1]), a.dtype),
+        grid=(num_programs,), grid_names=("p",), num_threads=WARPGROUPS, thread_name="wg",
+        compiler_params=None if interpret else swapab.compiler_params(),
+        interpret=interpret_params() if interpret else None,
+    )(a, b)
+
+
 @functools.partial(jax.jit, static_argnames=(
     "gemm_programs", "num_programs", "config", "block_k", "stages", "splits",
     "approx_math", "interpret"))
@@ -235,5 +259,5 @@ def fused_reference(a, b, q, k_pages, v_pages, page_table, context_lens,
                     k_scale=None, v_scale=None):
     """The same pair in f32: (a @ b, decode attention)."""
     return (matmul_reference(a, b),
-            decode_attention_reference(q, k_pages, v_pages, page_table, context_lens,
-                                       k_scale, v_scale))
+            decode_attention_reference(q.astype(jnp.float32), k_pages, v_pages, page_table,
+                                       context_lens, k_scale, v_scale))
