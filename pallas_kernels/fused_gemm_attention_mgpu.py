@@ -21,7 +21,8 @@ Design:
     (bf16, D 128, 64-key blocks, 2 stages, 4 GEMM K-steps in flight): GEMM 4 x 48 KB of
     A/B tiles + 32 KB of epilogue tiles = 224 KB; attention 3 workers x (2 stages x 32 KB
     of K/V + 8 KB of query/P/output/reduction tiles) = 216 KB; the H200 has 227 KB a
-    block. `unsupported()` counts both by hand (the CUDA lowering does not check it).
+    block. Both are counted by hand (the CUDA lowering does not check it): the GEMM's in
+    `unsupported()`, the attention's when its call is built (a ValueError).
   * both branches lower with Lane semantics (the attention body needs them; the GEMM's
     pipeline and WGMMA lower in either).
   * the GEMM walks output tiles M-fastest (a program's successive tiles are G apart, so
