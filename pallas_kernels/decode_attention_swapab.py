@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -109,6 +110,21 @@ def combine_splits(o_parts, lse_parts, splits_valid):
     return num / jnp.maximum(w.sum(axis=2), 1e-30)[..., None]
 
 
+class SwapABCall(NamedTuple):
+    """One launch of the kernel, unlaunched, so that a fused kernel can run its programs
+    (pallas_kernels/fused_gemm_attention_mgpu.py). body(program, *operand refs, *output
+    refs, *scratch refs) is one program's work, program in [0, programs); every program
+    allocates `scratch` (shared by its `warpgroups` warpgroups, axis "wg"); finish maps
+    the outputs to [B, H, D]."""
+    body: Callable
+    operands: tuple
+    out_type: Any
+    scratch: list
+    programs: int
+    warpgroups: int
+    finish: Callable
+
+
 @functools.partial(jax.jit, static_argnames=(
     "num_programs", "block_k", "stages", "warpgroups", "splits", "columns", "approx_math",
     "interpret"))
@@ -134,6 +150,36 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
     and multiplied in f16 with the query in f16; scores are scaled by k_scale[h] inside
     the exp2's FMA and the output by v_scale[h].
     """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    call = swapab_call(q, k_pages, v_pages, page_table, context_lens,
+                       num_programs=num_programs, block_k=block_k, stages=stages,
+                       warpgroups=warpgroups, splits=splits, columns=columns,
+                       k_scale=k_scale, v_scale=v_scale, interpret=interpret)
+    wgs = call.warpgroups
+    threads = dict(num_threads=wgs, thread_name="wg") if wgs > 1 else {}
+    out = plgpu.kernel(
+        lambda *refs: call.body(lax.axis_index("p"), *refs), out_type=call.out_type,
+        scratch_types=call.scratch, grid=(call.programs,), grid_names=("p",), **threads,
+        compiler_params=None if interpret else compiler_params(approx_math),
+        interpret=interpret_params() if interpret else None,
+    )(*call.operands)
+    return call.finish(out)
+
+
+def compiler_params(approx_math: bool = True):
+    """Lane semantics, as jax 0.10 defaults to: jax 0.11 defaults to Warpgroup, where this
+    kernel's implicit broadcasts in selects do not lower."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu.CompilerParams(approx_math=approx_math,
+                                lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
+def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
+                num_programs: int | None = None, block_k: int = 64,
+                stages: int | None = None, warpgroups: int | None = None,
+                splits: int | None = None, columns: int | None = None,
+                k_scale=None, v_scale=None, interpret: bool = False) -> SwapABCall:
+    """The launch decode_attention_swapab makes (same arguments), unlaunched."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     if (why := unsupported(q, k_pages)) is not None:
         raise ValueError(why)
@@ -248,7 +294,7 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
         first = s * chunk
         return first, jnp.maximum(jnp.minimum(nb - first, chunk), 1)
 
-    def kernel(q_ref, k_ref, v_ref, pt_ref, len_ref, ks_ref, vs_ref, *rest):
+    def kernel(program, q_ref, k_ref, v_ref, pt_ref, len_ref, ks_ref, vs_ref, *rest):
         if splits == 1:
             o_ref, *rest = rest
         else:
@@ -261,7 +307,7 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
             k16s, v16s, *rest = rest
         q_bars, k_bars, v_bars = rest
         wg = lax.axis_index("wg") if wgs > 1 else 0
-        worker = lax.axis_index("p") * wgs + wg
+        worker = program * wgs + wg
         n_items = (items - worker + workers - 1) // workers  # this worker's items
         q_smem, p_smem, o_smem, red, k_smem, v_smem = (
             r.at[wg] for r in (q_smems, p_smems, o_smems, red_smems, k_smems, v_smems))
@@ -422,22 +468,17 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
                plgpu.Barrier(num_barriers=wgs * 2),
                plgpu.Barrier(num_arrivals=ppb, num_barriers=wgs * stages),
                plgpu.Barrier(num_arrivals=ppb, num_barriers=wgs * stages)]
-    threads = dict(num_threads=wgs, thread_name="wg") if wgs > 1 else {}
-    out = plgpu.kernel(
-        kernel, out_type=out_type, scratch_types=scratch, grid=(nprog,),
-        grid_names=("p",), **threads,
-        compiler_params=None if interpret else plgpu.CompilerParams(
-            # Lane semantics, as jax 0.10 defaults to: jax 0.11 defaults to Warpgroup,
-            # where this kernel's implicit broadcasts in selects do not lower
-            approx_math=approx_math, lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=interpret_params() if interpret else None,
-    )(qg, k_pages.reshape(n_pages * kvh, ps, d), v_pages.reshape(n_pages * kvh, ps, d),
-      page_table.astype(jnp.int32), context_lens.astype(jnp.int32), *scales)
-    if splits == 1:
-        return out[:, :, :g].reshape(b, h, d)
-    o_parts, lse_parts = out
-    nb = (context_lens.astype(jnp.int32) + block_k - 1) // block_k
-    chunk = (nb + splits - 1) // splits
-    valid = jnp.arange(splits)[None, :] * chunk[:, None] < jnp.maximum(nb, 1)[:, None]
-    o = combine_splits(o_parts, lse_parts, valid)
-    return o[:, :, :g].reshape(b, h, d).astype(dtype)
+    operands = (qg, k_pages.reshape(n_pages * kvh, ps, d),
+                v_pages.reshape(n_pages * kvh, ps, d), page_table.astype(jnp.int32),
+                context_lens.astype(jnp.int32), *scales)
+
+    def finish(out):
+        if splits == 1:
+            return out[:, :, :g].reshape(b, h, d)
+        o_parts, lse_parts = out
+        nb = (context_lens.astype(jnp.int32) + block_k - 1) // block_k
+        chunk = (nb + splits - 1) // splits
+        valid = jnp.arange(splits)[None, :] * chunk[:, None] < jnp.maximum(nb, 1)[:, None]
+        o = combine_splits(o_parts, lse_parts, valid)
+        return o[:, :, :g].reshape(b, h, d).astype(dtype)
+    return SwapABCall(kernel, operands, out_type, scratch, nprog, wgs, finish)
