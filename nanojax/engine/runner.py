@@ -107,7 +107,7 @@ class ModelRunner:
         if self.fixed_shapes:
             return t, self.max_rows, bucket(self.max_pages_per_seq, 4)
         r = bucket(len(batch.entries), self.min_row_bucket, self.max_rows)
-        if self.max_pages_per_seq and getattr(self.forward.attention, "width_free", False):
+        if self.max_pages_per_seq and self.forward.attention.width_free:
             return t, r, bucket(self.max_pages_per_seq, 4)  # one width: fewer compiles
         p = bucket(max(len(e.seq.pages) for e in batch.entries), 4)
         return t, r, p

@@ -35,6 +35,7 @@ class AttentionBackend(Attention, Protocol):
 
     prefill_block_q: int | None  # query block of the chunked-prefill kernel, if it runs
     prefill_max_seqs: int  # with it: most sequences prefilling in one iteration
+    width_free: bool  # attend's cost follows the longest context, not the table's width
 
     def append(self, k, v, kv_layer, meta, inv_freq):
         """RoPE on k, then k and v written into their pages -> the new kv_layer."""
