@@ -1,108 +1,52 @@
 """GPU benchmark of the fused GEMM + decode-attention kernel (one launch split by program
 id, pallas_kernels/fused_gemm_attention_mgpu.py) against its parts and against the two
-back to back; writes one JSON file.
+back to back; writes one JSON file (layout: pair_record.py, shared with the PyTorch
+green-context reference green_context_pair.py).
 
     PYTHONPATH=. python3 bench/kernels/fused_pair.py --out bench/results/fused_pair_h200.json
+
+Both benches and the plot (plot_fused_pair.py) in one GPU call, into $OUT:
+`OUT=dir bash bench/scripts/fused_pair_gpu.sh`.
 
 At the LLaMA-3-8B nano-batch shapes of B_dense 2048 (a GEMM nano-batch of --tokens 1024
 tokens: qkv, o, gate_up or down; a decode nano-batch of --batch 512 sequences of --ctx
 1024 keys, 32/8 heads, D 128, pages of 16), for each GEMM and each GEMM share G of the N
-programs (one per SM):
-  gemm_g       the fused kernel's GEMM body alone on G programs (gemm_part)
-  attention_g  the swap-AB attention alone on N - G programs, 3 workers a program (the
-               fused kernel's attention body)
-  fused        the pair in one launch, GEMM on programs [0, G)
-and once per GEMM at the full grid:
+programs (one per SM), a row of "shares" with:
+  gemm       the fused kernel's GEMM body alone on G programs (gemm_part)
+  attention  the swap-AB attention alone on N - G programs, 3 workers a program (the
+             fused kernel's attention body; measured once per G, the same in each GEMM)
+  pair       the fused pair in one launch, GEMM on programs [0, G)
+(a share that fails records {"G", "error"}) and once per GEMM at the full grid:
   xla_gemm, gemm_part_full (the GEMM body on N programs: the "within 10% of XLA" check),
   attention_full (swap-AB on N programs, its default workers), back_to_back (XLA's GEMM
   then the full-grid attention, in one jitted function).
-Ratios: back_to_back / fused (> 1: the fused pair pays), fused / max(gemm_g, attention_g)
-(1: the two sides do not slow each other), gemm_part_full / xla_gemm.
+Ratios: back_to_back_over_pair (> 1: the fused pair pays), pair_over_slower_part
+(1: the two sides do not slow each other), gemm_part_full_over_xla.
 
 Times: nanojax.profiling.timing.device_seconds (--iters calls in one jitted loop, median
-of --reps). SM clock and power: `nvidia-smi --query-gpu=clocks.sm,power.draw` sampled
-every --sample-ms in a background thread while each case runs for --power-seconds (its
-own loop, after the timing); absent when nvidia-smi is not there.
+of --reps). SM clock, power and throttle reasons: nvidia-smi queried every --sample-ms in
+a background thread while each case runs for --power-seconds (its own loop, after the
+timing; pair_record.PowerSampler); absent when nvidia-smi is not there.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import threading
 import time
 
-GEMMS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
-         "down": (14336, 4096)}
+from pair_record import (GEMMS, HEAD_DIM, KV_HEADS, Q_HEADS, PowerSampler, add_args,
+                         add_share, case, check_args, error_row, gemm_entry, header,
+                         share_row)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="JSON file to write")
-    p.add_argument("--gemms", default=",".join(GEMMS),
-                   help=f"comma-separated subset of {', '.join(GEMMS)}")
-    p.add_argument("--shares", default="44,66,88,110",
-                   help="GEMM programs G of the fused kernel, comma-separated")
+    add_args(p)
     p.add_argument("--programs", type=int, default=None,
                    help="programs N of the fused kernel (default: the SM count)")
-    p.add_argument("--tokens", type=int, default=1024, help="GEMM rows (nano-batch tokens)")
-    p.add_argument("--batch", type=int, default=512, help="decode sequences")
-    p.add_argument("--ctx", type=int, default=1024, help="keys per decode sequence")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--power-seconds", type=float, default=2.0,
-                   help="how long each case runs while clock and power are sampled (0: off)")
-    p.add_argument("--sample-ms", type=int, default=50)
-    p.add_argument("--gpu-index", type=int, default=0, help="nvidia-smi's index of the GPU")
-    args = p.parse_args(argv)
-    bad = [g for g in args.gemms.split(",") if g not in GEMMS]
-    if bad:
-        p.error(f"--gemms: unknown {bad}; choose from {list(GEMMS)}")
-    return args
-
-
-class PowerSampler:
-    """nvidia-smi's SM clock (MHz) and board power (W), every `ms`, in a background thread
-    between start() and stop(); stop() returns their summary (None without nvidia-smi)."""
-
-    def __init__(self, gpu_index: int, ms: int):
-        self.cmd = ["nvidia-smi", "-i", str(gpu_index), "--query-gpu=clocks.sm,power.draw",
-                    "--format=csv,noheader,nounits", f"--loop-ms={ms}"]
-        self.samples, self.proc, self.thread = [], None, None
-
-    def start(self):
-        self.samples = []
-        try:
-            self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE,
-                                         stderr=subprocess.DEVNULL, text=True)
-        except (FileNotFoundError, PermissionError):
-            self.proc = None
-            return
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            try:
-                clock, power = (float(x) for x in line.split(","))
-            except ValueError:  # "[N/A]" or a partial line
-                continue
-            self.samples.append((clock, power))
-
-    def stop(self) -> dict | None:
-        if self.proc is None:
-            return None
-        self.proc.terminate()
-        self.proc.wait()
-        self.thread.join(timeout=2)
-        if not self.samples:
-            return {"samples": 0}
-        clocks, powers = zip(*self.samples)
-        return {"samples": len(self.samples),
-                "sm_clock_mhz_mean": sum(clocks) / len(clocks), "sm_clock_mhz_min": min(clocks),
-                "power_w_mean": sum(powers) / len(powers), "power_w_max": max(powers)}
+    return check_args(p, p.parse_args(argv))
 
 
 def sustained(fn, args, seconds: float, sampler: PowerSampler | None):
@@ -142,8 +86,7 @@ def main(argv=None):
                                                           gemm_part)
     dev = jax.devices()[0]
     n_prog = args.programs or getattr(dev, "core_count", None) or 132
-    shares = [int(s) for s in args.shares.split(",")]
-    kvh, group, d, ps = 8, 4, 128, 16
+    kvh, group, d, ps = KV_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM, 16
     sampler = PowerSampler(args.gpu_index, args.sample_ms) if args.power_seconds > 0 else None
 
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
@@ -158,19 +101,27 @@ def main(argv=None):
 
     def measure(name, fn, fargs):
         t = device_seconds(fn, *fargs, iters=args.iters, reps=args.reps)
-        row = {"case": name, "ms": t * 1e3,
-               "power": sustained(fn, fargs, args.power_seconds, sampler)}
         print(f"{name:>40s} {t * 1e3:8.3f} ms", flush=True)
-        return row
+        return case(name, t * 1e3, sustained(fn, fargs, args.power_seconds, sampler))
 
-    result = {"command": " ".join(["python3"] + sys.argv), "device": str(dev),
-              "programs": n_prog, "tokens": args.tokens, "batch": args.batch,
-              "ctx": args.ctx, "heads": [kvh * group, kvh], "head_dim": d, "page_size": ps,
-              "attention_workers_fused": WARPGROUPS, "gemms": {}}
+    def rel_error(a, b, g):
+        c, o = fused_gemm_attention(a, b, *att, gemm_programs=g, num_programs=n_prog)
+        ref_c = np.asarray(jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32)))
+        ref_o = np.asarray(decode_attention_swapab(*att, num_programs=n_prog), np.float32)
+        return {"G": g,
+                "gemm": float(np.linalg.norm(np.asarray(c, np.float32) - ref_c)
+                              / np.linalg.norm(ref_c)),
+                "attention_vs_swapab": float(np.linalg.norm(np.asarray(o, np.float32) - ref_o)
+                                             / np.linalg.norm(ref_o))}
+
+    result = header("nanojax fused launch", " ".join(["python3"] + sys.argv), str(dev),
+                    n_prog, args, page_size=ps, attention_workers_fused=WARPGROUPS,
+                    kv_layout="pages of 16 keys, page table a random permutation")
     att_full = measure("attention_full", lambda *x: decode_attention_swapab(
         *x, num_programs=n_prog), att)
     result["attention_full"] = att_full
-    for name in args.gemms.split(","):
+    att_alone = {}  # the attention alone on N - G programs is the same beside every GEMM
+    for name in args.gemms:
         kdim, ndim = GEMMS[name]
         ka, kb = jax.random.split(jax.random.PRNGKey(1))
         a = jax.random.normal(ka, (args.tokens, kdim), jnp.bfloat16)
@@ -180,33 +131,27 @@ def main(argv=None):
             x, y, num_programs=n_prog), (a, b))
         b2b = measure(f"{name} back_to_back", lambda x, y, *r: (
             jnp.dot(x, y), decode_attention_swapab(*r, num_programs=n_prog)), (a, b, *att))
-        rows = []
-        for g in shares:
-            gemm_g = measure(f"{name} gemm G={g}", lambda x, y, g=g: gemm_part(
-                x, y, num_programs=g), (a, b))
-            att_g = measure(f"{name} attention {n_prog - g}", lambda *x, g=g: (
-                decode_attention_swapab(*x, num_programs=n_prog - g, warpgroups=WARPGROUPS)),
-                att)
-            fused = measure(f"{name} fused G={g}", lambda *x, g=g: fused_gemm_attention(
-                *x, gemm_programs=g, num_programs=n_prog), (a, b, *att))
-            rows.append({"G": g, "gemm": gemm_g, "attention": att_g, "fused": fused,
-                         "back_to_back_over_fused": b2b["ms"] / fused["ms"],
-                         "fused_over_slower_part": fused["ms"] / max(gemm_g["ms"],
-                                                                     att_g["ms"])})
-        result["gemms"][name] = {
-            "k": kdim, "n": ndim, "xla_gemm": xla, "gemm_part_full": part,
-            "gemm_part_full_over_xla": part["ms"] / xla["ms"], "back_to_back": b2b,
-            "shares": rows,
-            "best_G": max(rows, key=lambda r: r["back_to_back_over_fused"])["G"]}
-        # checked once per GEMM, so a wrong kernel cannot pass as a fast one
-        c, o = fused_gemm_attention(a, b, *att, gemm_programs=shares[0], num_programs=n_prog)
-        ref_c = np.asarray(jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32)))
-        ref_o = np.asarray(decode_attention_swapab(*att, num_programs=n_prog), np.float32)
-        result["gemms"][name]["fused_rel_error"] = {
-            "gemm": float(np.linalg.norm(np.asarray(c, np.float32) - ref_c)
-                          / np.linalg.norm(ref_c)),
-            "attention_vs_swapab": float(np.linalg.norm(np.asarray(o, np.float32) - ref_o)
-                                         / np.linalg.norm(ref_o))}
+        entry = result["gemms"][name] = gemm_entry(
+            name, b2b, xla_gemm=xla, gemm_part_full=part,
+            gemm_part_full_over_xla=part["ms"] / xla["ms"])
+        for g in args.shares:
+            try:  # one share that fails to compile or run leaves the others measured
+                gemm_g = measure(f"{name} gemm G={g}", lambda x, y, g=g: gemm_part(
+                    x, y, num_programs=g), (a, b))
+                if g not in att_alone:
+                    att_alone[g] = measure(f"attention {n_prog - g}", lambda *x, g=g: (
+                        decode_attention_swapab(*x, num_programs=n_prog - g,
+                                                warpgroups=WARPGROUPS)), att)
+                att_g = att_alone[g]
+                fused = measure(f"{name} fused G={g}", lambda *x, g=g: fused_gemm_attention(
+                    *x, gemm_programs=g, num_programs=n_prog), (a, b, *att))
+                add_share(entry, share_row(g, g, n_prog - g, gemm_g, att_g, fused, b2b))
+            except Exception as e:  # noqa: BLE001  (recorded in the JSON)
+                print(f"{name} G={g}: {e!r}"[:300], flush=True)
+                add_share(entry, error_row(g, e))
+        # checked once per GEMM at its best share, so a wrong kernel cannot pass as a fast one
+        entry["fused_rel_error"] = ({"error": "no share ran"} if entry["best_G"] is None
+                                    else rel_error(a, b, entry["best_G"]))
         with open(args.out, "w") as f:  # after each GEMM: a partial run keeps its rows
             json.dump(result, f, indent=1)
     print(f"wrote {args.out}")
