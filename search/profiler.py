@@ -32,7 +32,7 @@ from nanojax.config import KernelConfig
 from nanojax.engine.forward import default_forward
 from nanojax.layers.attention import slice_metadata
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
-from nanojax.profiling.synthetic import synthetic_batch, workload_lengths
+from nanojax.profiling.synthetic import engine_batch_rows, synthetic_batch, workload_lengths
 from nanojax.profiling.timing import device_seconds, device_seconds_stateful
 from search.milp import SearchError
 
@@ -57,11 +57,13 @@ class LayerOps:
         self.attention = forward.attention
         self.compiler_options = forward.compiler_options  # XLA options the step compiles with
         self.inv_freq = LlamaForCausalLM(cfg).inv_freq
+        cuts = tuple(range(granularity, b_dense, granularity))
         self.dense = synthetic_batch(cfg, b_dense, self.lengths, page_size, num_pages,
-                                     self.max_pages, tuple(range(granularity, b_dense,
-                                                                 granularity)),
+                                     self.max_pages, cuts,
                                      prefill_block_q=self.attention.prefill_block_q,
-                                     prefill_max_seqs=self.attention.prefill_max_seqs)
+                                     prefill_max_seqs=self.attention.prefill_max_seqs,
+                                     rows=engine_batch_rows({workload: self.lengths},
+                                                            b_dense, cuts))
         self.mix = {}  # n -> (decodes, prefill tokens) of the attention batch profiled
 
     def inputs(self, op: str, n: int):

@@ -1,6 +1,7 @@
 """The step benchmark's synthetic batch, the timeline analysis, and the PyTorch peer."""
 import gzip
 import json
+import types
 
 import numpy as np
 import pytest
@@ -35,6 +36,127 @@ def test_synthetic_batch_writes_only_pages_nobody_else_reads():
     # no sequence straddles the cut
     assert not set(m.seq_ids[:128].tolist()) & set(m.seq_ids[128:].tolist())
     assert b.num_decodes + b.num_prefill_tokens == 256
+
+
+def _two_batch_plan(cfg, b_dense=64):
+    half = b_dense // 2
+    return {"version": 1, "model": cfg.signature(), "tp": 1, "b_dense": b_dense,
+            "granularity": 8,
+            "nano_batches": {g: [[0, half], [half, b_dense]]
+                             for g in ("qkv", "attention", "o_proj", "mlp")},
+            "nano_ops": [{"op": g, "batch": b, "stream": int(g == "attention")}
+                         for b in (0, 1) for g in ("qkv", "attention", "o_proj", "mlp")]}
+
+
+def _engine_batch(cfg, workload="48/16", b_dense=64, cuts=(32,), **kw):
+    """The step bench's batch of a workload: 16 decodes and two prefill chunks (18
+    sequences in 64 tokens), padded to the CPU engine's rows."""
+    from nanojax.profiling.synthetic import engine_batch_rows
+    lengths = workload_lengths(workload, 256)
+    rows = engine_batch_rows({workload: lengths}, b_dense, cuts, on_gpu=False)
+    return synthetic_batch(cfg, b_dense, lengths, page_size=16, num_pages=512,
+                           max_pages=16, cuts=cuts, rows=rows, **kw)
+
+
+def test_synthetic_batch_has_the_engines_rows():
+    """Per-sequence arrays have the runner's row count for an engine that admits the
+    batch (not one row per token), padded as the runner pads: zeros."""
+    from checkpoints.loader import load_model
+    from nanojax.engine.runner import ModelRunner, default_min_row_bucket
+    bundle = load_model("random:tiny")
+    b = _engine_batch(bundle.config, prefill_block_q=8, prefill_max_seqs=4)
+    assert (b.num_seqs, b.num_decodes, len(b.tokens)) == (18, 16, 64)
+    scheduled = types.SimpleNamespace(entries=[None] * b.num_seqs, num_tokens=64)
+    for fixed in (True, False):  # the rows of every step, or of this one
+        runner = ModelRunner(bundle.config, bundle.params, 512, 16, max_rows=b.num_seqs,
+                             b_dense=64, max_pages_per_seq=16, fixed_shapes=fixed,
+                             min_row_bucket=default_min_row_bucket(False))
+        assert runner.shapes_for(scheduled)[1] == b.rows == 32
+    m = b.meta
+    assert m.page_table.shape[0] == m.context_lens.shape[0] == len(b.logit_idx) == 32
+    # sampling rows take their sequence's last token; padding rows, token 0 and no pages
+    idx = b.logit_idx[:b.num_seqs]
+    assert (m.seq_ids[idx] == np.arange(b.num_seqs)).all()
+    assert (m.positions[idx] + 1 == m.context_lens[:b.num_seqs]).all()
+    assert not b.logit_idx[18:].any() and not m.page_table[18:].any()
+    assert not m.context_lens[18:].any()
+    # query blocks bounded as the runner bounds them: T // block_q + min(rows, max_seqs)
+    assert m.prefill_blocks.shape[0] == 64 // 8 + 4
+    with pytest.raises(ValueError, match="cannot hold"):
+        synthetic_batch(bundle.config, 64, workload_lengths("48/16", 256), 16, 512, 16,
+                        (32,), rows=16)
+
+
+def test_step_bench_refuses_a_sequence_limit_below_the_batch():
+    from nanojax.errors import NanojaxError
+    from nanojax.profiling.synthetic import engine_batch_rows as batch_rows
+    lengths = {"48/16": workload_lengths("48/16", 256)}
+    assert batch_rows(lengths, 64, (32,), on_gpu=True) == 32
+    assert batch_rows(lengths, 64, (32,), max_num_seqs=40, on_gpu=True) == 64
+    assert batch_rows(lengths, 64, (32,), max_num_seqs=1000, on_gpu=True) == 64  # <= B_dense
+    with pytest.raises(NanojaxError, match="--max-num-seqs 10 is below the 18 sequences"):
+        batch_rows(lengths, 64, (32,), max_num_seqs=10)
+
+
+def _dots_over_vocab(jaxpr, vocab):
+    """(lhs shape, rhs shape) of every dot_general with an operand spanning the
+    vocabulary, in the jaxpr and the jaxprs inside it."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            shapes = [v.aval.shape for v in eqn.invars]
+            if any(vocab in s for s in shapes):
+                out.append(tuple(shapes))
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += _dots_over_vocab(inner, vocab)
+    return out
+
+
+def test_the_lm_head_runs_on_the_engines_rows_not_every_token():
+    """The step bench's LM head GEMM, read from its jaxpr: engine rows (32 for 18
+    sequences on the CPU), B_dense rows (64) only under ':alllogits', 24 under
+    ':seqlogits'."""
+    import jax
+    from checkpoints.loader import load_model
+    from nanojax.bench.step import make_step, step_args, with_logit_rows
+    from nanojax.pipeline.executor import PipelineForward
+    bundle = load_model("random:tiny")
+    cfg = bundle.config
+    fwd = PipelineForward(cfg, _two_batch_plan(cfg), "non-overlap")
+    params, kv = fwd.prepare(bundle.params), fwd.init_kv(512, 16)
+    step = make_step(fwd)
+    batch = _engine_batch(cfg)
+    for how, rows in (("engine", 32), ("all", 64), ("seqs", 24)):
+        b = with_logit_rows(batch, how)
+        jaxpr = jax.make_jaxpr(step)(params, kv, *step_args(b)).jaxpr
+        dots = _dots_over_vocab(jaxpr, cfg.vocab_size)
+        assert dots == [((rows, cfg.hidden_size), (cfg.hidden_size, cfg.vocab_size))], how
+        kv_out, (tokens, logits) = jax.eval_shape(step, params, kv, *step_args(b))
+        assert tokens.shape == (rows,) and logits.shape == (64, cfg.vocab_size)
+
+
+def test_the_logit_rows_ab_samples_the_same_tokens():
+    """':alllogits' and ':seqlogits' against the engine's rows in one run: the same
+    tokens for every sequence, the same checked logits, each mode's LM head rows
+    recorded, and their ratio to the plain mode."""
+    from checkpoints.loader import load_model
+    from nanojax.bench.step import run_step_bench
+    bundle = load_model("random:tiny")
+    modes = ["non-overlap", "non-overlap::alllogits", "non-overlap::seqlogits"]
+    out = run_step_bench(bundle, _two_batch_plan(bundle.config), [64], ["48/16"], modes,
+                         num_pages=512, max_model_len=256, repeats=1, progress=False)
+    res = {r["mode"]: r for r in out["results"]}
+    assert [res[m]["logit_rows"] for m in modes] == [32, 64, 24]
+    for r in res.values():
+        assert r["rows"] == 32 and r["num_seqs"] == 18
+        assert r["same_tokens_as_non-overlap"] == 1.0 and r["differing_sequences"] == []
+        assert r["logits_max_diff_over_std"] < 1e-5
+    ratios = out["ratios"][0]
+    assert {"non-overlap::alllogits_over_non-overlap",
+            "non-overlap::seqlogits_over_non-overlap"} <= set(ratios)
 
 
 def test_step_bench_modes_agree_on_the_cpu(tmp_path):
@@ -77,14 +199,17 @@ def test_step_modes_parse_into_their_options():
     m = parse_mode("overlap:0.25:nogroups:gemm0.5:keepinputs")
     assert m == {"base": "overlap", "attention_share": 0.25, "gemm_share": 0.5,
                  "scheduling_groups": False, "keep": "inputs", "xla_grouped": False,
-                 "shard_map": False}
+                 "shard_map": False, "logit_rows": "engine"}
+    assert parse_mode("non-overlap::alllogits")["logit_rows"] == "all"
+    assert parse_mode("overlap:0.5:seqlogits")["logit_rows"] == "seqs"
     assert parse_mode("overlap:1.0:keepall")["keep"] == "values"
     assert parse_mode("non-overlap::shardmap")["shard_map"]
     assert parse_mode("non-overlap")["attention_share"] is None
     assert parse_mode("non-overlap")["xla_grouped"] is False
     assert parse_mode("non-overlap::xlagrouped")["xla_grouped"] is True
     for bad in ("overlap:0", "overlap:0.5:foo", "overlap::gemm2", "sideways",
-                "overlap:1.0:keepinputs:keepall"):
+                "overlap:1.0:keepinputs:keepall", "non-overlap::alllogits:seqlogits",
+                "non-overlap::somelogits"):
         with pytest.raises(ValueError, match=bad):
             parse_mode(bad)
 

@@ -5,6 +5,10 @@
 #   mosaic      the Mosaic GPU swap-AB decode kernel (the new default on Hopper)
 #   mosaic_pf   + the chunked-prefill kernel, all three modes, with a timeline
 #   fp8_pf      FP8 KV pages (Triton decode + chunked-prefill kernels), when KV8=1
+#   logits_ab   (only when ONLY names it) the LM head's rows, 512/512, non-overlap, Mosaic:
+#               the engine's rows (2048 here: 1026 sequences, a power-of-two bucket)
+#               against all B_dense tokens (':alllogits', the same shapes: the A/B's noise)
+#               and the sequences only (':seqlogits', 1032 rows: finer row buckets' gain)
 # Usage: OUT=dir [WORKLOADS=512/512,sharegpt,lmsys,splitwise] [KV8=1] [ONLY="triton mosaic"]
 #        bash bench/scripts/attention_step.sh
 set -u
@@ -23,6 +27,8 @@ run triton 150 --decode-kernel triton --modes non-overlap
 run mosaic 200 --decode-kernel mosaic --modes non-overlap
 run mosaic_pf 330 --decode-kernel mosaic --prefill-kernel \
   --modes non-overlap,nanobatch-only,overlap --timeline "$OUT/timeline_mosaic_pf.png"
+run logits_ab 150 --decode-kernel mosaic --workloads 512/512 \
+  --modes non-overlap,non-overlap::alllogits,non-overlap::seqlogits
 if [ -n "${KV8:-}" ]; then
   run fp8_pf 150 --decode-kernel triton --prefill-kernel --kv-cache-dtype fp8 --modes non-overlap
 fi

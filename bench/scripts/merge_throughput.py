@@ -20,8 +20,8 @@ STEP_FILES = ("step_2048.json", "step_bdense_sweep.json")
 ENGINE_GLOB = "engine_*.json"  # the engine end to end, with the peer where it ran beside
 KEEP = ("b_dense", "workload", "mode", "step_s", "tokens_per_s", "fraction_of_optimal",
         "fraction_of_optimal_at_790_tflops", "optimal_tokens_per_s", "gemm_tflops",
-        "num_decodes", "num_prefill_tokens", "compile_s", "same_tokens_as_non-overlap",
-        "differing_sequences", "repeat_same_tokens", "error")
+        "num_decodes", "num_prefill_tokens", "num_seqs", "rows", "logit_rows", "compile_s",
+        "same_tokens_as_non-overlap", "differing_sequences", "repeat_same_tokens", "error")
 
 
 def load(d: Path, name: str) -> dict | None:

@@ -163,10 +163,13 @@ def cmd_step(args) -> int:
     except ValueError as e:
         raise NanojaxError(f"bad --b-dense or --modes ({e}): B_dense values are integers; a "
                            f"mode is one of {MODES}, optionally ':SHARE' in (0, 1], "
-                           "':nogroups', ':keepinputs' or ':keepall', ':gemmSHARE' and ':xlagrouped'"
+                           "':nogroups', ':keepinputs' or ':keepall', ':gemmSHARE', "
+                           "':xlagrouped' and ':alllogits' or ':seqlogits'"
                            ) from None
     if any(b <= 0 for b in b_dense):
         raise NanojaxError(f"B_dense must be positive, got {args.b_dense}")
+    if args.max_num_seqs is not None and args.max_num_seqs <= 0:
+        raise NanojaxError(f"--max-num-seqs must be positive, got {args.max_num_seqs}")
     plan = load_plan(args.plan)
     if args.num_layers:  # a probe on the first layers: the plan is per layer, so it still fits
         plan["model"]["num_layers"] = args.num_layers
@@ -182,14 +185,14 @@ def cmd_step(args) -> int:
     kv_cache_dtype = getattr(args, "kv_cache_dtype", "auto")
     record = {**run_record(kernels), "model": args.model, "plan": args.plan,
               "tensor_parallel_size": args.tensor_parallel_size,
-              "kv_cache_dtype": kv_cache_dtype}
+              "kv_cache_dtype": kv_cache_dtype, "max_num_seqs": args.max_num_seqs}
     out = run_step_bench(bundle, plan, b_dense, args.workloads.split(","),
                          modes, page_size=args.page_size,
                          num_pages=args.num_pages, max_model_len=args.max_model_len,
                          repeats=args.repeats, timeline_png=args.timeline,
                          progress=not args.quiet, f32_reference=args.f32_reference,
                          kernels=kernels, tp=args.tensor_parallel_size,
-                         kv_cache_dtype=kv_cache_dtype,
+                         kv_cache_dtype=kv_cache_dtype, max_num_seqs=args.max_num_seqs,
                          checkpoint=lambda part: write_json(args.json, {**record, **part}))
     payload = {**record, "num_layers": bundle.config.num_layers, **out}
     if args.dump_hlo:
@@ -278,6 +281,10 @@ def register(sub) -> None:
     st.add_argument("--page-size", type=int, default=16)
     st.add_argument("--num-pages", type=int, default=16384, help="KV page pool")
     st.add_argument("--max-model-len", type=int, default=2048)
+    st.add_argument("--max-num-seqs", type=int, default=None,
+                    help="the engine's sequence limit: batches get its row count (page "
+                         "table, LM head rows), the runner's bucket of it (default: the most "
+                         "sequences of any workload's batch at that B_dense)")
     st.add_argument("--repeats", type=int, default=10)
     st.add_argument("--timeline", default=None,
                     help="write a Gantt PNG (and its events JSON) of one iteration per mode, "

@@ -4,6 +4,7 @@ around it."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -13,45 +14,93 @@ import jax.numpy as jnp
 import numpy as np
 
 from nanojax.config import KernelConfig, ModelConfig
-from nanojax.profiling.synthetic import SyntheticBatch, synthetic_batch, workload_lengths
+from nanojax.profiling.synthetic import (SyntheticBatch, engine_batch_rows, synthetic_batch,
+                                         workload_lengths)
 
 
 _CHECK_ROWS = 64  # rows whose logits come back to compare the modes numerically
+# a mode's LM head rows (parse_mode): the engine's row count (its padding rows' logits
+# included), all B_dense tokens (the step bench before it padded as the engine does), or
+# the batch's sequences padded to a multiple of 8 (what row buckets finer than the
+# engine's powers of two would give)
+LOGIT_ROWS = ("engine", "all", "seqs")
+_LOGIT_OPTIONS = {"alllogits": "all", "seqlogits": "seqs"}  # mode suffix -> LOGIT_ROWS
+
+
+def check_rows(batch: SyntheticBatch) -> np.ndarray:
+    """_CHECK_ROWS sampling rows whose logits come back: spread over the decodes and over
+    the prefill chunks, so every nano-batch has rows among them; the same rows whatever
+    the mode's LM head rows, and always _CHECK_ROWS of them (one shape: one compile)."""
+    d, n = batch.num_decodes, batch.num_seqs
+    if 0 < d < n:
+        k = min(_CHECK_ROWS // 4, n - d)
+        rows = np.concatenate([np.linspace(0, d - 1, _CHECK_ROWS - k),
+                               np.linspace(d, n - 1, k)])
+    else:
+        rows = np.linspace(0, n - 1, _CHECK_ROWS)
+    return rows.round().astype(np.int32)
 
 
 def make_step(forward):
-    """The jitted iteration: forward over the dense batch, greedy sample per row; returns
-    the sampled tokens and the logits of _CHECK_ROWS rows spread over the batch (so every
-    nano-batch has rows among them)."""
-    def step(params, kv, tokens, meta, logit_idx):
+    """The jitted iteration: forward over the dense batch, greedy sample per logit row;
+    returns the sampled tokens and the logits of the rows `check` (check_rows)."""
+    def step(params, kv, tokens, meta, logit_idx, check):
         logits, kv = forward(params, tokens, kv, meta, logit_idx)
-        rows = np.linspace(0, logits.shape[0] - 1, min(_CHECK_ROWS, logits.shape[0]))
-        return kv, (jnp.argmax(logits, axis=-1), logits[rows.astype(np.int32)])
+        return kv, (jnp.argmax(logits, axis=-1), logits[check])
     return jax.jit(step, donate_argnums=(1,),
                    compiler_options=forward.compiler_options or None)
 
 
+def with_logit_rows(batch: SyntheticBatch, how: str) -> SyntheticBatch:
+    """The batch with the LM head rows of a mode (LOGIT_ROWS): the sampling rows are the
+    same, only the padding rows (token 0's logits, as the engine pads) differ in number."""
+    if how == "engine":
+        return batch
+    if how not in LOGIT_ROWS:
+        raise ValueError(f"LM head rows {how!r} are not one of {LOGIT_ROWS}")
+    n = len(batch.tokens) if how == "all" else -(-batch.num_seqs // 8) * 8
+    idx = np.zeros(n, np.int32)
+    idx[:batch.num_seqs] = batch.logit_idx[:batch.num_seqs]
+    return dataclasses.replace(batch, logit_idx=idx)
+
+
+def step_args(batch: SyntheticBatch) -> tuple:
+    """The step's inputs after (params, kv)."""
+    return batch.tokens, batch.meta, batch.logit_idx, check_rows(batch)
+
+
 def time_step(step, params, kv, batch: SyntheticBatch, repeats: int = 10):
     """Median seconds of one step (each call is one executable, tens of ms: dispatch, ~0.1
-    ms, is noise here); returns (seconds, kv, sampled tokens and logits of the last call,
-    those of the first). Every call sees the same cache contents (it rewrites the same
-    slots with the same values), so a deterministic step returns the same output each time."""
-    args = (batch.tokens, batch.meta, batch.logit_idx)
+    ms, is noise here); returns (seconds, kv, sampled tokens of the batch's sequences and
+    the checked rows' logits of the last call, those of the first). Every call sees the
+    same cache contents (it rewrites the same slots with the same values), so a
+    deterministic step returns the same output each time."""
+    args = step_args(batch)
     kv, out = step(params, kv, *args)  # compile + warm up
-    first = jax.device_get(out)
+    first = _sampled(batch, jax.device_get(out))
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         kv, out = step(params, kv, *args)
         jax.block_until_ready(out)
         times.append(time.perf_counter() - t)
-    return float(np.median(times)), kv, jax.device_get(out), first
+    return float(np.median(times)), kv, _sampled(batch, jax.device_get(out)), first
+
+
+def _sampled(batch: SyntheticBatch, out):
+    """A step's output restricted to the rows that sample (the padding rows' tokens are
+    token 0's, however many there are): what two modes' outputs are compared on."""
+    tokens, logits = out
+    return tokens[:batch.num_seqs], logits
 
 
 def parse_mode(mode: str) -> dict:
     """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs|keepall][:gemmSHARE]
-    [:xlagrouped] ('xlagrouped': an MoE step's expert GEMMs through XLA's ragged_dot instead
-    of the Mosaic GPU grouped GEMM, the A/B of models/moe.py):
+    [:xlagrouped][:alllogits|seqlogits] ('xlagrouped': an MoE step's expert GEMMs through
+    XLA's ragged_dot instead of the Mosaic GPU grouped GEMM, the A/B of models/moe.py;
+    'alllogits': the LM head on all B_dense tokens, 'seqlogits': on the batch's sequences
+    padded to a multiple of 8, instead of the engine's rows, the A/B of LOGIT_ROWS; with
+    'seqlogits' each workload's row count is its own shape, compiled at its first call):
     'overlap:0.25' runs the plan with every attention nano-op at share 0.25; 'nogroups'
     turns off the executor's XLA scheduling groups (the ablation that shows what they do);
     'shardmap' runs the step through the tensor-parallel shard_map path even at TP 1
@@ -63,7 +112,8 @@ def parse_mode(mode: str) -> dict:
     from nanojax.pipeline.plan import MODES
     base, *opts = mode.split(":")
     out = {"base": base, "attention_share": None, "gemm_share": None,
-           "scheduling_groups": True, "keep": "", "xla_grouped": False, "shard_map": False}
+           "scheduling_groups": True, "keep": "", "xla_grouped": False, "shard_map": False,
+           "logit_rows": "engine"}
     try:
         if opts and opts[0]:
             out["attention_share"] = float(opts[0])
@@ -78,6 +128,8 @@ def parse_mode(mode: str) -> dict:
                 out["xla_grouped"] = True
             elif o == "shardmap":  # the tensor-parallel path even at TP 1 (the A/B)
                 out["shard_map"] = True
+            elif o in _LOGIT_OPTIONS and out["logit_rows"] == "engine":
+                out["logit_rows"] = _LOGIT_OPTIONS[o]
             else:
                 raise ValueError
     except ValueError:
@@ -101,7 +153,8 @@ def _variant(plan: dict, mode: str, kernels: KernelConfig):
     if m["xla_grouped"]:
         kernels = kernels.replace(grouped_gemm="xla")
     return plan, m["base"], dict(scheduling_groups=m["scheduling_groups"], keep=m["keep"],
-                                 kernels=kernels, shard_map=m["shard_map"])
+                                 kernels=kernels, shard_map=m["shard_map"],
+                                 logit_rows=m["logit_rows"])
 
 
 def f32_reference_outputs(bundle, plan: dict, batches: dict, num_pages: int,
@@ -122,9 +175,8 @@ def f32_reference_outputs(bundle, plan: dict, batches: dict, num_pages: int,
     out = {}
     with jax.default_matmul_precision("highest"):
         for w, b in batches.items():
-            _, o = step(params, fwd.init_kv(num_pages, page_size), b.tokens, b.meta,
-                        b.logit_idx)
-            out[w] = jax.device_get(o)
+            _, o = step(params, fwd.init_kv(num_pages, page_size), *step_args(b))
+            out[w] = _sampled(b, jax.device_get(o))
     return out
 
 
@@ -162,6 +214,7 @@ def _measure(step, fwd, params, batch: SyntheticBatch, num_pages: int, page_size
             "repeat_logits_max_abs_diff": float(np.max(np.abs(
                 np.asarray(first[1], np.float32) - np.asarray(out[1], np.float32)))),
             "num_decodes": batch.num_decodes, "num_prefill_tokens": batch.num_prefill_tokens,
+            "num_seqs": batch.num_seqs, "logit_rows": batch.rows,
             "kv_tokens_read_per_layer": batch.kv_tokens_read}, out
 
 
@@ -189,7 +242,7 @@ def _capture_timeline(step, fwd, params, batch: SyntheticBatch, num_pages: int,
                       page_size: int, kv_dtype=None) -> list:
     from nanojax.profiling import timeline
     kv = fwd.init_kv(num_pages, page_size, kv_dtype)
-    args = (batch.tokens, batch.meta, batch.logit_idx)
+    args = step_args(batch)
     kv, _ = step(params, kv, *args)  # warm: the trace holds one steady call
     holder = {}
 
@@ -210,9 +263,10 @@ def _ratios(results: list, b_dense_list: list[int], workloads: list[str]) -> lis
                 row["overlap_over_non_overlap"] = t["overlap"] / t["non-overlap"]
             if "overlap" in t and "nanobatch-only" in t:
                 row["overlap_over_nanobatch_only"] = t["overlap"] / t["nanobatch-only"]
-            for m in t:  # the TP path at TP 1 against today's path (issue 19's A/B)
-                base = m.split(":")[0]
-                if parse_mode(m)["shard_map"] and base in t:
+            for m in t:  # same-process A/Bs against the plain base mode: the TP path at
+                base = m.split(":")[0]  # TP 1 (issue 19), the LM head's rows (issue 17)
+                opts = parse_mode(m)
+                if (opts["shard_map"] or opts["logit_rows"] != "engine") and base in t:
                     row[f"{m}_over_{base}"] = t[m] / t[base]
             ratios.append(row)
     return ratios
@@ -232,7 +286,7 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
                    max_model_len: int = 2048, repeats: int = 10, timeline_png: str | None = None,
                    progress: bool = True, checkpoint=None, f32_reference: bool = False,
                    kernels: KernelConfig = KernelConfig(), tp: int = 1,
-                   kv_cache_dtype: str = "auto") -> dict:
+                   kv_cache_dtype: str = "auto", max_num_seqs: int | None = None) -> dict:
     """Every mode at every B_dense and workload, in one process: ratios between modes come
     from the same run. Optimal = the GEMM rate measured here at that B_dense.
     checkpoint(results) is called after every mode, so a run cut short keeps what it has.
@@ -240,7 +294,9 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
     from it (what a mode's difference from another must be measured against on a GPU,
     where each GEMM shape may get another kernel and so another rounding).
     kv_cache_dtype: the cache's element type (--kv-cache-dtype; the float32 reference
-    keeps a float32 cache)."""
+    keeps a float32 cache). max_num_seqs: the engine's sequence limit, whose row count
+    the batches are padded to (engine_batch_rows; None: the most sequences of any
+    workload's batch at that B_dense, the smallest limit that admits every batch)."""
     from tqdm.auto import tqdm
 
     from nanojax.bench.roofline import measure_gemm_rate
@@ -264,15 +320,18 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
             roof = measure_gemm_rate(cfg, b_dense) if tp == 1 else tp_gemm_rate(cfg, b_dense, tp)
         sized = resize(plan, b_dense)
         cuts = tuple(a for a, _ in sized["nano_batches"]["attention"][1:])
-        batches = {w: synthetic_batch(cfg, b_dense, workload_lengths(w, max_model_len),
-                                      page_size, num_pages, max_pages, cuts,
-                                      prefill_block_q=block_q,
-                                      prefill_max_seqs=kernels.prefill_max_seqs)
+        lengths = {w: workload_lengths(w, max_model_len) for w in workloads}
+        rows = engine_batch_rows(lengths, b_dense, cuts, max_num_seqs)
+        batches = {w: synthetic_batch(cfg, b_dense, lengths[w], page_size, num_pages,
+                                      max_pages, cuts, prefill_block_q=block_q,
+                                      prefill_max_seqs=kernels.prefill_max_seqs, rows=rows)
                    for w in workloads}
         outputs = {}  # workload -> mode -> (tokens, checked logits)
         for mode in modes:
             p, base, options = _variant(sized, mode, kernels)
             shard = options.pop("shard_map")
+            how = options.pop("logit_rows")
+            mode_batches = {w: with_logit_rows(b, how) for w, b in batches.items()}
             fwd = PipelineForward(cfg, p, base, tp=tp, **options)
             kind = tp > 1 or shard
             if kind:  # the tensor-parallel path (':shardmap' takes it at TP 1)
@@ -281,11 +340,11 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
                 prepared[kind] = fwd.prepare(bundle.params)
             params = prepared[kind]
             step = make_step(fwd)
-            b0 = batches[workloads[0]]
+            b0 = mode_batches[workloads[0]]
             t0 = time.perf_counter()
             try:
                 kv_shape = jax.eval_shape(lambda: fwd.init_kv(num_pages, page_size, kv_dtype))
-                step.lower(params, kv_shape, b0.tokens, b0.meta, b0.logit_idx).compile()
+                step.lower(params, kv_shape, *step_args(b0)).compile()
             except Exception as e:  # record the mode's failure, measure the others
                 results.append({"b_dense": b_dense, "mode": mode,
                                 "error": f"{type(e).__name__}: {str(e)[:1500]}"})
@@ -293,16 +352,16 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
                 continue
             compile_s = time.perf_counter() - t0
             for w in workloads:
-                r, out = _measure(step, fwd, params, batches[w], num_pages, page_size,
+                r, out = _measure(step, fwd, params, mode_batches[w], num_pages, page_size,
                                   repeats, kv_dtype)
-                r = {"b_dense": b_dense, "workload": w, "mode": mode, **r,
+                r = {"b_dense": b_dense, "workload": w, "mode": mode, "rows": rows, **r,
                      "compile_s": compile_s}
                 if roof:
                     _roofline_fields(r, cfg, roof, tp)
                 outputs.setdefault(w, {})[mode] = out
                 _compare(r, out, outputs[w])
                 if timeline_png and b_dense == b_dense_list[0] and w == workloads[0]:
-                    timelines[mode] = _capture_timeline(step, fwd, params, batches[w],
+                    timelines[mode] = _capture_timeline(step, fwd, params, mode_batches[w],
                                                         num_pages, page_size, kv_dtype)
                     r["timeline"] = timeline.summarize(timelines[mode])
                 results.append(r)

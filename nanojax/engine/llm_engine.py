@@ -18,7 +18,7 @@ from nanojax.config import EngineConfig
 from nanojax.engine.forward import Forward, default_forward
 from nanojax.engine.kv_cache import PageAllocator, size_cache
 from nanojax.engine.outputs import CompletionOutput, RequestOutput
-from nanojax.engine.runner import ModelRunner
+from nanojax.engine.runner import ModelRunner, default_min_row_bucket
 from nanojax.engine.sampling import SamplingError, SamplingParams
 from nanojax.engine.scheduler import ScheduledBatch, Scheduler
 from nanojax.engine.sequence import Sequence
@@ -88,7 +88,7 @@ class LLMEngine:
         # tokens and 4 rows ran at half speed); a GPU step barely notices them, and fixed
         # shapes compile every bucket at start (fewer buckets, shorter start)
         min_tokens = cfg.min_token_bucket or (16 if on_gpu or fixed else 1)
-        min_rows = cfg.min_row_bucket or (4 if on_gpu else 1)
+        min_rows = cfg.min_row_bucket or default_min_row_bucket(on_gpu)
         self.runner = ModelRunner(self.model_config, bundle.params, self.sizing.num_pages,
                                   cfg.page_size, self.scheduler.max_num_seqs, cfg.b_dense,
                                   forward=forward, constant_batch=cfg.constant_batch,

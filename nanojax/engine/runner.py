@@ -28,6 +28,19 @@ def bucket(n: int, minimum: int, maximum: int | None = None) -> int:
     return min(b, maximum) if maximum is not None and n <= maximum else b
 
 
+def default_min_row_bucket(on_gpu: bool) -> int:
+    """The smallest row count a step is padded to: a GPU step barely notices padding rows;
+    the CPU pays logits over the vocabulary for each one."""
+    return 4 if on_gpu else 1
+
+
+def engine_rows(max_num_seqs: int, min_row_bucket: int) -> int:
+    """The row count (sequences: page table, sampling, LM head) of an engine allowed
+    max_num_seqs sequences: every step's with fixed shapes (the GPU default), the largest
+    one's otherwise. The step benchmark pads its synthetic batches to it (bench/step.py)."""
+    return bucket(max_num_seqs, min_row_bucket)
+
+
 @dataclasses.dataclass
 class StepOutput:
     """Device arrays of one launched step; rows follow the batch's entries."""
@@ -52,7 +65,7 @@ class ModelRunner:
         self.cfg = cfg
         self.page_size = page_size
         self.min_row_bucket = min_row_bucket
-        self.max_rows = bucket(max_rows, min_row_bucket)
+        self.max_rows = engine_rows(max_rows, min_row_bucket)
         self.b_dense = b_dense
         self.constant_batch = constant_batch
         self.max_pages_per_seq = max_pages_per_seq

@@ -7,6 +7,8 @@ request spends I tokens in prefill and O in decode, so O / (I + O) of the batch 
 Sequences draw their pages from a shared pool (pages may repeat across sequences): reads
 cost the same bandwidth as distinct pages once the pool is far larger than L2, and the cache
 fits on one GPU at any batch.
+Per-sequence arrays (page table, context lengths, the LM head's rows) have the engine's
+row count, padding rows as the runner pads them (zeros: no pages, the logits of token 0).
 """
 from __future__ import annotations
 
@@ -24,10 +26,15 @@ from nanojax.traces import trace_lengths
 class SyntheticBatch:
     tokens: np.ndarray
     meta: PagedMetadata
-    logit_idx: np.ndarray
+    logit_idx: np.ndarray  # [rows]: each sequence's last token, then padding (token 0)
     num_decodes: int
     num_prefill_tokens: int
     kv_tokens_read: int  # keys attended over, summed over tokens: the attention's traffic
+    num_seqs: int  # sequences (decodes, then prefill chunks): rows [0, num_seqs) sample
+
+    @property
+    def rows(self) -> int:
+        return len(self.logit_idx)
 
 
 def steady_state_mix(lengths: list[tuple[int, int]], b_dense: int,
@@ -51,29 +58,63 @@ def steady_state_mix(lengths: list[tuple[int, int]], b_dense: int,
     return contexts.tolist(), chunks
 
 
+def steady_state_seqs(lengths: list[tuple[int, int]], b_dense: int,
+                      cuts: tuple[int, ...] = (), seed: int = 0) -> int:
+    """How many sequences synthetic_batch's batch of the same arguments holds."""
+    contexts, chunks = steady_state_mix(lengths, b_dense, np.random.default_rng(seed), cuts)
+    return len(contexts) + len(chunks)
+
+
+def engine_batch_rows(lengths: dict, b_dense: int, cuts: tuple[int, ...] = (),
+                      max_num_seqs: int | None = None, on_gpu: bool | None = None) -> int:
+    """The engine's row count for the steady-state batches of these workloads
+    ({workload: lengths}) at B_dense: an engine allowed max_num_seqs sequences (capped at
+    B_dense, as the scheduler caps it; None: the most any batch holds), padded as the
+    runner pads (engine_rows, with the engine's default smallest row bucket).
+    NanojaxError when max_num_seqs is too few for a batch."""
+    import jax
+
+    from nanojax.engine.runner import default_min_row_bucket, engine_rows
+    seqs = {w: steady_state_seqs(ls, b_dense, cuts) for w, ls in lengths.items()}
+    most = max(seqs.values())
+    if max_num_seqs is not None and max_num_seqs < most:
+        w = max(seqs, key=seqs.get)
+        raise NanojaxError(f"--max-num-seqs {max_num_seqs} is below the {most} sequences of "
+                           f"workload {w}'s steady-state batch at B_dense {b_dense}")
+    on_gpu = jax.default_backend() == "gpu" if on_gpu is None else on_gpu
+    return engine_rows(min(max_num_seqs or most, b_dense), default_min_row_bucket(on_gpu))
+
+
 def synthetic_batch(cfg: ModelConfig, b_dense: int, lengths: list[tuple[int, int]],
                     page_size: int, num_pages: int, max_pages: int,
                     cuts: tuple[int, ...] = (), seed: int = 0,
                     prefill_block_q: int | None = None,
-                    prefill_max_seqs: int | None = None) -> SyntheticBatch:
+                    prefill_max_seqs: int | None = None,
+                    rows: int | None = None) -> SyntheticBatch:
     """A steady-state dense batch of the workload `lengths` (see steady_state_mix).
     prefill_block_q, prefill_max_seqs: the chunked-prefill kernel's query blocks, bounded
-    as the engine bounds them (None: one block per row at most)."""
+    as the engine bounds them (None: one block per row at most). rows: see build_batch."""
     rng = np.random.default_rng(seed)
     contexts, chunks = steady_state_mix(lengths, b_dense, rng, cuts)
     return build_batch(cfg, contexts, chunks, page_size, num_pages, max_pages, rng,
-                       prefill_block_q)
+                       prefill_block_q, prefill_max_seqs, rows)
 
 
 def build_batch(cfg: ModelConfig, contexts: list[int], chunks: list[int], page_size: int,
                 num_pages: int, max_pages: int, rng: np.random.Generator,
-                prefill_block_q: int | None = None) -> SyntheticBatch:
+                prefill_block_q: int | None = None, prefill_max_seqs: int | None = None,
+                rows: int | None = None) -> SyntheticBatch:
     """Decodes with these contexts, then prefill chunks (from position 0) of these lengths.
     Pages that this step writes are each sequence's own; the pages it only reads come
-    from a shared pool, so every mode reads the same cache contents."""
+    from a shared pool, so every mode reads the same cache contents. rows: the row count
+    the engine pads the batch to (runner.engine_rows); None: one row per sequence."""
     contexts = [min(c, max_pages * page_size) for c in contexts]
     chunks = [min(n, max_pages * page_size) for n in chunks]
     t = len(contexts) + sum(chunks)
+    seqs = len(contexts) + len(chunks)
+    rows = seqs if rows is None else rows
+    if rows < seqs:
+        raise ValueError(f"{rows} rows cannot hold the batch's {seqs} sequences")
     written = len(contexts) + sum(-(-n // page_size) for n in chunks)
     if written * 2 > num_pages:
         raise ValueError(f"a KV pool of {num_pages} pages is too small for {t} tokens")
@@ -81,9 +122,10 @@ def build_batch(cfg: ModelConfig, contexts: list[int], chunks: list[int], page_s
     fresh = iter(range(shared, num_pages))
     positions = np.zeros(t, np.int32)
     seq_ids = np.zeros(t, np.int32)
-    page_table = rng.integers(0, shared, (t, max_pages)).astype(np.int32)
-    context_lens = np.zeros(t, np.int32)
-    logit_idx = np.zeros(t, np.int32)
+    page_table = np.zeros((rows, max_pages), np.int32)
+    page_table[:seqs] = rng.integers(0, shared, (seqs, max_pages))
+    context_lens = np.zeros(rows, np.int32)
+    logit_idx = np.zeros(rows, np.int32)
     i = 0
     for row, c in enumerate(contexts):
         positions[i], seq_ids[i], context_lens[row], logit_idx[row] = c - 1, row, c, i
@@ -101,14 +143,14 @@ def build_batch(cfg: ModelConfig, contexts: list[int], chunks: list[int], page_s
     blocks = slot = None
     if prefill_block_q:  # query blocks for the chunked-prefill kernel, as the runner makes
         blocks, slot = prefill_metadata(seq_ids, positions, len(contexts), t,
-                                        prefill_block_q, prefill_max_seqs or t)
+                                        prefill_block_q, min(rows, prefill_max_seqs or rows))
     meta = PagedMetadata(positions=positions, slot_mapping=slots.astype(np.int32),
                          seq_ids=seq_ids, page_table=page_table, context_lens=context_lens,
                          num_decodes=np.int32(len(contexts)), prefill_blocks=blocks,
                          prefill_slot=slot)
     tokens = rng.integers(min(1000, cfg.vocab_size // 2), cfg.vocab_size, t)
     return SyntheticBatch(tokens.astype(np.int32), meta, logit_idx, len(contexts),
-                          t - len(contexts), int((positions + 1).sum()))
+                          t - len(contexts), int((positions + 1).sum()), seqs)
 
 
 def workload_lengths(spec: str, max_model_len: int) -> list[tuple[int, int]]:
