@@ -128,6 +128,20 @@ def _kernel(*refs, kvh, num_work, num_programs, pages_per_block, page_size, scal
 
 
 BLOCK_KEYS = 64  # keys per inner step, whatever the grid (see _use_prefetch)
+# Triton addresses a page pool with int32 element offsets: a pool of 2^31 elements or more
+# per layer wraps them (on the H200 an FP8 pool of 262,144 pages faulted; bf16 read
+# garbage silently). 2^31 elements is 131,072 pages of 16 x 8 heads x 128.
+MAX_POOL_ELEMENTS = 2**31 - 1
+
+
+def pool_too_large(k_pages) -> str | None:
+    """Why this kernel cannot address the pool (None when it can)."""
+    n = math.prod(k_pages.shape)
+    if n > MAX_POOL_ELEMENTS:
+        return (f"a KV page pool of {k_pages.shape} holds {n:,} elements per layer; the "
+                f"Triton attention kernels address it with int32 offsets (at most "
+                f"{MAX_POOL_ELEMENTS:,}): use fewer pages")
+    return None
 
 
 def _use_prefetch(programs: int) -> bool:
@@ -158,6 +172,8 @@ def paged_attention_call(qg, k_pages, v_pages, page_table, context_lens, row_las
     """
     b, kvh, rows, d = qg.shape
     n, _, ps, _ = k_pages.shape
+    if (why := pool_too_large(k_pages)) is not None:
+        raise ValueError(why)
     num_work = b * kvh
     nprog = num_work if num_programs is None else max(1, min(num_programs, num_work))
     if prefetch is None:

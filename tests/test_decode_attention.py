@@ -92,3 +92,32 @@ def test_kernel_on_gpu_bf16(b, ctx, ps, programs, prefetch):
     np.testing.assert_array_equal(np.asarray(out), np.asarray(full))  # any grid, same sum
     ref = decode_attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), pt, lens)
     assert _rel(out, ref) < REL_TOL_BF16
+
+
+def test_a_pool_past_int32_offsets_is_refused_before_it_runs():
+    """The Triton kernels address the pool with int32 element offsets: on the H200 a pool
+    of 262,144 FP8 pages (2^32 elements) faulted. Traced only (eval_shape): nothing is
+    allocated."""
+    from pallas_kernels.decode_attention import MAX_POOL_ELEMENTS, decode_attention_impl
+    from nanojax.config import named_shape
+    from nanojax.engine.kv_cache import max_addressable_pages, size_cache
+    from nanojax.errors import ConfigError
+    q = jax.ShapeDtypeStruct((4, 32, 128), jnp.bfloat16)
+    pt = jax.ShapeDtypeStruct((4, 8), jnp.int32)
+    lens = jax.ShapeDtypeStruct((4,), jnp.int32)
+
+    def run(pages):
+        pool = jax.ShapeDtypeStruct((pages, 8, 16, 128), jnp.bfloat16)
+        return jax.eval_shape(lambda *a: decode_attention_impl(*a, interpret=True),
+                              q, pool, pool, pt, lens)
+
+    fits = MAX_POOL_ELEMENTS // (8 * 16 * 128)
+    assert run(fits).shape == (4, 32, 128)
+    with pytest.raises(ValueError, match="int32 offsets"):
+        run(fits + 1)
+    # the engine sizes its pool inside the limit, and refuses an explicit pool past it
+    cfg = named_shape("llama3-8b")
+    assert max_addressable_pages(cfg, 16) == fits
+    assert size_cache(cfg, 16, 2048, 2048, memory_bytes=1 << 50).num_pages == fits
+    with pytest.raises(ConfigError, match="address"):
+        size_cache(cfg, 16, 2048, 2048, num_pages=fits + 1)

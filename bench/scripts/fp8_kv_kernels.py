@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
-from bench_decode import copy_bandwidth  # noqa: E402  (one copy-bandwidth probe)
+from bench_decode import copy_bandwidth, pool_and_table  # noqa: E402  (shared with the sweep)
 
 H, KVH, D, PS = 32, 8, 128, 16
 FP8_MAX = 448.0
@@ -85,8 +85,8 @@ def main() -> int:
         return r
 
     for b, ctx in shapes:
-        n = b * ctx // PS
-        pt = jnp.asarray(rng.permutation(n).reshape(b, ctx // PS).astype(np.int32))
+        n, table = pool_and_table(b, ctx // PS, PS, rng)
+        pt = jnp.asarray(table)
         lens = jnp.full((b,), ctx, jnp.int32)
         q = jax.random.normal(jax.random.PRNGKey(3), (b, H, D), jnp.bfloat16)
         for fp8 in (False, True):

@@ -152,6 +152,12 @@ def free_device_bytes(utilization: float = 0.9) -> int | None:
     return int(stats["bytes_limit"] * utilization) - int(stats.get("bytes_in_use", 0))
 
 
+def max_addressable_pages(cfg: ModelConfig, page_size: int) -> int:
+    """Pages one layer's pool may have: the Triton kernels use int32 element offsets."""
+    from pallas_kernels.decode_attention import MAX_POOL_ELEMENTS
+    return MAX_POOL_ELEMENTS // (cfg.num_kv_heads * page_size * cfg.head_dim)
+
+
 def size_cache(cfg: ModelConfig, page_size: int, max_model_len: int, b_dense: int,
                num_pages: int | None = None, memory_bytes: int | None = None,
                expected_context: int | None = None,
@@ -164,7 +170,11 @@ def size_cache(cfg: ModelConfig, page_size: int, max_model_len: int, b_dense: in
         if memory_bytes is None:
             raise ConfigError("cannot measure device memory here: give num_pages")
         per_page = cfg.kv_bytes_per_token(kv_itemsize) * page_size
-        num_pages = int(memory_bytes // per_page)
+        num_pages = min(int(memory_bytes // per_page), max_addressable_pages(cfg, page_size))
+    elif num_pages > max_addressable_pages(cfg, page_size):
+        raise ConfigError(f"num_pages {num_pages} is more than the attention kernels can "
+                          f"address in one layer's pool "
+                          f"({max_addressable_pages(cfg, page_size)} pages of {page_size})")
     if num_pages * page_size < max_model_len:
         raise ConfigError(f"KV cache of {num_pages} pages x {page_size} tokens cannot hold "
                           f"one request of max_model_len {max_model_len}")
