@@ -66,10 +66,14 @@ def cmd_search(args) -> int:
     from tqdm.auto import tqdm
 
     from nanojax.config import named_shape
-    from search.milp import Profile, search, to_plan
+    from search.milp import Profile, SearchError, search, stage1, to_plan
     report = {}
+    pair = _read_pair(args.pair) if args.pair else None
     if args.profile:
-        prof = Profile.load(args.profile)
+        if pair is None:
+            prof = Profile.load(args.profile)
+        else:
+            prof = Profile.from_dict(_with_pair(_read_json(args.profile, SearchError), pair))
     elif args.datasheet:  # a profile synthesized from the cost model and a datasheet
         from search.costmodel import WORKLOADS, analyze, gpu_from
         from search.datasheet import datasheet_profile
@@ -78,7 +82,7 @@ def cmd_search(args) -> int:
         cfg, gpu = named_shape(args.model), gpu_from(args.datasheet)
         p, d = WORKLOADS[args.workload]
         raw = datasheet_profile(gpu, cfg, args.tp, args.b_dense, args.granularity, p, d)
-        prof = Profile.from_dict(raw)
+        prof = Profile.from_dict(raw if pair is None else _with_pair(raw, pair))
         a = analyze(gpu, cfg, args.b_dense, args.tp, p, d)
         report["cost_model"] = {k: a[k] for k in ("bound", "TR", "T_net_over_T_compute",
                                                   "T_compute_s", "T_mem_s", "T_net_s")}
@@ -99,9 +103,14 @@ def cmd_search(args) -> int:
         best = stage2(prof, best, time_limit=args.time_limit)
         shared = {f"{j}[{b}]": r for (j, b), r in best["share"].items() if r < 1}
         print(f"nanojax: stage II shares below 1: {shared or 'none'}", file=sys.stderr)
-    plan = to_plan(prof, best, signature, args.tp)
     from search.datasheet import non_overlap_time
     serial = non_overlap_time(prof)
+    report["overlap"] = _overlap_decision(prof, best, serial, pair)
+    # (a profile whose pair never ran together is already planned with nothing overlapped)
+    if not report["overlap"]["chosen"] and prof.concurrent and len(best["sizes"]) > 1:
+        print(f"nanojax: no overlap: {report['overlap']['reason']}", file=sys.stderr)
+        best = stage1(prof, 1, args.time_limit)  # one nano-batch: every op on one stream
+    plan = to_plan(prof, best, signature, args.tp)
     report.update({"nano_batches": best["sizes"], "predicted_makespan_s": best["makespan"],
                    "non_overlap_s": serial,
                    "predicted_gain_over_non_overlap": serial / best["makespan"]})
@@ -115,6 +124,51 @@ def cmd_search(args) -> int:
         plot_plan(plan, prof, args.png)
         print(f"nanojax: wrote {args.png}", file=sys.stderr)
     return 0
+
+
+def _read_json(path, error=SystemExit) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise error(f"nanojax: cannot read {path}: {e}") from None
+
+
+def _read_pair(path) -> dict:
+    record = _read_json(path)
+    if not isinstance(record, dict) or "programs" not in record or "gemms" not in record:
+        raise SystemExit(f"nanojax: {path} is not a pair file written by "
+                         "bench/kernels/fused_pair.py (no 'programs' or 'gemms')")
+    return record
+
+
+def _with_pair(profile: dict, pair: dict) -> dict:
+    """The profile with its interference table measured on the fused pair."""
+    from search.pair import interference_from_pair
+    shares = [float(r) for r in
+              profile.get("ops", {}).get("attention", {}).get("times_by_share", {})]
+    return {**profile, "interference": interference_from_pair(pair, shares or [0.5])}
+
+
+def _overlap_decision(prof, best: dict, serial: float, pair: dict | None) -> dict:
+    """Overlap only where the plan is predicted to beat one nano-batch with every op in
+    turn, and, when a measured pair is given, where that pair beat back to back."""
+    predicted = serial / best["makespan"]
+    out = {"chosen": True, "predicted_gain": predicted, "reason": ""}
+    if pair is not None:
+        from search.pair import best_gain
+        gain = best_gain(pair)
+        out["pair_best_gain_over_back_to_back"] = gain
+        if gain is not None and gain < 1:
+            out.update(chosen=False, reason=(
+                f"the measured GEMM + attention pair is at best {gain:.3f}x back to back "
+                f"(every GEMM and share measured on {pair.get('device', 'the device')}): "
+                f"overlapping cannot pay"))
+            return out
+    if not prof.concurrent:
+        out.update(chosen=False, reason="the profiled pair never ran together")
+    elif predicted <= 1 + 1e-6:
+        out.update(chosen=False, reason=f"predicted {predicted:.3f}x of no overlap")
+    return out
 
 
 def cmd_profile(args) -> int:
@@ -210,6 +264,10 @@ def register(sub) -> None:
     s.add_argument("--max-k", type=int, default=4)
     s.add_argument("--time-limit", type=float, default=120.0, help="seconds per MILP")
     s.add_argument("--png", default=None, help="write the predicted schedule as a PNG")
+    s.add_argument("--pair", default=None, metavar="FILE",
+                   help="a measured GEMM + attention pair (bench/kernels/fused_pair.py's "
+                        "JSON): stage II reads its interference, and the plan has no "
+                        "overlap where the pair does not beat back to back")
     s.set_defaults(func=cmd_search)
 
     pr = sub.add_parser("profile", help="measure op times by batch size and share, and the "

@@ -205,3 +205,76 @@ def test_a_device_that_ran_nothing_together_gets_a_plan_without_overlap():
     assert not _with_table(base, overlapped=0.4, together=False).concurrent
     overlapping = _with_table(base, overlapped=0.4, together=True)
     assert overlapping.concurrent and search(overlapping, max_k=3)["k"] >= 2
+
+
+def _pair_record(gain: float, gemm_ms: float = 0.4) -> dict:
+    """A fused-pair file (bench/kernels/fused_pair.py's layout) whose pair takes
+    back_to_back / gain at every share; sides alone: GEMM gemm_ms, attention 0.6 ms
+    (the GEMM at the full grid 0.3 ms)."""
+    def case(ms):
+        return {"case": "x", "ms": ms}
+    b2b = 1.0
+    return {"programs": 132, "device": "test", "gemms": {"mlp": {
+        "xla_gemm": case(0.3), "back_to_back": case(b2b),
+        "shares": [{"G": g, "gemm_sms": g, "attention_sms": 132 - g, "gemm": case(gemm_ms),
+                    "attention": case(0.6), "pair": case(b2b / gain)}
+                   for g in (44, 66, 88)]}}}
+
+
+def test_interference_from_a_measured_pair():
+    from search.pair import best_gain, interference_from_pair, pair_rows
+    rec = _pair_record(gain=1.25)  # pair 0.8 ms: 0.8 / max(0.4, 0.6) = 1.333 slowdown
+    rows = pair_rows(rec)
+    assert [r["share"] for r in rows] == [pytest.approx(1 / 3), 0.5, pytest.approx(2 / 3)]
+    s = 0.8 / 0.6
+    assert rows[1]["compute"] == pytest.approx(0.3 / (0.4 * s))
+    assert rows[1]["memory"] == pytest.approx(1 / s)
+    assert best_gain(rec) == pytest.approx(1.25)
+    table = interference_from_pair(rec, [0.25, 0.5, 1.0])
+    # 0.25 lies below the measured shares: clamped to the nearest one, never "free"
+    assert [r["share"] for r in table["rows"]] == [0.25, 0.5]
+    assert table["rows"][0]["memory"] == pytest.approx(rows[0]["memory"])
+    prof = Profile.from_dict({"b_dense": 512, "granularity": 128, "interference": table,
+                              "ops": {j: {"resource": r, "times": {str(n): 1.0 * n for n in
+                                                                   range(128, 513, 128)}}
+                                      for j, r in (("qkv", "compute"), ("attention", "memory"),
+                                                   ("o_proj", "compute"), ("mlp", "compute"))}})
+    assert prof.concurrent and prof.interference[0.5] == pytest.approx(
+        (rows[1]["compute"], rows[1]["memory"]))
+
+
+@pytest.mark.parametrize("gain,gemm_ms,overlap", [(0.95, 0.4, False), (1.6, 0.32, True)])
+def test_the_search_plans_no_overlap_where_the_measured_pair_loses(tmp_path, gain, gemm_ms,
+                                                                   overlap):
+    """Attention-heavy layer where splitting pays when overlap is free; a measured pair
+    slower than back to back must give one nano-batch on one stream, with the reason."""
+    import json
+
+    from nanojax.cli import main
+    prof = _profile(*CASES[0])
+    d = {"b_dense": prof.b_dense, "granularity": prof.granularity,
+         "ops": {j: {"resource": prof.resource[j],
+                     "times": {str(n): t for n, t in prof.times[j].items()}}
+                 for j in OP_GROUPS}}
+    d["ops"]["attention"]["times_by_share"] = {
+        "0.5": {str(n): 1.1 * t for n, t in prof.times["attention"].items()},
+        "1.0": {str(n): t for n, t in prof.times["attention"].items()}}
+    (tmp_path / "profile.json").write_text(json.dumps(d))
+    (tmp_path / "pair.json").write_text(json.dumps(_pair_record(gain, gemm_ms)))
+    assert main(["search", "--profile", str(tmp_path / "profile.json"), "--pair",
+                 str(tmp_path / "pair.json"), "--out", str(tmp_path / "plan.json"),
+                 "--max-k", "3", "--time-limit", "20"]) == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    decision = plan["predicted"]["report"]["overlap"]
+    assert decision["chosen"] is overlap
+    assert decision["pair_best_gain_over_back_to_back"] == pytest.approx(gain)
+    if not overlap:
+        assert "cannot pay" in decision["reason"]
+        assert len(plan["nano_batches"]["qkv"]) == 1
+        assert {op["stream"] for op in plan["nano_ops"]} == {0}
+    else:
+        assert len(plan["nano_batches"]["qkv"]) >= 2
+    with pytest.raises(SystemExit, match="not a pair file"):
+        (tmp_path / "bad.json").write_text("{}")
+        main(["search", "--profile", str(tmp_path / "profile.json"), "--pair",
+              str(tmp_path / "bad.json"), "--out", str(tmp_path / "x.json")])

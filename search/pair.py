@@ -1,0 +1,75 @@
+"""The interference table from a measured GEMM + attention pair (issue 18).
+
+`bench/kernels/fused_pair.py` times, at a nano-batch's shapes, one launch whose programs
+[0, G) run a GEMM and programs [G, N) decode attention, against each side alone on its
+programs and against the two back to back on the full grid. That is the pair the executor
+would run, so it is the interference stage II should read (search/shares.py), in place of
+the profiler's two-stream pair, which on the H200 never ran together.
+
+For a GEMM share G / N (attention share R = 1 - G / N), the pair took `pair` where the
+sides alone took `gemm_g` and `attention_g`; each side is charged the pair's slowdown
+s = pair / max(gemm_g, attention_g) (one launch: both sides end by `pair`, the slower
+one is what the measurement sees). In stage II's terms (performance relative to the op
+alone): the GEMM at share 1 - R runs at P_c = gemm_full / (gemm_g * s), the attention at
+share R at P_m = 1 / s against its own time at R. Rows are averaged over the GEMMs the
+file holds, then interpolated to the profile's attention shares (linear in R, clamped at
+the measured ends: a share outside them is never assumed to run free).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+SOURCE = "fused GEMM + attention launch (bench/kernels/fused_pair.py)"
+
+
+def pair_rows(record: dict) -> list[dict]:
+    """Per GEMM share: attention share R, P of the GEMM and of the attention, and the
+    pair's gain over back to back (mean over the GEMMs measured at that share)."""
+    n = int(record["programs"])
+    by_share: dict[float, list[tuple[float, float, float]]] = {}
+    for gemm in record.get("gemms", {}).values():
+        # the profile's GEMM times are XLA's: P_c is relative to them (the PyTorch
+        # reference file names its full-grid GEMM gemm_full)
+        full = gemm.get("xla_gemm") or gemm.get("gemm_full") or gemm.get("gemm_part_full")
+        b2b = gemm.get("back_to_back")
+        for row in gemm.get("shares", []):
+            if "error" in row or full is None or b2b is None:
+                continue
+            g_ms, a_ms, p_ms = (row[k]["ms"] for k in ("gemm", "attention", "pair"))
+            s = max(1.0, p_ms / max(g_ms, a_ms))
+            r = round(1 - int(row.get("gemm_sms", row["G"])) / n, 6)
+            by_share.setdefault(r, []).append(
+                (full["ms"] / (g_ms * s), 1.0 / s, b2b["ms"] / p_ms))
+    return [{"share": r, "compute": float(np.mean([v[0] for v in vals])),
+             "memory": float(np.mean([v[1] for v in vals])),
+             "gain_over_back_to_back": float(np.mean([v[2] for v in vals])),
+             "gemms": len(vals)}
+            for r, vals in sorted(by_share.items())]
+
+
+def best_gain(record: dict) -> float | None:
+    """The pair's best gain over back to back, over every GEMM and share it measured."""
+    gains = [g["back_to_back"]["ms"] / row["pair"]["ms"]
+             for g in record.get("gemms", {}).values() if "back_to_back" in g
+             for row in g.get("shares", []) if "error" not in row]
+    return max(gains, default=None)
+
+
+def interference_from_pair(record: dict, shares) -> dict:
+    """The profile's `interference` table at these attention shares (below 1), from a
+    fused-pair record; `best_gain` is the pair's best gain over back to back."""
+    rows = pair_rows(record)
+    if not rows:
+        return {"measured": False, "source": SOURCE, "reason": "the pair file has no rows"}
+    rs = np.array([r["share"] for r in rows])
+    out = []
+    for r in sorted(s for s in shares if 0 < s < 1):
+        out.append({"share": r,
+                    **{k: float(np.interp(r, rs, [x[k] for x in rows]))
+                       for k in ("compute", "memory", "gain_over_back_to_back")},
+                    # one launch: the two sides always run together
+                    "schedule": {"issued_together": True},
+                    "attention_overlapped_by_gemm": 1.0})
+    return {"measured": True, "source": SOURCE, "measured_shares": rows, "rows": out,
+            "best_gain": best_gain(record),
+            "device": record.get("device"), "command": record.get("command")}
