@@ -8,10 +8,13 @@ B x KVH units, so the kernel occupies a bounded part of the GPU and a concurrent
 have the rest.
 
 FP8 pages (float8_e4m3fn, stored as x / scale with one float32 scale per kv head for k and
-for v): the kernel loads the 1-byte rows and converts them to the query's dtype in
-registers; the k scale is folded into the query (so into the scores) and the v scale into
-the output, so the bytes read per key halve and the arithmetic is unchanged. Any other page
-dtype that differs from the query's (bf16 pages under f32 queries) is converted the same way.
+for v): the kernel loads the 1-byte rows and widens them in registers, to f16 by default
+(`fp8_compute`; the query is cast to it too; f32 queries keep f32): e4m3 widens to f16 in one conversion
+instruction on Hopper, where bf16 takes a detour through f32 (the H200 ran FP8 pages at
+43-54% of copy speed with bf16 arithmetic, bench/results/attention_step/); f16 holds every
+e4m3 value exactly. The k scale is folded into the query (so into the scores) and the v
+scale into the output, so the bytes read per key halve. Pages of another dtype than the
+query's (bf16 pages under f32 queries) are converted to the query's dtype the same way.
 """
 from __future__ import annotations
 
@@ -52,12 +55,15 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, context_lens, k_
 
 
 def _kernel(*refs, kvh, num_work, num_programs, pages_per_block, page_size, scale, prefetch,
-            scaled):
+            scaled, fp8_compute):
     if scaled:  # FP8 pages: per-kv-head scales of k and v
         q_ref, k_ref, v_ref, pt_ref, len_ref, rowpos_ref, ks_ref, vs_ref, o_ref = refs
     else:
         q_ref, k_ref, v_ref, pt_ref, len_ref, rowpos_ref, o_ref = refs
-    cd = q_ref.dtype  # pages of another dtype (FP8) are converted to it in registers
+    # pages of another dtype are converted to the compute dtype in registers
+    # (f32 queries, the CPU's, keep f32 arithmetic)
+    cd = (jnp.dtype(fp8_compute) if scaled and jnp.dtype(q_ref.dtype).itemsize == 2
+          else q_ref.dtype)
     convert = k_ref.dtype != cd
     pid = pl.program_id(0)
     rows, d = q_ref.shape[2], q_ref.shape[3]
@@ -162,7 +168,8 @@ def _use_prefetch(programs: int) -> bool:
 def paged_attention_call(qg, k_pages, v_pages, page_table, context_lens, row_last, *,
                          k_scale=None, v_scale=None, num_programs: int | None = None, pages_per_block: int | None = None,
                          num_warps: int | None = None, num_stages: int = 2,
-                         prefetch: bool | None = None, interpret: bool = False):
+                         prefetch: bool | None = None, interpret: bool = False,
+                         fp8_compute: str = "float16"):
     """The kernel over units of (query group, kv head), shared by decode and prefill.
 
     qg [B, KVH, rows, D]: the query rows of unit b for kv head h; page_table [B, P];
@@ -188,7 +195,7 @@ def paged_attention_call(qg, k_pages, v_pages, page_table, context_lens, row_las
     kern = functools.partial(_kernel, kvh=kvh, num_work=num_work, num_programs=nprog,
                              pages_per_block=pages_per_block, page_size=ps,
                              scale=1.0 / math.sqrt(d), prefetch=prefetch,
-                             scaled=k_scale is not None)
+                             scaled=k_scale is not None, fp8_compute=fp8_compute)
     scales = () if k_scale is None else (k_scale.astype(jnp.float32),
                                          v_scale.astype(jnp.float32))
     params = {}
@@ -208,7 +215,8 @@ def paged_attention_call(qg, k_pages, v_pages, page_table, context_lens, row_las
 def decode_attention_impl(q, k_pages, v_pages, page_table, context_lens, *,
                           k_scale=None, v_scale=None, num_programs: int | None = None, pages_per_block: int | None = None,
                           num_warps: int | None = None, num_stages: int = 2,
-                          prefetch: bool | None = None, interpret: bool = False):
+                          prefetch: bool | None = None, interpret: bool = False,
+                          fp8_compute: str = "float16"):
     """Pallas paged decode attention; same contract as decode_attention_reference.
 
     num_programs: programs in the persistent grid (None: one per unit of work).
@@ -216,6 +224,8 @@ def decode_attention_impl(q, k_pages, v_pages, page_table, context_lens, *,
         warps per program (None: 4).
     prefetch: load block j+1 (and block j+2's page numbers) before computing block j
         (None: on for bounded grids, see _use_prefetch). The result does not depend on it.
+    fp8_compute: the dtype FP8 pages are widened to (and a 16-bit query cast to) for the
+        dots.
     """
     b, h, d = q.shape
     kvh = k_pages.shape[1]
@@ -229,11 +239,13 @@ def decode_attention_impl(q, k_pages, v_pages, page_table, context_lens, *,
     out = paged_attention_call(qg, k_pages, v_pages, page_table, context_lens, row_last,
                                k_scale=k_scale, v_scale=v_scale, num_programs=num_programs, pages_per_block=pages_per_block,
                                num_warps=num_warps, num_stages=num_stages,
-                               prefetch=prefetch, interpret=interpret)
+                               prefetch=prefetch, interpret=interpret,
+                               fp8_compute=fp8_compute)
     return out[:, :, :g].reshape(b, h, d)
 
 
 # Jitted entry point. Inside a larger jitted step (and inside stream-annotated regions,
 # which refuse nested jits) call decode_attention_impl instead.
 decode_attention = jax.jit(decode_attention_impl, static_argnames=(
-    "num_programs", "pages_per_block", "num_warps", "num_stages", "prefetch", "interpret"))
+    "num_programs", "pages_per_block", "num_warps", "num_stages", "prefetch", "interpret",
+    "fp8_compute"))

@@ -8,8 +8,9 @@ Rows: the decode kernel (pallas_kernels/decode_attention.py) at batch x context 
 grids; the chunked-prefill kernel on 4 chunks of 512 tokens after 512-token prefixes; the
 fused RoPE + append kernel on 2048 tokens. Each row: seconds, GB/s of the bytes actually
 read (FP8 pages are half), fraction of the device's copy bandwidth measured in the same
-run, and for FP8 the time relative to bf16 (what the iteration gains). Decode rows at
-512 x 1024 also check the output against the reference.
+run, and for FP8 the time relative to bf16 (what the iteration gains). FP8 decode rows
+come twice: widened to f16 (`fp8`, the kernel's default) and to bf16 (`fp8_bf16math`).
+Decode rows at 512 x 1024 also check the output against the reference.
 """
 from __future__ import annotations
 
@@ -89,8 +90,9 @@ def main() -> int:
         pt = jnp.asarray(table)
         lens = jnp.full((b,), ctx, jnp.int32)
         q = jax.random.normal(jax.random.PRNGKey(3), (b, H, D), jnp.bfloat16)
-        for fp8 in (False, True):
-            name = "fp8" if fp8 else "bf16"
+        # FP8 widened to f16 (the kernel's default) and to bf16 (before 2026-12-01)
+        for name, fp8, compute in (("bf16", False, "float16"), ("fp8", True, "float16"),
+                                   ("fp8_bf16math", True, "bfloat16")):
             (k, ks), (v, vs) = pages(n, 1, fp8), pages(n, 2, fp8)
             nbytes = 2 * b * ctx * KVH * D * k.dtype.itemsize
             check = None
@@ -98,9 +100,10 @@ def main() -> int:
                 ref = decode_attention_reference(q.astype(jnp.float32), k, v, pt, lens, ks, vs)
                 check = np.asarray(ref, np.float64)
             for g in grids:
-                def fn(q, k, v, pt, lens, ks, vs, g=g):
+                def fn(q, k, v, pt, lens, ks, vs, g=g, compute=compute):
                     return decode_attention_impl(q, k, v, pt, lens, k_scale=ks, v_scale=vs,
-                                                 num_programs=g, **interp)
+                                                 num_programs=g, fp8_compute=compute,
+                                                 **interp)
                 r = row("decode", name, fn, (q, k, v, pt, lens, ks, vs), nbytes, batch=b,
                         context=ctx, programs=g or b * KVH)
                 if check is not None and "error" not in r:
@@ -153,7 +156,7 @@ def main() -> int:
     key = lambda r: (r["kernel"], r.get("batch"), r.get("context"), r.get("programs"))  # noqa
     bf16 = {key(r): r for r in res["rows"] if r["kv_dtype"] == "bf16" and "seconds" in r}
     for r in res["rows"]:
-        if r["kv_dtype"] == "fp8" and "seconds" in r and key(r) in bf16:
+        if r["kv_dtype"].startswith("fp8") and "seconds" in r and key(r) in bf16:
             r["time_over_bf16"] = r["seconds"] / bf16[key(r)]["seconds"]
     save()
     print(f"wrote {args.out}", file=sys.stderr)
