@@ -177,6 +177,23 @@ def cmd_bench_serve(args) -> int:
                                "base_url": url, "model": model,
                                "multi_round": args.multi_round, **s})
         return 0 if s["failed_turns"] == 0 else 1
+    if args.request_rates:  # the latency sweep over rates (bench/serve_sweep.py)
+        from nanojax.bench.serve_sweep import parse_rates, plot_sweeps, run_sweep
+        rates = parse_rates(args.request_rates)
+
+        def make(n, seed):
+            return make_requests(n, vocab, args.input_len, args.output_len, args.trace,
+                                 info.get("max_model_len"), seed)
+        s = run_sweep(url, model, rates, make, args.sweep_seconds, args.seed, args.api_key,
+                      args.max_concurrency, not args.quiet, args.stop_factor)
+        print(json.dumps({"max_rate_within_slo": s["max_rate_within_slo"],
+                          "saturated": s["saturated"], "rates_run": [
+                              p["request_rate"] for p in s["sweep"]]}))
+        write_json(args.json, {"command": " ".join(["nanojax"] + sys.argv[1:]),
+                               "base_url": url, "model": model, "trace": args.trace, **s})
+        if args.png:
+            plot_sweeps({args.trace or "fixed lengths": s}, args.png)
+        return 0
     reqs = make_requests(args.num_prompts, vocab, args.input_len, args.output_len, args.trace,
                          info.get("max_model_len"), args.seed)
     s = asyncio.run(run_serve_bench(url, model, reqs, args.request_rate, args.seed,
@@ -196,6 +213,13 @@ def register_serve(bsub) -> None:
     add_workload_args(p)
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second (Poisson); inf sends all at once")
+    p.add_argument("--request-rates", default=None, metavar="R1,R2,...",
+                   help="a latency sweep: these rates in turn, ~--sweep-seconds of arrivals "
+                        "each (fresh prompts per rate), until the server saturates")
+    p.add_argument("--sweep-seconds", type=float, default=60.0)
+    p.add_argument("--stop-factor", type=float, default=2.0,
+                   help="the sweep stops past this many times the 200 ms/token SLO")
+    p.add_argument("--png", default=None, help="with --request-rates: the latency curve")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--multi-round", type=int, default=0, metavar="N",
                    help="--num-prompts conversations of up to N turns, each sent when the "

@@ -1,0 +1,117 @@
+"""The online latency sweep (NanoFlow's Fig. 8): `nanojax bench serve --request-rates ...`.
+
+One server, one rate after another: at each rate, fresh requests (their own seed, so the
+prefix cache cannot serve one rate's prompts to the next) arrive as a Poisson process for
+about --sweep-seconds; the sweep stops once the mean normalized latency (end-to-end time
+over output tokens) passes --stop-factor x the 200 ms/token SLO, the server being
+saturated. The result names the highest rate whose mean normalized latency is within the
+SLO with no failed request.
+
+    python -m nanojax.bench.serve_sweep A.json [B.json ...] --out sweep.png
+plots the sweeps of several runs (traces, with and without a plan) in one figure.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+from pathlib import Path
+
+from nanojax.bench.serve import SLO_S_PER_TOKEN, run_serve_bench
+
+
+def parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"nanojax: --request-rates must be numbers, got {text!r}") from None
+    if not rates or any(not (math.isfinite(r) and r > 0) for r in rates):
+        raise SystemExit(f"nanojax: --request-rates must be positive and finite, got {text!r}")
+    return sorted(rates)
+
+
+def run_sweep(url: str, model: str, rates: list[float], make_requests, seconds: float,
+              seed: int = 0, api_key=None, max_concurrency=None, progress=True,
+              stop_factor: float = 2.0) -> dict:
+    """make_requests(n, seed) -> requests; about `seconds` of arrivals at each rate."""
+    points = []
+    for i, rate in enumerate(rates):
+        n = max(1, math.ceil(rate * seconds))
+        s = asyncio.run(run_serve_bench(url, model, make_requests(n, seed + i), rate,
+                                        seed + i, api_key, max_concurrency, progress))
+        s.pop("per_request", None)  # one summary per rate keeps the file readable
+        points.append(s)
+        mean = s["normalized_latency_s_per_token"]["mean"]
+        if progress:
+            print(f"rate {rate:g}/s: {n} requests, mean normalized latency "
+                  f"{'n/a' if mean is None else f'{1e3 * mean:.1f} ms/token'}, "
+                  f"{s['total_token_throughput']:.0f} tokens/s", file=sys.stderr)
+        if mean is None or mean > stop_factor * SLO_S_PER_TOKEN:
+            break
+    return {"sweep": points, "rates_planned": rates, "sweep_seconds": seconds,
+            "stop_factor": stop_factor, "slo_s_per_token": SLO_S_PER_TOKEN,
+            "saturated": len(points) < len(rates) or _over_slo(points[-1]),
+            "max_rate_within_slo": max((p["request_rate"] for p in points
+                                        if not _over_slo(p)), default=None)}
+
+
+def _over_slo(p: dict) -> bool:
+    mean = p["normalized_latency_s_per_token"]["mean"]
+    return p["failed_requests"] > 0 or mean is None or mean > SLO_S_PER_TOKEN
+
+
+def sweep_series(result: dict) -> dict:
+    """Rates and mean / p99 normalized latency (ms/token) of one sweep, for the plot."""
+    pts = [p for p in result["sweep"] if p["normalized_latency_s_per_token"]["mean"] is not None]
+    return {"rate": [p["request_rate"] for p in pts],
+            "mean_ms": [1e3 * p["normalized_latency_s_per_token"]["mean"] for p in pts],
+            "p99_ms": [1e3 * p["normalized_latency_s_per_token"]["p99"] for p in pts]}
+
+
+def plot_sweeps(results: dict[str, dict], path) -> None:
+    """label -> sweep result: mean (solid) and p99 (dashed) normalized latency vs rate."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, (label, res) in enumerate(results.items()):
+        s, color = sweep_series(res), f"C{i}"
+        best = res.get("max_rate_within_slo")
+        ax.plot(s["rate"], s["mean_ms"], "o-", color=color,
+                label=f"{label} (SLO up to {best:g}/s)" if best else f"{label} (never in SLO)")
+        ax.plot(s["rate"], s["p99_ms"], "x--", color=color, alpha=0.6)
+    ax.axhline(1e3 * SLO_S_PER_TOKEN, color="gray", ls=":", label="200 ms/token SLO")
+    ax.set_yscale("log")
+    ax.set_xlabel("request rate (requests/s)")
+    ax.set_ylabel("normalized latency (ms/token)\nmean (solid), p99 (dashed)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="plot `nanojax bench serve --request-rates` "
+                                             "results in one figure")
+    ap.add_argument("files", nargs="+", help="JSON files of sweeps (label: the file's stem)")
+    ap.add_argument("--out", required=True, help="PNG to write")
+    a = ap.parse_args(argv)
+    results = {}
+    for f in a.files:
+        try:
+            d = json.loads(Path(f).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"nanojax: cannot read {f}: {e}") from None
+        if "sweep" not in d:
+            raise SystemExit(f"nanojax: {f} holds no sweep (run with --request-rates)")
+        results[Path(f).stem] = d
+    plot_sweeps(results, a.out)
+    print(f"nanojax: wrote {a.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
