@@ -5,7 +5,7 @@ import pytest
 from nanojax.bench import serve_sweep
 
 
-def _fake_server(monkeypatch, latency_per_rate=0.05, fail_at=None):
+def _fake_server(latency_per_rate=0.05, fail_at=None):
     calls = []
 
     async def run(url, model, reqs, rate, seed, api_key, max_concurrency, progress):
@@ -15,18 +15,17 @@ def _fake_server(monkeypatch, latency_per_rate=0.05, fail_at=None):
         return {"request_rate": rate, "failed_requests": failed, "total_token_throughput":
                 100.0 * rate, "normalized_latency_s_per_token": {"mean": mean, "p99": 2 * mean},
                 "per_request": [{}] * len(reqs)}
-    monkeypatch.setattr(serve_sweep, "run_serve_bench", run)
-    return calls
+    return run, calls
 
 
-def test_the_sweep_stops_at_saturation_and_names_the_best_rate(monkeypatch, tmp_path):
-    calls = _fake_server(monkeypatch)
+def test_the_sweep_stops_at_saturation_and_names_the_best_rate(tmp_path):
+    run, calls = _fake_server()
     made = []
 
     def make(n, seed):
         made.append(seed)
         return list(range(n))
-    res = serve_sweep.run_sweep("u", "m", [1, 2, 4, 8, 16, 32], make, seconds=10,
+    res = serve_sweep.run_sweep(run, "u", "m", [1, 2, 4, 8, 16, 32], make, seconds=10,
                                 seed=7, progress=False, stop_factor=2.0)
     # 16/s is 0.8 s/token, past 2 x the 0.2 s SLO: 32/s never runs
     assert [c[0] for c in calls] == [1, 2, 4, 8, 16]
@@ -41,9 +40,9 @@ def test_the_sweep_stops_at_saturation_and_names_the_best_rate(monkeypatch, tmp_
     assert png.stat().st_size > 1000
 
 
-def test_failures_keep_a_rate_out_of_the_slo(monkeypatch):
-    _fake_server(monkeypatch, latency_per_rate=0.01, fail_at=4)
-    res = serve_sweep.run_sweep("u", "m", [1, 2, 4], lambda n, s: [0] * n, seconds=1,
+def test_failures_keep_a_rate_out_of_the_slo():
+    run, _ = _fake_server(latency_per_rate=0.01, fail_at=4)
+    res = serve_sweep.run_sweep(run, "u", "m", [1, 2, 4], lambda n, s: [0] * n, seconds=1,
                                 progress=False)
     assert res["max_rate_within_slo"] == 2 and res["saturated"]
 

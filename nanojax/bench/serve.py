@@ -14,10 +14,9 @@ import time
 
 import numpy as np
 
+from nanojax.bench.serve_sweep import SLO_S_PER_TOKEN, parse_rates, plot_sweeps, run_sweep
 from nanojax.bench.workload import BenchRequest, add_workload_args, make_requests
 from nanojax.profiling.record import write_json
-
-SLO_S_PER_TOKEN = 0.2
 
 
 @dataclasses.dataclass
@@ -178,13 +177,12 @@ def cmd_bench_serve(args) -> int:
                                "multi_round": args.multi_round, **s})
         return 0 if s["failed_turns"] == 0 else 1
     if args.request_rates:  # the latency sweep over rates (bench/serve_sweep.py)
-        from nanojax.bench.serve_sweep import parse_rates, plot_sweeps, run_sweep
         rates = parse_rates(args.request_rates)
 
         def make(n, seed):
             return make_requests(n, vocab, args.input_len, args.output_len, args.trace,
                                  info.get("max_model_len"), seed)
-        s = run_sweep(url, model, rates, make, args.sweep_seconds, args.seed, args.api_key,
+        s = run_sweep(run_serve_bench, url, model, rates, make, args.sweep_seconds, args.seed, args.api_key,
                       args.max_concurrency, not args.quiet, args.stop_factor)
         print(json.dumps({"max_rate_within_slo": s["max_rate_within_slo"],
                           "saturated": s["saturated"], "rates_run": [

@@ -19,7 +19,8 @@ import math
 import sys
 from pathlib import Path
 
-from nanojax.bench.serve import SLO_S_PER_TOKEN, run_serve_bench
+# the service-level objective on normalized latency (NanoFlow section 6.3's 200 ms/token)
+SLO_S_PER_TOKEN = 0.2
 
 
 def parse_rates(text: str) -> list[float]:
@@ -32,15 +33,16 @@ def parse_rates(text: str) -> list[float]:
     return sorted(rates)
 
 
-def run_sweep(url: str, model: str, rates: list[float], make_requests, seconds: float,
+def run_sweep(run, url: str, model: str, rates: list[float], make_requests, seconds: float,
               seed: int = 0, api_key=None, max_concurrency=None, progress=True,
               stop_factor: float = 2.0) -> dict:
-    """make_requests(n, seed) -> requests; about `seconds` of arrivals at each rate."""
+    """run: the client's coroutine (bench/serve.py run_serve_bench); make_requests(n,
+    seed) -> requests; about `seconds` of arrivals at each rate."""
     points = []
     for i, rate in enumerate(rates):
         n = max(1, math.ceil(rate * seconds))
-        s = asyncio.run(run_serve_bench(url, model, make_requests(n, seed + i), rate,
-                                        seed + i, api_key, max_concurrency, progress))
+        s = asyncio.run(run(url, model, make_requests(n, seed + i), rate, seed + i, api_key,
+                            max_concurrency, progress))
         s.pop("per_request", None)  # one summary per rate keeps the file readable
         points.append(s)
         mean = s["normalized_latency_s_per_token"]["mean"]
