@@ -118,3 +118,31 @@ def test_engine_penalties_match_a_reference_greedy_loop(tiny_bundle, async_sched
     with pytest.raises(RequestError, match="logit_bias"):
         eng.add_request([1, 2], SamplingParams(logit_bias={cfg.vocab_size: 1.0}))
     assert eng.allocator.num_free == eng.allocator.num_pages
+
+
+def test_the_sampler_holds_no_device_conditional_and_rows_do_not_depend_on_each_other():
+    """On a GPU, XLA runs a conditional by copying its predicate to the host and waiting
+    for the device: a cond in the step made dispatch wait for every step. The greedy or
+    sampling path is chosen on the host instead, and a row's top-p mask no longer depends
+    on whether another row of the batch asked for one."""
+    import jax.numpy as jnp
+    from nanojax.engine.sampling import any_sampling, sample
+    rng = np.random.default_rng(0)
+    r, v = 4, 64
+    logits = jnp.asarray(rng.standard_normal((r, v)) * 3, jnp.float32)
+    temperature = jnp.asarray([0.0, 1.0, 0.7, 1.0], jnp.float32)
+    top_k = jnp.asarray([-1, -1, 5, -1], jnp.int32)
+    seeds, steps = jnp.arange(r, dtype=jnp.uint32), jnp.zeros(r, jnp.int32)
+    for sampling in (False, True):
+        jaxpr = str(jax.make_jaxpr(lambda *a: sample(*a, sampling=sampling))(
+            logits, temperature, jnp.ones(r), top_k, seeds, steps))
+        assert "cond[" not in jaxpr and "while[" not in jaxpr
+    assert any_sampling(np.asarray(temperature)) and not any_sampling(np.zeros(3))
+    greedy = sample(logits, jnp.zeros(r), jnp.ones(r), top_k, seeds, steps, sampling=False)
+    assert np.array_equal(greedy[0], np.argmax(np.asarray(logits), -1))
+    both = sample(logits, temperature, jnp.ones(r), top_k, seeds, steps)[0]
+    alone = sample(logits, temperature, jnp.ones(r), jnp.full(r, -1), seeds, steps)[0]
+    # rows 0, 1, 3 ask for no filter: the same token whether or not row 2 filters
+    assert np.array_equal(np.asarray(both)[[0, 1, 3]], np.asarray(alone)[[0, 1, 3]])
+    assert int(both[0]) == int(np.argmax(np.asarray(logits)[0]))
+    assert int(both[2]) in np.argsort(np.asarray(logits)[2])[-5:]  # within its top 5

@@ -25,7 +25,7 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
             engine.add_request([(t + 1) % vocab for t in r.prompt_ids[:64]],
                                SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
         engine.run_to_completion()
-    compiles_before = engine.runner.num_compiles
+    compiles_before = engine.runner.num_compiles + engine.runner.num_sampler_compiles
     steps_before, tokens_before = engine.stats.steps, engine.stats.scheduled_tokens
     host_before, wait_before = engine.stats.host_s, engine.stats.wait_s
     ids = [engine.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len,
@@ -57,6 +57,7 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
         "host_ms_per_iteration": 1e3 * (engine.stats.host_s - host_before) / iterations,
         "device_wait_share": (engine.stats.wait_s - wait_before) / wall,
         "preemptions": engine.scheduler.num_preemptions,
-        "compiles_during_run": engine.runner.num_compiles - compiles_before,
+        "compiles_during_run": (engine.runner.num_compiles
+                                + engine.runner.num_sampler_compiles - compiles_before),
         "output_digests": digests,  # per request, to compare modes' tokens
     }

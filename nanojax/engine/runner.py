@@ -18,7 +18,8 @@ import numpy as np
 
 from nanojax.config import ModelConfig
 from nanojax.engine.forward import Forward, default_forward
-from nanojax.engine.sampling import Penalties, penalty_inputs, sample, with_pending
+from nanojax.engine.sampling import (Penalties, any_sampling, penalty_inputs, sample,
+                                     with_pending)
 from nanojax.engine.scheduler import ScheduledBatch
 from nanojax.layers.attention import PagedMetadata, prefill_metadata
 
@@ -39,6 +40,11 @@ def engine_rows(max_num_seqs: int, min_row_bucket: int) -> int:
     max_num_seqs sequences: every step's with fixed shapes (the GPU default), the largest
     one's otherwise. The step benchmark pads its synthetic batches to it (bench/step.py)."""
     return bucket(max_num_seqs, min_row_bucket)
+
+
+def _input_tokens(prev_tokens, host_tokens, token_src):
+    """Each token from the host, or the previous step's sample still on the device."""
+    return jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], host_tokens)
 
 
 @dataclasses.dataclass
@@ -79,37 +85,49 @@ class ModelRunner:
         self.kv = forward.init_kv(num_pages, page_size, kv_cache_dtype)  # None: the model's
         self.num_compiles = 0
         self._lock = threading.Lock()
-        self._step = jax.jit(self._make_step(forward), donate_argnums=(1,),
-                             compiler_options=forward.compiler_options or None)
+        self.num_sampler_compiles = 0
+        self._lock = threading.Lock()
+        # Two executables a step: the forward (tokens in, logits and the cache out) and the
+        # sampler, whose variants (greedy or sampling: `sample`'s static flag, chosen on
+        # the host) are small to compile; neither holds a device-side conditional
+        self._forward = jax.jit(self._make_forward(forward), donate_argnums=(1,),
+                                compiler_options=forward.compiler_options or None)
+        self._sample = jax.jit(self._make_sampler(forward), static_argnames=("sampling",))
         # several processes (parallel/multihost.py): process 0 sends each step's inputs
         self.broadcast = broadcast
         self._prev = jnp.zeros((self.max_rows,), jnp.int32)
         if broadcast is not None:
             self._prev = broadcast.place(np.zeros((self.max_rows,), np.int32))
 
-    def _make_step(self, forward):
+    def _make_forward(self, forward):
+        def step(params, kv, prev_tokens, host_tokens, token_src, meta, logit_idx):
+            self.num_compiles += 1  # runs once per trace, i.e. per compilation
+            tokens = _input_tokens(prev_tokens, host_tokens, token_src)
+            logits, kv = forward(params, tokens, kv, meta, logit_idx)
+            return kv, logits
+
+        return step
+
+    def _make_sampler(self, forward):
         max_rows = self.max_rows
         from nanojax.parallel.tp import TensorParallelForward
         # vocab-sharded logits: the top logprobs are read shard by shard (parallel/tp.py)
         top_logprobs = (forward.top_logprobs if isinstance(forward, TensorParallelForward)
                         else None)
 
-        def step(params, kv, prev_tokens, host_tokens, token_src, meta, logit_idx,
-                 temperature, top_p, top_k, seeds, steps, penalties):
-            self.num_compiles += 1  # runs once per trace, i.e. per compilation
-            tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)],
-                               host_tokens)
-            logits, kv = forward(params, tokens, kv, meta, logit_idx)
+        def sampler(logits, prev_tokens, host_tokens, token_src, logit_idx, temperature,
+                    top_p, top_k, seeds, steps, penalties, sampling):
+            self.num_sampler_compiles += 1
             if penalties is not None:  # a decode's input may be a sample the host lacks
+                tokens = _input_tokens(prev_tokens, host_tokens, token_src)
                 penalties = with_pending(penalties, tokens[logit_idx],
                                          token_src[logit_idx] >= 0)
             out = sample(logits, temperature, top_p, top_k, seeds, steps, penalties,
-                         top_logprobs)
+                         top_logprobs, sampling=sampling)
             pad = max_rows - logits.shape[0]
-            out = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in out]
-            return kv, out
+            return [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in out]
 
-        return step
+        return sampler
 
     def shapes_for(self, batch: ScheduledBatch) -> tuple[int, int, int]:
         if self.constant_batch and self.max_pages_per_seq:  # one shape: one compile
@@ -148,6 +166,12 @@ class ModelRunner:
                       disable=not progress, file=sys.stderr):
             empty = types.SimpleNamespace(entries=[], num_decodes=0, num_tokens=t)
             jax.block_until_ready(self.launch(empty).tokens)
+        # the sampler's sampling variant (one row shape): a padding row at temperature 1
+        inputs = self._host_inputs(empty, *self.shapes_for(empty))
+        inputs[4][0] = 1.0  # temperature; the row samples a token nobody reads
+        if self.broadcast is not None:
+            self.broadcast.send(inputs)
+        jax.block_until_ready(self._run(inputs).tokens)
         return self.num_compiles - before
 
     def with_kv(self, fn):
@@ -185,10 +209,19 @@ class ModelRunner:
             self.broadcast.stop()
 
     def _run(self, inputs) -> StepOutput:
+        (host_tokens, token_src, meta, logit_idx, temperature, top_p, top_k, seeds, steps,
+         penalties) = inputs
+        sampling = any_sampling(temperature)  # from the host arrays, before placing them
         if self.broadcast is not None:
             inputs = self.broadcast.place(inputs)
+            (host_tokens, token_src, meta, logit_idx, temperature, top_p, top_k, seeds,
+             steps, penalties) = inputs
         with self._lock:
-            self.kv, out = self._step(self.params, self.kv, self._prev, *inputs)
+            prev = self._prev
+            self.kv, logits = self._forward(self.params, self.kv, prev, host_tokens,
+                                            token_src, meta, logit_idx)
+            out = self._sample(logits, prev, host_tokens, token_src, logit_idx, temperature,
+                               top_p, top_k, seeds, steps, penalties, sampling=sampling)
             self._prev = out[0]
         return StepOutput(*out)
 

@@ -189,15 +189,27 @@ def apply_penalties(logits, pen: Penalties):
             - pen.presence[:, None] * (counts > 0).astype(jnp.float32))
 
 
+def any_sampling(temperature) -> bool:
+    """Host side: whether a batch's rows need the sampling path (`sample(sampling=...)`)."""
+    return bool(np.any(np.asarray(temperature) > 0))
+
+
 def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties | None = None,
-           top_logprobs=None):
+           top_logprobs=None, sampling: bool = True):
     """logits [R, V] f32; per-row temperature, top_p, top_k (<=0: off), seeds [R] uint32x2,
     steps [R]; penalties: None or the logit-processing pass's inputs -> (tokens [R],
     chosen logprob [R], top ids [R, K], top logprobs [R, K]).
+    sampling: static, decided on the host (any_sampling): False when every row is greedy,
+    so the step holds no draw and no sort. It is not a lax.cond on the device: on a GPU
+    XLA runs a conditional by copying its predicate to the host and blocking until the
+    device gets there, so one cond at the end of the step made the host wait for the
+    whole step every iteration (no dispatch ahead). With sampling, each row that asks for
+    top-k or top-p is masked from one descending sort; the others are not touched, so a
+    row's draw never depends on the rest of the batch.
     top_logprobs(logprobs, k) -> (values, ids): lax.top_k unless given (tensor parallelism
     passes one that reads each vocabulary shard on its device, parallel/tp.py); the
     chosen logprob is then a masked sum (one value plus zeros: exact), which also reduces
-    per shard. The top-k/top-p sort, run only when a row asks for it, sees whole rows."""
+    per shard. The top-k/top-p sort sees whole rows."""
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     if penalties is not None:
         logits = apply_penalties(logits, penalties)
@@ -206,7 +218,7 @@ def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties
     scaled = logits / safe_t[:, None]
 
     def filtered(scaled):
-        """top-k and top-p masks from one descending sort (skipped when no row asks)."""
+        """top-k and top-p masks from one descending sort."""
         sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
         vocab = logits.shape[-1]
         k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
@@ -222,13 +234,12 @@ def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties
         key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
         return jax.random.categorical(key, row)
 
-    def sampled(scaled):
-        needs_filter = jnp.any((top_k > 0) | (top_p < 1.0))
-        masked = jax.lax.cond(needs_filter, filtered, lambda x: x, scaled)
+    tokens = greedy_tok
+    if sampling:
+        wants_filter = (top_k > 0) | (top_p < 1.0)
+        masked = jnp.where(wants_filter[:, None], filtered(scaled), scaled)
         drawn = jax.vmap(draw)(seeds, steps, masked).astype(jnp.int32)
-        return jnp.where(temperature > 0, drawn, greedy_tok)
-
-    tokens = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy_tok, scaled)
+        tokens = jnp.where(temperature > 0, drawn, greedy_tok)
     if top_logprobs is not None:
         hit = jnp.arange(logits.shape[-1], dtype=jnp.int32)[None, :] == tokens[:, None]
         chosen = jnp.sum(jnp.where(hit, logprobs, 0.0), axis=-1)
