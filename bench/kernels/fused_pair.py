@@ -30,20 +30,17 @@ timing; pair_record.PowerSampler); absent when nvidia-smi is not there.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 
-from pair_record import (GEMMS, HEAD_DIM, KV_HEADS, Q_HEADS, PowerSampler, add_args,
-                         add_share, case, check_args, error_row, gemm_entry, header,
+from pair_record import (GEMMS, HEAD_DIM, KV_HEADS, Q_HEADS, PowerSampler, add_share,
+                         make_parser, case, check_args, error_row, gemm_entry, header,
                          share_row)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_args(p)
+    p = make_parser(__doc__)
     p.add_argument("--programs", type=int, default=None,
                    help="programs N of the fused kernel (default: the SM count)")
     return check_args(p, p.parse_args(argv))

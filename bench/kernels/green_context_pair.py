@@ -21,21 +21,18 @@ The driver calls are those of ../shared/probes/overlap_green_streams.py (run on 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
 
-from pair_record import (GEMMS, HEAD_DIM, KV_HEADS, Q_HEADS, PowerSampler, add_args,
-                         add_share, case, check_args, error_row, gemm_entry, header,
+from pair_record import (GEMMS, HEAD_DIM, KV_HEADS, Q_HEADS, PowerSampler, add_share,
+                         make_parser, case, check_args, error_row, gemm_entry, header,
                          share_row)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_args(p)
+    p = make_parser(__doc__)
     return check_args(p, p.parse_args(argv))
 
 

@@ -24,6 +24,15 @@ GEMMS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
+def make_parser(doc: str):
+    """A bench's parser: its docstring's first paragraph, then the shared flags."""
+    import argparse
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(p)
+    return p
+
+
 def add_args(p):
     """The flags both benches take (same names, same defaults: same shapes)."""
     p.add_argument("--out", required=True, help="JSON file to write")
