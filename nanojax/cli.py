@@ -131,8 +131,8 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     add_stream_xla_flags()
     if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] not in
-                                  ("throughput", "serve", "step", "latency", "plot-timeline",
-                                   "hlo-schedule", "-h", "--help")):
+                                  ("throughput", "serve", "step", "schedule", "latency",
+                                   "plot-timeline", "hlo-schedule", "-h", "--help")):
         argv.insert(1, "throughput")  # `nanojax bench` is the offline benchmark
     args = build_parser().parse_args(argv)
     try:

@@ -67,11 +67,13 @@ def test_synthetic_batch_has_the_engines_rows():
     b = _engine_batch(bundle.config, prefill_block_q=8, prefill_max_seqs=4)
     assert (b.num_seqs, b.num_decodes, len(b.tokens)) == (18, 16, 64)
     scheduled = types.SimpleNamespace(entries=[None] * b.num_seqs, num_tokens=64)
-    for fixed in (True, False):  # the rows of every step, or of this one
+    for fixed, rows in ((False, 32), (True, 64)):  # this step's rows, or every step's
         runner = ModelRunner(bundle.config, bundle.params, 512, 16, max_rows=b.num_seqs,
                              b_dense=64, max_pages_per_seq=16, fixed_shapes=fixed,
                              min_row_bucket=default_min_row_bucket(False))
-        assert runner.shapes_for(scheduled)[1] == b.rows == 32
+        # a varying row count pads to a power of two, one row shape to a multiple of 64
+        assert runner.shapes_for(scheduled)[1] == rows
+    assert b.rows == 32  # the CPU engine's rows (no fixed shapes there)
     m = b.meta
     assert m.page_table.shape[0] == m.context_lens.shape[0] == len(b.logit_idx) == 32
     # sampling rows take their sequence's last token; padding rows, token 0 and no pages
@@ -91,7 +93,8 @@ def test_step_bench_refuses_a_sequence_limit_below_the_batch():
     from nanojax.errors import NanojaxError
     from nanojax.profiling.synthetic import engine_batch_rows as batch_rows
     lengths = {"48/16": workload_lengths("48/16", 256)}
-    assert batch_rows(lengths, 64, (32,), on_gpu=True) == 32
+    assert batch_rows(lengths, 64, (32,), on_gpu=False) == 32  # 18 sequences
+    assert batch_rows(lengths, 64, (32,), on_gpu=True) == 64  # one row shape: 64s
     assert batch_rows(lengths, 64, (32,), max_num_seqs=40, on_gpu=True) == 64
     assert batch_rows(lengths, 64, (32,), max_num_seqs=1000, on_gpu=True) == 64  # <= B_dense
     with pytest.raises(NanojaxError, match="--max-num-seqs 10 is below the 18 sequences"):

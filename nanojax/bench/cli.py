@@ -71,7 +71,21 @@ def _run_modes(args, bundle, reqs, config, modes: list[str], partial: dict) -> d
               f"{r['output_tokens']} output tokens in {r['wall_s']:.2f}s -> "
               f"{r['total_tokens_per_s']:.1f} tok/s total, {r['output_tokens_per_s']:.1f} "
               f"output tok/s, {r['iterations']} iterations", file=sys.stderr)
+        print(f"{mode:>5}: steady state: {_steady_line(r['steady_state'])}", file=sys.stderr)
     return results
+
+
+def _steady_line(st: dict) -> str:
+    if st["window"] is None:
+        return st["why_no_window"]
+    first, last = st["window"]
+    line = (f"iterations {first}-{last}, mean fill {st['mean_fill']:.3f}, "
+            f"{st['preemptions']} preemptions, host {st['host_ms_per_iteration']:.1f} "
+            "ms/iteration")
+    if "tokens_per_s" in st:
+        line += (f", {st['tokens_per_s']:.1f} tok/s ({1e3 * st['s_per_iteration']:.1f} "
+                 f"ms/iteration, device wait {100 * st['device_wait_share']:.0f}%)")
+    return line
 
 
 def _compare_modes(payload: dict, results: dict, plan: bool) -> None:
@@ -147,6 +161,35 @@ def cmd_throughput(args) -> int:
         "results", "async_over_sync", "overlap_over_non_overlap",
         "overlap_over_nanobatch_only", "ours_over_peer")}))
     write_json(args.json, payload)
+    return 0
+
+
+def cmd_schedule(args) -> int:
+    """The scheduler alone on a workload (schedule_sim.py): batch fill and steady window."""
+    from nanojax.bench.schedule_sim import simulate_report
+    from nanojax.bench.workload import make_requests
+    from nanojax.errors import NanojaxError
+    if args.num_pages * args.page_size < args.max_model_len:
+        raise NanojaxError(f"--num-pages {args.num_pages} x --page-size {args.page_size} "
+                           f"cannot hold one request of --max-model-len {args.max_model_len}")
+    reqs = make_requests(args.num_prompts, 2, args.input_len, args.output_len, args.trace,
+                         args.max_model_len, args.seed)
+    lengths = [(len(r.prompt_ids), r.output_len) for r in reqs]
+    out = simulate_report(lengths, args.b_dense, num_pages=args.num_pages,
+                          page_size=args.page_size, admission=args.admission,
+                          max_num_seqs=args.max_num_seqs or args.b_dense,
+                          max_model_len=args.max_model_len,
+                          max_prefill_seqs=args.max_prefill_seqs)
+    payload = {**run_record(None), "workload": {
+        "num_prompts": args.num_prompts, "input_len": args.input_len,
+        "output_len": args.output_len, "trace": args.trace, "seed": args.seed}, **out}
+    write_json(args.json, payload)
+    print(f"{out['iterations']} iterations, mean fill {out['mean_batch_fill']:.3f}, "
+          f"{out['preemptions']} preemptions; steady state: "
+          f"{_steady_line(out['steady_state'])}", file=sys.stderr)
+    print(json.dumps({k: v for k, v in out.items() if k != "steady_state"}
+                     | {"steady_state": {k: v for k, v in out["steady_state"].items()
+                                         if k != "definition"}}))
     return 0
 
 
@@ -269,6 +312,24 @@ def register(sub) -> None:
     from nanojax.parallel.multihost import add_distributed_args
     add_distributed_args(t)
     t.set_defaults(func=cmd_throughput)
+
+    sc = bsub.add_parser("schedule", help="the scheduler alone, no model: batch fill and "
+                                          "the steady-state window of a workload (seconds "
+                                          "on the CPU for a GPU-sized configuration)")
+    add_workload_args(sc)
+    sc.add_argument("--b-dense", type=int, default=2048)
+    sc.add_argument("--num-pages", type=int, required=True, help="KV pages")
+    sc.add_argument("--page-size", type=int, default=16)
+    sc.add_argument("--max-num-seqs", type=int, default=None,
+                    help="most requests running at once (default: B_dense)")
+    sc.add_argument("--max-model-len", type=int, default=2048)
+    sc.add_argument("--max-prefill-seqs", type=int, default=None,
+                    help="most sequences prefilling in one iteration (the chunked-prefill "
+                         "kernel's prefill_max_seqs; default: no limit)")
+    from nanojax.config import ADMISSION
+    sc.add_argument("--admission", choices=ADMISSION, default="predicted")
+    sc.add_argument("--json", default=None)
+    sc.set_defaults(func=cmd_schedule)
 
     st = bsub.add_parser("step", help="time one dense iteration of each pipeline mode on a "
                                       "synthetic steady-state batch (GPU), with a timeline")

@@ -6,6 +6,7 @@ import time
 
 from tqdm.auto import tqdm
 
+from nanojax.bench.steady import steady_state
 from nanojax.bench.workload import BenchRequest
 from nanojax.engine.llm_engine import LLMEngine
 from nanojax.engine.sampling import SamplingParams
@@ -13,7 +14,9 @@ from nanojax.engine.sampling import SamplingParams
 
 def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool = True,
                 warmup: bool = True) -> dict:
-    """Tokens are counted from the outputs actually produced, not from the request list."""
+    """Tokens are counted from the outputs actually produced, not from the request list.
+    The result's "steady_state" is the report of bench/steady.py: fill, tokens/s, host time
+    and preemptions in the window where the engine was saturated."""
     if warmup and engine.offloader is not None:  # the KV offload's page copies
         engine.offloader.warmup()
     if warmup and engine.runner.fixed_shapes:  # every shape it can launch, before timing
@@ -28,6 +31,7 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
     compiles_before = engine.runner.num_compiles + engine.runner.num_sampler_compiles
     steps_before, tokens_before = engine.stats.steps, engine.stats.scheduled_tokens
     host_before, wait_before = engine.stats.host_s, engine.stats.wait_s
+    engine.stats.trace = []  # one record per iteration, for the steady-state report
     ids = [engine.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len,
                                                            ignore_eos=True, temperature=0))
            for r in requests]
@@ -35,6 +39,7 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
     with tqdm(total=len(ids), desc="requests", unit="req", disable=not progress) as bar:
         done = engine.run_to_completion(bar)
     wall = time.perf_counter() - t0
+    trace, engine.stats.trace = engine.stats.trace, None
     iterations = max(1, engine.stats.steps - steps_before)
     digests = [hashlib.sha1(str(done[i].token_ids).encode()).hexdigest()[:12] for i in ids]
     prompt_tokens = sum(len(done[i].prompt_token_ids) for i in ids)
@@ -59,5 +64,9 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
         "preemptions": engine.scheduler.num_preemptions,
         "compiles_during_run": (engine.runner.num_compiles
                                 + engine.runner.num_sampler_compiles - compiles_before),
+        "kv_pages": engine.sizing.num_pages,
+        "max_num_seqs": engine.scheduler.max_num_seqs,
+        "steady_state": steady_state(trace, engine.config.b_dense,
+                                     output_tokens / max(1, len(ids)) + 1),
         "output_digests": digests,  # per request, to compare modes' tokens
     }

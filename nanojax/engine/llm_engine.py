@@ -43,6 +43,24 @@ class EngineStats:
     host_s: float = 0.0
     wait_s: float = 0.0
     finished: dict = dataclasses.field(default_factory=dict)  # finish_reason -> count
+    # a list to record one IterationRecord per launched iteration into (the benchmark's
+    # steady-state report); None, the default, records nothing (a server runs for days)
+    trace: list | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class IterationRecord:
+    """One launched iteration: its batch, the scheduler's queues after forming it, and its
+    times (host_s, wait_s: of the step() call that launched it; done_t: perf_counter when
+    its tokens were read)."""
+    tokens: int
+    decodes: int
+    waiting: int
+    running: int
+    preemptions: int  # so far (cumulative)
+    host_s: float = 0.0
+    wait_s: float = 0.0
+    done_t: float | None = None
 
 
 class LLMEngine:
@@ -105,7 +123,7 @@ class LLMEngine:
                              else self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._in_flight: tuple[ScheduledBatch, object] | None = None
+        self._in_flight: tuple[ScheduledBatch, object, IterationRecord | None] | None = None
         self._aborted: list[Sequence] = []
         self._seed_rng = np.random.default_rng(cfg.seed)
         self._ids = itertools.count()
@@ -205,7 +223,7 @@ class LLMEngine:
         loads = self.scheduler.take_loads()
         if loads:  # offloaded pages into fresh ones, ordered before this step
             self.offloader.load(loads)
-        launched = (batch, self.runner.launch(batch)) if batch else None
+        launched = (batch, self.runner.launch(batch), self._record(batch)) if batch else None
         if launched:
             self.stats.steps += 1
             self.stats.scheduled_tokens += batch.num_tokens
@@ -221,14 +239,30 @@ class LLMEngine:
             results += self._process(*launched)
         if self.offloader is not None:  # finished requests' pages: copy out before reuse
             self.offloader.flush()
-        self.stats.host_s += (time.perf_counter() - start
-                              - (self.stats.wait_s - wait_before))
+        waited = self.stats.wait_s - wait_before
+        host = time.perf_counter() - start - waited
+        self.stats.host_s += host
+        if launched and launched[2] is not None:
+            launched[2].host_s, launched[2].wait_s = host, waited
         return results
 
-    def _process(self, batch: ScheduledBatch, out) -> list[RequestOutput]:
+    def _record(self, batch: ScheduledBatch) -> IterationRecord | None:
+        if self.stats.trace is None:
+            return None
+        s = self.scheduler
+        rec = IterationRecord(batch.num_tokens, batch.num_decodes, len(s.waiting),
+                              len(s.running), s.num_preemptions)
+        self.stats.trace.append(rec)
+        return rec
+
+    def _process(self, batch: ScheduledBatch, out, record: IterationRecord | None = None
+                 ) -> list[RequestOutput]:
         t = time.perf_counter()
         tokens, chosen, top_ids, top_lp = out.to_host()
-        self.stats.wait_s += time.perf_counter() - t
+        done = time.perf_counter()
+        self.stats.wait_s += done - t
+        if record is not None:
+            record.done_t = done
         results = []
         for row, e in enumerate(batch.entries):
             seq = e.seq

@@ -35,10 +35,15 @@ def default_min_row_bucket(on_gpu: bool) -> int:
     return 4 if on_gpu else 1
 
 
-def engine_rows(max_num_seqs: int, min_row_bucket: int) -> int:
+def engine_rows(max_num_seqs: int, min_row_bucket: int, one_shape: bool) -> int:
     """The row count (sequences: page table, sampling, LM head) of an engine allowed
-    max_num_seqs sequences: every step's with fixed shapes (the GPU default), the largest
-    one's otherwise. The step benchmark pads its synthetic batches to it (bench/step.py)."""
+    max_num_seqs sequences: every step's with one row shape (fixed shapes, the GPU
+    default), the largest one's otherwise. Where the row count varies it is padded to a
+    power of two (few shapes); one row count is only rounded to 64 (max_num_seqs 1,152
+    runs 1,152 rows, not 2,048, each padding row costing its logits over the vocabulary
+    and its sampling). The step benchmark pads its synthetic batches to it."""
+    if one_shape:
+        return max(min_row_bucket, -(-max_num_seqs // 64) * 64)
     return bucket(max_num_seqs, min_row_bucket)
 
 
@@ -71,7 +76,6 @@ class ModelRunner:
         self.cfg = cfg
         self.page_size = page_size
         self.min_row_bucket = min_row_bucket
-        self.max_rows = engine_rows(max_rows, min_row_bucket)
         self.b_dense = b_dense
         self.constant_batch = constant_batch
         self.max_pages_per_seq = max_pages_per_seq
@@ -79,6 +83,8 @@ class ModelRunner:
         # one row count and page-table width: only the token count varies, so warmup()
         # can compile every shape the engine will launch (a serving start, not mid-run)
         self.fixed_shapes = fixed_shapes and max_pages_per_seq is not None
+        one_shape = self.fixed_shapes or (constant_batch and max_pages_per_seq)
+        self.max_rows = engine_rows(max_rows, min_row_bucket, bool(one_shape))
         forward = forward or default_forward(cfg)
         self.forward = forward
         self.params = forward.prepare(params)
@@ -244,18 +250,27 @@ class ModelRunner:
         i = 0
         history = []  # (params, prompt, known outputs) per row, for penalties/logit_bias
         for row, e in enumerate(batch.entries):
-            seq, n = e.seq, e.num_tokens
-            pos = np.arange(e.start, e.start + n)
-            if e.prev_row >= 0:
-                token_src[i] = e.prev_row
+            seq, n, start = e.seq, e.num_tokens, e.start
+            if n == 1:  # a decode (most rows): scalars, no small arrays (~1,000 a step)
+                if e.prev_row >= 0:
+                    token_src[i] = e.prev_row
+                else:
+                    host_tokens[i] = seq.token_at(start)
+                positions[i] = start
+                slots[i] = seq.pages[start // ps] * ps + start % ps
+                seq_ids[i] = row
             else:
-                host_tokens[i:i + n] = [seq.token_at(j) for j in pos]
-            positions[i:i + n] = pos
-            pages = np.asarray(seq.pages, np.int32)
-            slots[i:i + n] = pages[pos // ps] * ps + pos % ps
-            seq_ids[i:i + n] = row
-            page_table[row, :len(pages)] = pages
-            context_lens[row] = e.start + n
+                pos = np.arange(start, start + n)
+                if e.prev_row >= 0:
+                    token_src[i] = e.prev_row
+                else:
+                    host_tokens[i:i + n] = [seq.token_at(j) for j in pos]
+                positions[i:i + n] = pos
+                pages = np.asarray(seq.pages, np.int32)
+                slots[i:i + n] = pages[pos // ps] * ps + pos % ps
+                seq_ids[i:i + n] = row
+            page_table[row, :len(seq.pages)] = seq.pages
+            context_lens[row] = start + n
             logit_idx[row] = i + n - 1
             sp = seq.params
             temperature[row] = sp.temperature

@@ -11,17 +11,31 @@ tokens (shared read-only, see prefix_cache.py) and pages an offload tier holds (
 fresh pages before its step: `take_loads`), and prefills only the rest.
 
 `admission="predicted"` is NanoFlow's memory-usage prediction on top: a request is also
-admitted only if every running request plus it, each grown to its expected final length,
-fits the cache. The expected output is max_tokens where nothing can stop a request
+admitted only if the predicted peak of the cache, with every running request plus it
+growing one token per iteration to its expected final length and freeing its pages when
+it finishes, fits. The expected output is max_tokens where nothing can stop a request
 earlier, else the mean of finished requests' outputs (max_tokens until one finishes).
-With every request arriving at once, greedy admission fills the cache with prompts and
-then preempts decodes by the hundred (H200, 1,024 requests: 227 preemptions, batches 43%
-full); predicted admission runs fewer requests at a time and keeps them.
+Requests finish at different times, so the peak is the largest, over the finishing
+times r, of the pages held at r by the requests still running then (`predicted_peak`);
+reserving every request's final length at once (the sum of final lengths) admits a
+quarter fewer 512/512 requests than the cache holds in steady state (1,024 tokens each
+instead of ~776 on average), which caps the decodes below B_dense / 2 and the batch
+below full. With every request arriving at once, greedy admission fills the cache with
+prompts and then preempts decodes by the hundred (H200, 1,024 requests: 227 preemptions,
+batches 43% full); predicted admission keeps them.
+
+Predicted admission also paces itself: no faster than the requests it can hold at once
+can be replaced (`_Room.pace`). Admitting as fast as prefill allows fills the cache with
+requests of nearly the same age; they finish together, and until their replacements
+have prefilled the batch is decodes only, about half full for 512/512, again each time
+that cohort comes round.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+
+import numpy as np
 
 from nanojax.config import ADMISSION
 from nanojax.engine.kv_cache import OutOfPages, PageAllocator, pages_needed
@@ -78,6 +92,7 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.max_prefill_seqs = max_prefill_seqs or b_dense
         self._loads: list[tuple[list[int], list]] = []  # (fresh pages, tier entries)
+        self._credit = 1.0  # predicted admission: requests its pace lets in now
 
     # ---- queue management ------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -149,15 +164,25 @@ class Scheduler:
             for seq in self.running:
                 self.prefix_cache.register(seq)
 
-        # 1. decodes: every running request whose prompt is fully in the cache
+        # 1. decodes: every running request whose prompt is fully in the cache. Per
+        # request only a few attribute reads: at 1,000 running requests this loop is much
+        # of the host's time per iteration (a status check, not `seq in self.running`,
+        # which made it quadratic: bench/results/README.md §22)
+        prefilling = []
         for seq in list(self.running):
-            if seq not in self.running or seq.num_computed < seq.num_known:
+            if seq.status is not Status.RUNNING:
+                continue  # preempted by an earlier one's growth
+            known = seq.num_known
+            if seq.num_computed < known:
+                prefilling.append(seq)
                 continue
-            if seq.num_generated >= seq.params.max_tokens or seq.num_total >= self.max_model_len:
+            total = known + seq.pending
+            if (len(seq.output_ids) + seq.pending >= seq.params.max_tokens
+                    or total >= self.max_model_len):
                 continue  # its last token is in flight; it retires when that is read
-            if seq.num_computed != seq.num_total - 1:
+            if seq.num_computed != total - 1:
                 continue
-            if not self._grow_or_preempt(seq, seq.num_total, scheduled):
+            if not self._grow_or_preempt(seq, total, scheduled):
                 continue
             row = prev_rows.get(id(seq), -1) if seq.pending else -1
             entries.append(BatchEntry(seq, seq.num_computed, 1, True, row))
@@ -166,12 +191,10 @@ class Scheduler:
         num_decodes = len(entries)
 
         # 2. running requests part-way through their prompt
-        for seq in list(self.running):
+        for seq in prefilling:
             if budget <= 0 or len(entries) - num_decodes >= self.max_prefill_seqs:
                 break
-            if seq not in self.running or id(seq) in scheduled:
-                continue
-            if seq.num_computed >= seq.num_known:
+            if seq.status is not Status.RUNNING:
                 continue
             chunk = self._chunk(seq.num_known - seq.num_computed, budget)
             if not self._grow_or_preempt(seq, seq.num_computed + chunk, scheduled):
@@ -180,15 +203,28 @@ class Scheduler:
             scheduled.add(id(seq))
             budget -= chunk
 
-        # 3. admit from the queue, first come first served
+        # 3. admit from the queue, first come first served; predicted admission at its
+        # pace (`_Room.pace`)
+        room = None  # what running requests hold and owe; built when first needed
+        if self.admission == "predicted":
+            if not self.waiting:  # nothing saved up while idle; one arrival goes straight in
+                self._credit = 1.0
+            else:
+                room = _Room(self)
+                pace = room.pace(self, self.waiting[0])
+                self._credit = min(self._credit + pace, _PACE_SAVED * pace + 1)
         while (budget > 0 and self.waiting and len(self.running) < self.max_num_seqs
                and len(entries) - num_decodes < self.max_prefill_seqs):
             seq = self.waiting[0]
             if seq.pending:  # preempted with a token still on the device: next iteration
                 break
-            match = self._match(seq)
-            if not self._admissible(seq, match):
+            if self.admission == "predicted" and self.running and self._credit < 1:
                 break
+            room = room or _Room(self)
+            match = self._match(seq)
+            if not self._admissible(seq, match, room):
+                break
+            self._credit = max(0.0, self._credit - 1)
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -196,6 +232,7 @@ class Scheduler:
             chunk = self._chunk(seq.num_known - seq.num_computed, budget)
             ok = self._grow(seq, seq.num_computed + chunk)
             assert ok, "admission checked the pages"
+            room.add(self, seq)
             entries.append(self._prefill_entry(seq, chunk))
             scheduled.add(id(seq))
             budget -= chunk
@@ -242,22 +279,19 @@ class Scheduler:
         seq.num_computed = len(seq.pages) * self.page_size
         seq.num_cached_pages = len(seq.pages)
 
-    def _admissible(self, seq: Sequence, match: PrefixMatch) -> bool:
+    def _admissible(self, seq: Sequence, match: PrefixMatch, room: "_Room") -> bool:
         """Pages for its whole known context plus one (less the cached pages it shares),
         after what running requests still need to finish their prompts and one page of
-        growth per running decode; with predicted admission, also room for everyone's
-        expected final length."""
-        owed = sum(pages_needed(s.num_known + 1, self.page_size) - len(s.pages)
-                   for s in self.running)
+        growth per running decode; with predicted admission, also room for the predicted
+        peak of everyone's pages (`predicted_peak`)."""
         shared = match.gpu_pages
         need = pages_needed(seq.num_known + 1, self.page_size) - len(shared)
         need += sum(self.allocator.refcount[p] == 0 for p in shared)  # leave the free list
-        if need + owed + len(self.running) > self.allocator.num_free:
+        if need + room.owed + len(self.running) > self.allocator.num_free:
             return False
         if self.admission == "predicted" and self.running:
-            peak = sum(pages_needed(self.expected_length(s), self.page_size)
-                       for s in (*self.running, seq))
-            return peak <= self.allocator.num_pages
+            now, rem = room.with_candidate(seq.num_total, self.expected_length(seq))
+            return predicted_peak(now, rem, self.page_size) <= self.allocator.num_pages
         return True
 
     def expected_length(self, seq: Sequence) -> int:
@@ -271,3 +305,69 @@ class Scheduler:
         if can_stop and self.finished_count:
             out = min(out, -(-self.finished_outputs // self.finished_count))
         return max(seq.num_total + 1, min(prompt + out, self.max_model_len))
+
+
+def predicted_peak(now: np.ndarray, remaining: np.ndarray, page_size: int) -> int:
+    """Most pages the requests will hold at once if request i, holding now[i] tokens,
+    grows one token per iteration and frees its pages after remaining[i] more: the usage
+    only drops when one finishes, so the peak is at a finishing time r, where the
+    requests with remaining >= r hold ceil((now + r) / page_size) pages each."""
+    if not len(now):
+        return 0
+    order = np.argsort(remaining, kind="stable")
+    r, now = remaining[order], now[order]
+    alive = np.arange(len(r), 0, -1)                   # requests k.. (sorted by r)
+    tokens = np.cumsum(now[::-1])[::-1] + alive * r    # what they hold at time r[k]
+    # rounding up to whole pages, by residue of now mod page_size: counts per residue
+    # of the requests k.., and the padding each residue needs at time r[k]
+    residue = np.zeros((len(r), page_size), np.int64)
+    residue[np.arange(len(r)), now % page_size] = 1
+    counts = np.cumsum(residue[::-1], axis=0)[::-1]
+    pad = -(np.arange(page_size)[None, :] + r[:, None]) % page_size
+    return int(np.max((tokens + (counts * pad).sum(axis=1)) // page_size))
+
+
+# iterations' worth of pace saved up while requests wait but cannot be admitted (cache,
+# rows or batch full), so that a burst of finishing requests is replaced at once (trace
+# workloads, whose requests finish unevenly: saving one iteration's worth only took
+# 0.5-4.4% more iterations on sharegpt and lmsys in the scheduler simulation)
+_PACE_SAVED = 16
+
+
+class _Room:
+    """What the running requests hold and owe, gathered once per admission phase and kept
+    current as requests are admitted: pages still owed to running prompts (plus one), and
+    with predicted admission each request's prompt, tokens now and expected final length
+    (for the predicted peak and the pace)."""
+
+    def __init__(self, sched: Scheduler):
+        self.owed = 0
+        self._lengths: list[tuple[int, int, int]] = []  # (prompt, now, expected final)
+        for s in sched.running:
+            self.add(sched, s)
+
+    def add(self, sched: Scheduler, seq: Sequence) -> None:
+        self.owed += pages_needed(seq.num_known + 1, sched.page_size) - len(seq.pages)
+        if sched.admission == "predicted":
+            self._lengths.append((len(seq.prompt_ids), seq.num_total,
+                                  sched.expected_length(seq)))
+
+    def with_candidate(self, now: int, final: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens now, tokens still to come) of every running request and a candidate."""
+        a = np.asarray(self._lengths + [(0, now, max(final, now + 1))], np.int64)
+        return a[:, 1], a[:, 2] - a[:, 1]
+
+    def pace(self, sched: Scheduler, head: Sequence) -> float:
+        """Requests per iteration the cache and the row cap can sustain (Little's law):
+        N of them at once, each staying its output length (+1: it is retired an iteration
+        late), are replaced at N x the mean of 1 / stay; N is the cache over the mean
+        tokens a request holds during its stay (prompt + half its output, + half a page)
+        or max_num_seqs, the smaller. Estimated from the running requests (the head of the
+        queue when none runs)."""
+        lengths = self._lengths or [(len(head.prompt_ids), head.num_total,
+                                     sched.expected_length(head))]
+        a = np.asarray(lengths, np.float64)
+        out = a[:, 2] - a[:, 0]
+        held = np.mean(a[:, 0] + out / 2) + sched.page_size / 2
+        at_once = min(sched.allocator.num_pages * sched.page_size / held, sched.max_num_seqs)
+        return float(at_once * np.mean(1 / (out + 1)))

@@ -82,7 +82,9 @@ def engine_batch_rows(lengths: dict, b_dense: int, cuts: tuple[int, ...] = (),
         raise NanojaxError(f"--max-num-seqs {max_num_seqs} is below the {most} sequences of "
                            f"workload {w}'s steady-state batch at B_dense {b_dense}")
     on_gpu = jax.default_backend() == "gpu" if on_gpu is None else on_gpu
-    return engine_rows(min(max_num_seqs or most, b_dense), default_min_row_bucket(on_gpu))
+    # the GPU engine runs one row shape (fixed shapes); the CPU's varies
+    return engine_rows(min(max_num_seqs or most, b_dense), default_min_row_bucket(on_gpu),
+                       one_shape=on_gpu)
 
 
 def synthetic_batch(cfg: ModelConfig, b_dense: int, lengths: list[tuple[int, int]],

@@ -1,0 +1,73 @@
+"""The steady-state report of an offline run: how full the dense batches were once the
+engine was saturated, and where the time went there.
+
+Steady window (STEADY_WINDOW below, recorded with every report): the iterations from the
+end of the ramp-up to the last iteration that left requests waiting.
+- Ramp-up: the first W iterations, W = the mean stay of a request in iterations (one per
+  output token, plus one for its prompt). The running set starts empty; by Little's law
+  it takes about one mean stay to fill it and to see requests finish and be replaced.
+- Drain: every iteration after the last one scheduled while requests were still waiting.
+  From then on nothing is left to fill the batch with, and it empties.
+Inside the window there was always more work than the batch held, so a batch that was not
+full is the scheduler's doing (or the KV cache's, or the row cap's), not the workload's.
+Tokens are every token of the launched batches (prompt chunks, recomputed ones included,
+and decode inputs), as the step benchmark counts a dense batch.
+"""
+from __future__ import annotations
+
+STEADY_WINDOW = (
+    "iterations from the end of the ramp-up (the first W iterations, W = a request's mean "
+    "stay: its mean output tokens + 1) to the last iteration that left requests waiting "
+    "(the drain follows); tokens are every token of the launched batches")
+
+
+def steady_state(records: list, b_dense: int, mean_stay: float) -> dict:
+    """records: one IterationRecord per launched iteration, in order (done_t: when its
+    tokens were read; None in a simulation without a clock, which leaves out the times).
+    mean_stay: a request's mean stay in iterations (mean output tokens + 1)."""
+    n = len(records)
+    ramp = min(n, max(1, round(mean_stay)))
+    waiting = [i for i, r in enumerate(records) if r.waiting > 0]
+    end = waiting[-1] if waiting else -1
+    out = {"definition": STEADY_WINDOW, "ramp_iterations": ramp,
+           "drain_iterations": n - 1 - end if end >= 0 else n,
+           "ramp_mean_fill": _fill(records[:ramp], b_dense),
+           "drain_mean_fill": _fill(records[end + 1:], b_dense),
+           "max_running": max((r.running for r in records), default=0)}
+    if end < ramp:
+        out["window"] = None
+        out["why_no_window"] = ("the queue emptied before the ramp-up ended: the workload "
+                                "never saturated the engine (give more requests)")
+        return out
+    win = records[ramp:end + 1]
+    tokens = sum(r.tokens for r in win)
+    out.update({
+        "window": [ramp, end],
+        "window_iterations": len(win),
+        "window_tokens": tokens,
+        "total_tokens": sum(r.tokens for r in records),
+        "mean_fill": tokens / (len(win) * b_dense),
+        # iterations at least 99% full: a few half-empty ones or many slightly short ones
+        "full_iteration_share": sum(r.tokens >= 0.99 * b_dense for r in win) / len(win),
+        "mean_decodes": sum(r.decodes for r in win) / len(win),
+        "mean_running": sum(r.running for r in win) / len(win),
+        "preemptions": win[-1].preemptions - records[ramp - 1].preemptions,
+        "host_ms_per_iteration": 1e3 * sum(r.host_s for r in win) / len(win),
+    })
+    before = records[ramp - 1].done_t
+    if before is not None and win[-1].done_t is not None:
+        secs = win[-1].done_t - before
+        out.update({
+            "window_s": secs,
+            "tokens_per_s": tokens / secs,
+            "s_per_iteration": secs / len(win),
+            # what the window's iteration rate gives with every batch full: the gap to
+            # tokens_per_s is the fill's, the gap to the step benchmark the iteration's
+            "tokens_per_s_at_full_fill": b_dense * len(win) / secs,
+            "device_wait_share": sum(r.wait_s for r in win) / secs,
+        })
+    return out
+
+
+def _fill(records: list, b_dense: int) -> float | None:
+    return sum(r.tokens for r in records) / (len(records) * b_dense) if records else None
