@@ -15,6 +15,11 @@ def smol_reference(smollm2):
 
 
 def _engine(bundle, **kw):
+    """Shape buckets of 16 tokens and 4 rows: the CPU defaults (1 and 1, for latency)
+    compile a shape per token count, which multiplies these tests' compiles;
+    test_compile_count_is_bounded keeps the defaults."""
+    kw.setdefault("min_token_bucket", 16)
+    kw.setdefault("min_row_bucket", 4)
     return LLMEngine(bundle, EngineConfig(**kw))
 
 
@@ -88,7 +93,8 @@ def test_llm_generate_64_requests_match_reference(smollm2, smol_reference):
     from checkpoints.bundle import ModelBundle
     llm = LLM.__new__(LLM)  # reuse the session's loaded weights
     llm.engine = LLMEngine(ModelBundle(smollm2.config, smollm2.params, smollm2.tokenizer),
-                           EngineConfig(b_dense=128, max_model_len=512, num_pages=256))
+                           EngineConfig(b_dense=128, max_model_len=512, num_pages=256,
+                                        min_token_bucket=16, min_row_bucket=4))
     llm.tokenizer = smollm2.tokenizer
     topics = ["the sea", "prime numbers", "a red fox", "Paris", "rain", "python lists",
               "the moon", "coffee"]
@@ -231,7 +237,7 @@ def test_random_workloads_finish_correctly_and_free_every_page(tiny_bundle, data
 
 def test_compile_count_is_bounded(tiny_bundle):
     eng = _engine(tiny_bundle, b_dense=64, num_pages=128, page_size=8, max_model_len=128,
-                  max_num_seqs=16)
+                  max_num_seqs=16, min_token_bucket=None, min_row_bucket=None)
     rng = np.random.default_rng(0)
 
     def run(n):

@@ -4,13 +4,15 @@ NanoFlow keeps the KV of a finished conversation round in host memory and on SSD
 loads it back when the conversation returns, instead of recomputing the prefill. Here the
 full cached pages of a finished request are copied out by prefix hash:
 
-- device -> host: one jitted gather of the pages is dispatched between steps and its
-  transfer started (`copy_to_host_async`); a background thread waits for it and splits it
-  into per-page numpy arrays for the host tier, and another writes the disk tier (pages
-  beyond a backlog limit are skipped, not waited for). The engine thread never waits on a
-  copy out.
+- device -> host: one jitted gather packs the pages into one [pages, page bytes] uint8
+  array (every paged leaf of the cache, bit-cast, side by side), dispatched between steps;
+  a background thread copies it to the host (through pinned memory on a GPU, see `split`)
+  and keeps one contiguous row per page, and another writes the disk tier (pages beyond a
+  backlog limit are skipped, not waited for). The engine thread only dispatches.
+  Gathers not yet copied out hold device memory: past MAX_PENDING_BYTES a save is dropped
+  (the pages cost a recompute later), never a stall now.
 - host -> device: a request whose prefix continues in a tier gets fresh pages, and one
-  scatter of the stacked pages is dispatched before its step (after the step in flight),
+  scatter of the stacked rows is dispatched before its step (after the step in flight),
   so the transfer overlaps the running step. When a request arrives, the pages of its
   prefix that only the disk holds are read into host memory in the background
   (`prefetch`); a page still on disk at admission is read there, synchronously.
@@ -20,7 +22,8 @@ restarted server with the same model and cache layout reuses it and another mode
 sees it; each file carries its hash, fingerprint and a checksum of its payload, and an
 entry that fails any check is deleted and reported missing (the pages are recomputed).
 The copies work on the cache's pytree (any leaves with a page axis, e.g. k, v and scales),
-not on a fixed k/v pair.
+not on a fixed k/v pair: a page is its bytes in every paged leaf, one flat row, so the host
+side handles one array per page whatever the layout (a per-layer cache has 64 leaves).
 """
 from __future__ import annotations
 
@@ -43,10 +46,12 @@ from nanojax.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-Entry = tuple  # one page: a numpy array per paged cache leaf (page axis removed)
+Entry = np.ndarray  # one page: its bytes in every paged cache leaf, a flat uint8 row
 
 
-MAX_COPY_PAGES = 256  # pages per gather / scatter: bounds the copy's device memory
+MAX_COPY_PAGES = 256  # pages per gather / scatter at most
+COPY_CHUNK_BYTES = 256 << 20  # and at most this much per copy: bounds its device memory
+MAX_PENDING_BYTES = 2 << 30  # gathered on the device, not yet on the host: beyond, drop
 DISK_BACKLOG_BYTES = 2 << 30  # pages waiting for the disk beyond this are not written
 
 
@@ -54,17 +59,27 @@ def _bucket(n: int) -> int:
     return max(4, 1 << (n - 1).bit_length())
 
 
-def _chunks(xs: list, n: int = MAX_COPY_PAGES):
+def _chunks(xs: list, n: int):
     return [xs[i:i + n] for i in range(0, len(xs), n)]
 
 
 def entry_bytes(entry: Entry) -> int:
-    return sum(a.nbytes for a in entry)
+    return entry.nbytes
+
+
+def _has_pinned_host(x: jax.Array) -> bool:
+    """Whether x's devices have a pinned_host memory (jax's GPU and CPU clients do)."""
+    try:
+        return all(any(m.kind == "pinned_host" for m in d.addressable_memories())
+                   for d in x.devices())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 class PageCopier:
     """Jitted gather / scatter of whole pages over every leaf of the cache that has the
-    page axis (leaves without it, e.g. per-layer scales, are not per page)."""
+    page axis (leaves without it, e.g. per-layer scales, are not per page). A gathered
+    page is one flat uint8 row: each paged leaf's page, bit-cast to bytes, side by side."""
 
     def __init__(self, runner, num_pages: int, page_axis: int):
         self.runner, self.num_pages, self.axis = runner, num_pages, page_axis
@@ -74,62 +89,92 @@ class PageCopier:
         if not any(self.paged):
             raise ConfigError(f"no cache array has {num_pages} pages on axis {page_axis}")
         ax = page_axis
+        # (page shape, dtype) of each paged leaf, in tree order: the row's layout
+        self.layout = [(leaf.shape[:ax] + leaf.shape[ax + 1:], leaf.dtype)
+                       for leaf, p in zip(leaves, self.paged) if p]
+        self.page_bytes = sum(int(np.prod(shape)) * np.dtype(dt).itemsize
+                              for shape, dt in self.layout)
+        self.chunk_pages = min(MAX_COPY_PAGES, 1 << max(
+            2, (COPY_CHUNK_BYTES // self.page_bytes).bit_length() - 1))
 
         def gather(kv, idx):
-            return [jnp.take(leaf, idx, axis=ax)
-                    for leaf, p in zip(jax.tree_util.tree_leaves(kv), self.paged) if p]
+            rows = []
+            for leaf, p in zip(jax.tree_util.tree_leaves(kv), self.paged):
+                if p:
+                    x = jnp.moveaxis(jnp.take(leaf, idx, axis=ax), ax, 0)
+                    x = jax.lax.bitcast_convert_type(x.reshape(len(idx), -1), jnp.uint8)
+                    rows.append(x.reshape(len(idx), -1))
+            return jnp.concatenate(rows, axis=1)
 
-        def scatter(kv, idx, vals):
+        def scatter(kv, idx, rows):
             leaves, tree = jax.tree_util.tree_flatten(kv)
-            it = iter(vals)
             where = (slice(None),) * ax + (idx,)
-            out = [leaf.at[where].set(next(it), mode="drop") if p else leaf
-                   for leaf, p in zip(leaves, self.paged)]
+            out, off, n = [], 0, len(idx)
+            for leaf, p in zip(leaves, self.paged):
+                if not p:
+                    out.append(leaf)
+                    continue
+                shape = leaf.shape[:ax] + leaf.shape[ax + 1:]
+                size = np.dtype(leaf.dtype).itemsize
+                b = rows[:, off:off + int(np.prod(shape)) * size]
+                off += b.shape[1]
+                b = b.reshape(n, -1, size) if size > 1 else b
+                x = jax.lax.bitcast_convert_type(b, leaf.dtype).reshape((n,) + shape)
+                out.append(leaf.at[where].set(jnp.moveaxis(x, 0, ax), mode="drop"))
             return jax.tree_util.tree_unflatten(tree, out)
 
         self._gather = jax.jit(gather)
         self._scatter = jax.jit(scatter, donate_argnums=(0,))
 
-    def start_gather(self, pages: list[int]) -> list[jax.Array]:
-        """Dispatches the copy out of `pages` (ordered after every step launched so far)
-        and starts its transfer to the host; returns at once."""
+    def start_gather(self, pages: list[int]) -> jax.Array:
+        """Dispatches the gather of `pages` (ordered after every step launched so far) and
+        returns at once; `split` copies it to the host."""
         idx = np.zeros(_bucket(len(pages)), np.int32)
         idx[:len(pages)] = pages
-        out = self.runner.with_kv(lambda kv: self._gather(kv, idx))
-        for a in out:
-            a.copy_to_host_async()
-        return out
+        return self.runner.with_kv(lambda kv: self._gather(kv, idx))
+
+    def gathered_bytes(self, pages: int) -> int:
+        return _bucket(pages) * self.page_bytes
 
     def warmup(self) -> int:
         """Compiles the gather and scatter for every page bucket (a serving start), so a
         copy never waits on a compile mid-run; changes nothing. Returns the count."""
-        sizes = [4 << i for i in range((MAX_COPY_PAGES // 4).bit_length())]
+        sizes = [4 << i for i in range((self.chunk_pages // 4).bit_length())]
         for b in sizes:
             zeros = np.zeros(b, np.int32)
             out = jax.block_until_ready(self.runner.with_kv(lambda kv: self._gather(kv, zeros)))
-            vals = [np.zeros(a.shape, a.dtype) for a in out]
+            rows = np.zeros(out.shape, out.dtype)
             idx = np.full(b, self.num_pages, np.int32)  # all out of range: nothing written
-            self.runner.update_kv(lambda kv: self._scatter(kv, idx, vals))
+            self.runner.update_kv(lambda kv: self._scatter(kv, idx, rows))
         jax.block_until_ready(self.runner.kv)
         return 2 * len(sizes)
 
-    def split(self, gathered: list, n: int) -> list[Entry]:
-        """Waits for a gather's host copy; one contiguous entry per page."""
-        host = [np.asarray(a) for a in gathered]
-        return [tuple(np.ascontiguousarray(np.take(h, i, axis=self.axis)) for h in host)
-                for i in range(n)]
+    def split(self, gathered: jax.Array, n: int) -> list[Entry]:
+        """Copies a gather to the host; one contiguous row per page, owning its memory (a
+        view would keep the whole gather alive in the host tier). On a GPU the copy goes
+        through pinned host memory: jaxlib starts a copy into numpy's pageable memory with
+        the GIL held, and XLA's stream executor may run that copy on the calling thread,
+        blocking until the device gets there, which would stall the engine thread for the
+        GIL. A device_put to pinned_host releases the GIL and returns at once, and numpy
+        reads the pinned buffer in place."""
+        if _has_pinned_host(gathered):
+            gathered = jax.device_put(gathered,
+                                      gathered.sharding.with_memory_kind("pinned_host"))
+        host = np.asarray(gathered)
+        return [host[i].copy() for i in range(n)]
 
     def scatter(self, pages: list[int], entries: list[Entry]) -> None:
         """Dispatches the copy of entries into pages, before the next step."""
         n = _bucket(len(pages))
         idx = np.full(n, self.num_pages, np.int32)  # padding rows fall out of range: dropped
         idx[:len(pages)] = pages
-        vals = []
-        for k in range(len(entries[0])):
-            col = [e[k] for e in entries]
-            col += [np.zeros_like(col[0])] * (n - len(col))
-            vals.append(np.stack(col, axis=self.axis))
-        self.runner.update_kv(lambda kv: self._scatter(kv, idx, vals))
+        rows = np.zeros((n, self.page_bytes), np.uint8)
+        for i, e in enumerate(entries):
+            if e.shape != (self.page_bytes,):
+                raise ValueError(f"a page of {e.nbytes} bytes, the cache's are "
+                                 f"{self.page_bytes}")
+            rows[i] = e
+        self.runner.update_kv(lambda kv: self._scatter(kv, idx, rows))
 
 
 class HostTier:
@@ -171,14 +216,14 @@ class HostTier:
             self.bytes += size
 
 
-MAGIC = b"NJKV1\n"
+MAGIC = b"NJKV2\n"  # 2: a page is one byte row (1 held an array per leaf)
 
 
 class DiskTier:
     """Pages as files in DIR/<fingerprint>/, least recently used deleted beyond max_bytes.
 
-    A file: MAGIC, an 8-byte header length, a JSON header (fingerprint, hash, each array's
-    shape and dtype, payload length and blake2b digest), then the arrays' bytes. Any
+    A file: MAGIC, an 8-byte header length, a JSON header (fingerprint, hash, payload
+    length and blake2b digest), then the page's bytes (the fingerprint fixes their layout). Any
     mismatch on reading (truncation, flipped bits, another model's file) deletes the file
     and reads as a miss."""
 
@@ -224,24 +269,24 @@ class DiskTier:
             self.path(h).unlink(missing_ok=True)
 
     def put(self, h: bytes, entry: Entry) -> None:
-        payload = b"".join(a.tobytes() for a in entry)
+        payload = memoryview(entry).cast("B")  # the page's bytes, not copied
         header = json.dumps({
-            "fingerprint": self.fingerprint, "hash": h.hex(),
-            "arrays": [[list(a.shape), str(a.dtype)] for a in entry],
-            "payload_bytes": len(payload),
+            "fingerprint": self.fingerprint, "hash": h.hex(), "payload_bytes": len(payload),
             "digest": hashlib.blake2b(payload, digest_size=16).hexdigest()}).encode()
-        blob = MAGIC + struct.pack("<Q", len(header)) + header + payload
-        if len(blob) > self.max_bytes:
+        size = len(MAGIC) + 8 + len(header) + len(payload)
+        if size > self.max_bytes:
             return
         with self._lock:
             if h in self._files:
                 return
-            self._evict(len(blob))
+            self._evict(size)
             tmp = self.path(h).with_suffix(".tmp")
-            tmp.write_bytes(blob)
+            with open(tmp, "wb") as f:
+                f.write(MAGIC + struct.pack("<Q", len(header)) + header)
+                f.write(payload)
             os.replace(tmp, self.path(h))  # readers see a whole file or none
-            self._files[h] = len(blob)
-            self.bytes += len(blob)
+            self._files[h] = size
+            self.bytes += size
 
     def get(self, h: bytes) -> Entry | None:
         with self._lock:
@@ -267,23 +312,14 @@ class DiskTier:
         (hlen,) = struct.unpack("<Q", blob[len(MAGIC):len(MAGIC) + 8])
         start = len(MAGIC) + 8
         head = json.loads(blob[start:start + hlen])
-        payload = blob[start + hlen:]
+        payload = memoryview(blob)[start + hlen:]
         if head["fingerprint"] != self.fingerprint or head["hash"] != h.hex():
             raise ValueError("written for another model or page")
         if len(payload) != head["payload_bytes"]:
             raise ValueError(f"truncated: {len(payload)} of {head['payload_bytes']} bytes")
         if hashlib.blake2b(payload, digest_size=16).hexdigest() != head["digest"]:
             raise ValueError("checksum mismatch")
-        out, off = [], 0
-        for shape, dtype in head["arrays"]:
-            dt = np.dtype(jnp.dtype(dtype))
-            n = int(np.prod(shape)) * dt.itemsize
-            out.append(np.frombuffer(payload, dt, count=n // dt.itemsize,
-                                     offset=off).reshape(shape))
-            off += n
-        if off != len(payload):
-            raise ValueError("arrays do not fill the payload")
-        return tuple(out)
+        return np.frombuffer(payload, np.uint8)
 
 
 @dataclasses.dataclass
@@ -294,6 +330,7 @@ class OffloadStats:
     prefetched_disk_pages: int = 0  # pages read from disk into host memory on arrival
     save_errors: int = 0
     disk_writes_dropped: int = 0  # the disk fell behind by DISK_BACKLOG_BYTES: not written
+    saves_dropped: int = 0  # pages not saved: MAX_PENDING_BYTES of gathers not yet copied
 
 
 class KVOffloader:
@@ -315,7 +352,7 @@ class KVOffloader:
         self._queued: set[bytes] = set()   # hashes between save() and their tier
         self._work: queue.Queue = queue.Queue()
         self._disk_q: queue.Queue = queue.Queue()
-        self._disk_backlog = 0
+        self._disk_backlog = self._pending = 0  # bytes for the disk / gathered on device
         self._backlog_lock = threading.Lock()
         self._threads = [threading.Thread(target=self._worker, name="nanojax-kv-offload",
                                           daemon=True),
@@ -361,9 +398,17 @@ class KVOffloader:
         them (the next schedule), so the gather reads them before any later write."""
         if not self._to_save:
             return
-        for chunk in _chunks(self._to_save):
+        for chunk in _chunks(self._to_save, self.copier.chunk_pages):
             pages, hashes = zip(*chunk)
-            self._work.put((list(hashes), self.copier.start_gather(list(pages))))
+            size = self.copier.gathered_bytes(len(pages))
+            with self._backlog_lock:
+                drop = self._pending + size > MAX_PENDING_BYTES
+                self._pending += 0 if drop else size
+            if drop:  # the host copies are that far behind: these cost a recompute
+                self.stats.saves_dropped += len(pages)
+                self._queued.difference_update(hashes)
+                continue
+            self._work.put((list(hashes), self.copier.start_gather(list(pages)), size))
         self._to_save = []
 
     def prefetch(self, hashes: list[bytes]) -> None:
@@ -375,8 +420,9 @@ class KVOffloader:
     def load(self, loads: list[tuple[list[int], list[Entry]]]) -> None:
         pages = [p for ps, _ in loads for p in ps]
         entries = [e for _, es in loads for e in es]
-        for i in range(0, len(pages), MAX_COPY_PAGES):
-            self.copier.scatter(pages[i:i + MAX_COPY_PAGES], entries[i:i + MAX_COPY_PAGES])
+        n = self.copier.chunk_pages
+        for i in range(0, len(pages), n):
+            self.copier.scatter(pages[i:i + n], entries[i:i + n])
 
     def warmup(self) -> int:
         return self.copier.warmup()
@@ -403,9 +449,15 @@ class KVOffloader:
             if item[0] == "prefetch":
                 self._prefetch(item[1])
                 continue
-            hashes, gathered = item
+            hashes, gathered, size = item
+            item = None  # `gathered` alone holds the device copy: dropped after the split
             try:
-                for h, e in zip(hashes, self.copier.split(gathered, len(hashes))):
+                entries = self.copier.split(gathered, len(hashes))
+                del gathered  # its device memory goes back now
+                with self._backlog_lock:
+                    self._pending -= size
+                    size = 0
+                for h, e in zip(hashes, entries):
                     if self.host is not None:
                         self.host.put(h, e)
                     if self.disk is not None:
@@ -415,6 +467,8 @@ class KVOffloader:
                 self.stats.save_errors += 1
                 log.exception("kv offload: saving %d pages failed", len(hashes))
             finally:
+                with self._backlog_lock:
+                    self._pending -= size
                 self._queued.difference_update(hashes)
                 self._work.task_done()
 
