@@ -39,11 +39,15 @@ quiet() { grep -v "^[WI]1" | tail -n "$1"; }
 kernel=(--decode-kernel "${KERNEL:-triton}")
 pages=()
 [ -n "${NUM_PAGES:-}" ] && pages=(--num-pages "$NUM_PAGES")
-engine_plan=()  # ENGINE_PLAN=name: the engine through that plan's non-overlap mode
-[ -n "${ENGINE_PLAN:-}" ] && engine_plan=(--plan "$ENGINE_PLAN" --modes non-overlap)
+# the engine through the step's plan, non-overlap mode, so the two run the same executor
+# (ENGINE_PLAN= runs the engine's default forward; the first H200 run, §26, did)
+ENGINE_PLAN=${ENGINE_PLAN-$PLAN}
+engine_plan=()
+[ -n "$ENGINE_PLAN" ] && engine_plan=(--plan "$ENGINE_PLAN" --modes non-overlap)
 
 timeout "${LIMIT_STEP:-180}" python3 -m nanojax bench step --model "$MODEL" --plan "$PLAN" \
   --b-dense "$B_DENSE" --workloads "$IN/$OUTLEN" --modes non-overlap "${kernel[@]}" \
+  --max-num-seqs "${MAX_NUM_SEQS:-1152}" \
   --max-model-len "${MAX_MODEL_LEN:-1024}" --quiet --json "$OUT/step.json" 2>&1 | quiet 6
 
 left=$(( ${TOTAL_LIMIT:-560} - ($(date +%s) - start) - 15 ))
