@@ -280,6 +280,27 @@ def test_offloader_drops_saves_past_the_pending_bound(monkeypatch):
     off.close()
 
 
+def test_multi_round_bench_compares_reuse_modes(tmp_path):
+    """`nanojax bench --multi-round N --reuse-modes ...`: each mode on the same turns in
+    one process; reuse computes fewer prompt tokens and changes no greedy token."""
+    import json
+
+    from nanojax.cli import main
+    out = tmp_path / "r.json"
+    assert main(["bench", "--model", "random:tiny", "--quiet", "--b-dense", "32",
+                 "--fixed-shapes", "--max-model-len", "128", "--max-num-seqs", "4",
+                 "--num-pages", "16", "--page-size", "8", "--input-len", "24",
+                 "--output-len", "8", "--num-prompts", "4", "--multi-round", "3",
+                 "--reuse-modes", "recompute,prefix,offload", "--kv-offload-host-bytes", "1M",
+                 "--json", str(out)]) == 0
+    res = json.loads(out.read_text())["results"]
+    computed = {m: r["prompt_tokens_computed"] for m, r in res.items()}
+    assert computed["offload"] < computed["prefix"] < computed["recompute"]
+    assert res["prefix"]["same_outputs_as_recompute"] == 1.0
+    assert res["offload"]["same_outputs_as_recompute"] == 1.0
+    assert res["offload"]["offload"]["loaded_host_pages"] > 0
+
+
 def test_conversations_fit_max_model_len():
     convs = make_conversations(20, 4, 500, trace="sharegpt", max_model_len=1024, seed=1)
     assert all(c.turns for c in convs) and max(len(c.turns) for c in convs) > 1
