@@ -295,6 +295,7 @@ def named_shape(name: str, dtype: str | None = None) -> ModelConfig:
 
 DECODE_KERNELS = ("auto", "triton", "mosaic", "mosaic-rows")
 GROUPED_GEMMS = ("auto", "xla")
+CPU_GEMMS = ("eigen", "ynnpack")
 
 
 def _opt(help: str, **kw) -> dict:
@@ -305,8 +306,9 @@ def _opt(help: str, **kw) -> dict:
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """Which kernel runs each part of the step on the GPU, and how the executor places
-    them. Off the GPU the step is pure JAX (ScanForward) and only `interpret` matters
-    (tests run the Pallas kernels in interpret mode through it)."""
+    them. Off the GPU the step is pure JAX (LayerwiseForward): `cpu_small_gemms` picks
+    XLA's GEMM library there, and `interpret` runs the Pallas kernels in interpret mode
+    (tests)."""
 
     decode_kernel: str = dataclasses.field(default="auto", metadata=_opt(
         "paged decode attention kernel: triton (any GPU), mosaic (Mosaic GPU swap-AB "
@@ -330,6 +332,11 @@ class KernelConfig:
     grouped_gemm: str = dataclasses.field(default="auto", metadata=_opt(
         "MoE expert GEMMs: auto (the Mosaic GPU grouped GEMM on Hopper where it takes the "
         "operands, else XLA's ragged_dot), xla (always ragged_dot)", choices=GROUPED_GEMMS))
+    cpu_small_gemms: str = dataclasses.field(default="eigen", metadata=_opt(
+        "CPU: XLA's library for the GEMMs of steps of 3 to 16 rows (XLA's own GEMV "
+        "serves 1 row): eigen (8 rows: 1.3x YNNPACK's speed on a 2-core EPYC) or ynnpack "
+        "(XLA's default, kept for 2 rows and from 17 up, where it is the faster)",
+        choices=CPU_GEMMS))
     gemm_shares: bool = dataclasses.field(default=False, metadata=_opt(
         "plan GEMM nano-ops with a share below 1 run on that share of the SMs "
         "(Mosaic GPU matmul, Hopper)"))
@@ -345,6 +352,9 @@ class KernelConfig:
         if self.grouped_gemm not in GROUPED_GEMMS:
             raise ConfigError(f"unknown grouped GEMM {self.grouped_gemm!r}; known: "
                               f"{', '.join(GROUPED_GEMMS)}")
+        if self.cpu_small_gemms not in CPU_GEMMS:
+            raise ConfigError(f"unknown CPU GEMM library {self.cpu_small_gemms!r}; known: "
+                              f"{', '.join(CPU_GEMMS)}")
         for name in ("prefill_block_q", "prefill_max_seqs"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -354,6 +364,11 @@ class KernelConfig:
 
 
 ADMISSION = ("greedy", "predicted")
+# the default dense batch: a GPU's; the CPU's holds a whole prompt of the default
+# max_model_len, so a long prompt prefills in one step of big GEMMs rather than in chunks
+# of 256 (bench/results/README.md §28)
+GPU_B_DENSE = 256
+CPU_B_DENSE = 2048
 # --kv-cache-dtype names (nanojax/layers/kv_fp8.py maps them to element types)
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8", "fp8_e4m3", "float32", "fp32")
 
@@ -362,8 +377,9 @@ KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8", "fp8_e4m3", "float32", "fp
 class EngineConfig:
     """The serving engine: batch shape, KV cache, scheduling, and the kernels."""
 
-    b_dense: int = dataclasses.field(default=256, metadata=_opt(
-        "tokens per iteration (NanoFlow's dense batch)"))
+    b_dense: int | None = dataclasses.field(default=None, metadata=_opt(
+        "tokens per iteration (NanoFlow's dense batch); default: 256 on a GPU, 2048 on the "
+        "CPU (longer prefill chunks: bigger GEMMs)"))
     page_size: int = dataclasses.field(default=16, metadata=_opt("tokens per KV page"))
     num_pages: int | None = dataclasses.field(default=None, metadata=_opt(
         "KV pages (default: sized from free device memory; 8 full requests on the CPU)"))
@@ -391,6 +407,10 @@ class EngineConfig:
     min_row_bucket: int | None = dataclasses.field(default=None, metadata=_opt(
         "smallest row count (sequences) a step is padded to; default: 4 on a GPU, 1 on "
         "the CPU (each padding row costs logits over the vocabulary)"))
+    token_bucket_step: int | None = dataclasses.field(default=None, metadata=_opt(
+        "above this many tokens, a step is padded to a multiple of it rather than to the "
+        "next power of two; default: 128 on the CPU (a 600-token prompt runs 640 tokens, "
+        "not 1024), off on a GPU or with fixed shapes"))
     seed: int = dataclasses.field(default=0, metadata=_opt(
         "seed of the per-request seeds of unseeded requests", cli=False))
     kv_cache_dtype: str = dataclasses.field(default="auto", metadata=_opt(
@@ -411,10 +431,11 @@ class EngineConfig:
     kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
 
     def __post_init__(self):
-        for name in ("b_dense", "page_size", "max_model_len", "tensor_parallel_size"):
+        for name in ("page_size", "max_model_len", "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("num_pages", "max_num_seqs", "min_token_bucket", "min_row_bucket"):
+        for name in ("b_dense", "num_pages", "max_num_seqs", "min_token_bucket",
+                     "min_row_bucket", "token_bucket_step"):
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ConfigError(f"{name} must be positive, got {v}")
@@ -426,6 +447,16 @@ class EngineConfig:
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)
+
+    def dense_batch(self, on_gpu: bool | None = None) -> int:
+        """b_dense, or the backend's default when it is not set (on_gpu None: the
+        default backend's)."""
+        if self.b_dense is not None:
+            return self.b_dense
+        if on_gpu is None:
+            import jax
+            on_gpu = jax.default_backend() == "gpu"
+        return GPU_B_DENSE if on_gpu else CPU_B_DENSE
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

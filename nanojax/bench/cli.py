@@ -156,7 +156,7 @@ def cmd_throughput(args) -> int:
                                          for m, r in results.items() if "error" not in r}
     _compare_modes(payload, results, bool(args.plan))
     if jax.default_backend() == "gpu":
-        _add_roofline(payload, results, bundle.config, config.b_dense)
+        _add_roofline(payload, results, bundle.config, config.dense_batch())
     print(json.dumps({k: v for k, v in payload.items() if k in (
         "results", "async_over_sync", "overlap_over_non_overlap",
         "overlap_over_nanobatch_only", "ours_over_peer")}))

@@ -24,6 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+CASES = ("decode", "prefill", "batch")
+FORWARDS = {"layerwise": "LayerwiseForward", "scan": "ScanForward",
+            "unrolled": "UnrolledForward"}
 DECODE_PROMPT = ("The history of the printing press begins in the fifteenth century, when "
                  "Johannes Gutenberg")
 
@@ -86,9 +89,13 @@ def _prompts(rng, vocab: int, n: int, length: int) -> list[list[int]]:
 def run_latency(llm, peer: TransformersPeer | None, *, new_tokens: int = 128,
                 prefill_tokens: int = 1500, batch: int = 8, repeats: int = 3,
                 decode_prompt: list[int] | None = None, seed: int = 0,
-                progress: bool = True) -> dict:
-    """The three measurements for ours (an LLM) and, if given, the peer. Returns the
-    per-repeat times, medians and ratios (ours over theirs: > 1 is ours faster)."""
+                progress: bool = True, cases: tuple[str, ...] = CASES) -> dict:
+    """The measurements named in cases (default all three) for ours (an LLM) and, if
+    given, the peer. Returns the per-repeat times, medians and ratios (ours over theirs:
+    > 1 is ours faster)."""
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown or not cases:
+        raise ValueError(f"cases must be some of {', '.join(CASES)}, got {list(cases)}")
     vocab = llm.engine.model_config.vocab_size
     rng = np.random.default_rng(seed)
     if decode_prompt is None:
@@ -98,12 +105,13 @@ def run_latency(llm, peer: TransformersPeer | None, *, new_tokens: int = 128,
         sides["transformers"] = peer.generate
     batch_len = len(decode_prompt)
     # (name, prompts per repeat, new tokens): fresh prompts each round, the first is warm-up
-    cases = {
+    makers = {
         "decode": lambda i: ([decode_prompt] if i == 0 else  # a new first token: no cache hit
                              [_prompts(rng, vocab, 1, 1)[0] + decode_prompt[1:]], new_tokens),
         "prefill": lambda i: (_prompts(rng, vocab, 1, prefill_tokens), 1),
         "batch": lambda i: (_prompts(rng, vocab, batch, batch_len), new_tokens),
     }
+    cases = {c: makers[c] for c in CASES if c in cases}
     times = {c: {s: [] for s in sides} for c in cases}
     tokens = {}
     for case, make in cases.items():
@@ -122,35 +130,39 @@ def run_latency(llm, peer: TransformersPeer | None, *, new_tokens: int = 128,
                     print(f"{case:>7} {side:>12} round {i}: {wall:7.3f} s", file=sys.stderr)
     res = {}
     for side in sides:
-        dec, pre, bat = (statistics.median(times[c][side]) for c in cases)
-        res[side] = {
-            "decode_tokens_per_s": new_tokens / dec,
-            "decode_wall_s": times["decode"][side],
-            "prefill_ttft_s": pre,
-            "prefill_wall_s": times["prefill"][side],
-            "batch_tokens_per_s": batch * new_tokens / bat,
-            "batch_wall_s": times["batch"][side],
-        }
-        res[side]["batch_over_single"] = (res[side]["batch_tokens_per_s"]
-                                          / res[side]["decode_tokens_per_s"])
-    out = {"workload": {"new_tokens": new_tokens, "prefill_tokens": prefill_tokens,
-                        "batch": batch, "batch_prompt_tokens": batch_len,
+        r = res[side] = {}
+        med = {c: statistics.median(times[c][side]) for c in cases}
+        if "decode" in cases:
+            r["decode_tokens_per_s"] = new_tokens / med["decode"]
+            r["decode_wall_s"] = times["decode"][side]
+        if "prefill" in cases:
+            r["prefill_ttft_s"] = med["prefill"]
+            r["prefill_wall_s"] = times["prefill"][side]
+        if "batch" in cases:
+            r["batch_tokens_per_s"] = batch * new_tokens / med["batch"]
+            r["batch_wall_s"] = times["batch"][side]
+        if "decode" in cases and "batch" in cases:
+            r["batch_over_single"] = r["batch_tokens_per_s"] / r["decode_tokens_per_s"]
+    out = {"workload": {"cases": list(cases), "new_tokens": new_tokens,
+                        "prefill_tokens": prefill_tokens, "batch": batch,
+                        "batch_prompt_tokens": batch_len,
                         "decode_prompt_tokens": len(decode_prompt), "repeats": repeats,
                         "seed": seed},
            "results": res}
     if peer is not None:
         ours, theirs = res["ours"], res["transformers"]
-        out["ratios"] = {
-            "decode_ours_over_transformers": (ours["decode_tokens_per_s"]
-                                              / theirs["decode_tokens_per_s"]),
+        ratios = {
+            "decode_ours_over_transformers": ("decode_tokens_per_s", False),
             # > 1: our first token comes sooner
-            "prefill_transformers_over_ours": theirs["prefill_ttft_s"] / ours["prefill_ttft_s"],
-            "batch_ours_over_transformers": (ours["batch_tokens_per_s"]
-                                             / theirs["batch_tokens_per_s"]),
+            "prefill_transformers_over_ours": ("prefill_ttft_s", True),
+            "batch_ours_over_transformers": ("batch_tokens_per_s", False),
         }
-        a, b = tokens[("decode", "ours")][0], tokens[("decode", "transformers")][0]
-        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-        out["greedy_tokens_agree"] = {"first_divergence": same, "of": len(a)}
+        out["ratios"] = {name: (theirs[key] / ours[key] if inverse else ours[key] / theirs[key])
+                         for name, (key, inverse) in ratios.items() if key in ours}
+        if "decode" in cases:
+            a, b = tokens[("decode", "ours")][0], tokens[("decode", "transformers")][0]
+            same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+            out["greedy_tokens_agree"] = {"first_divergence": same, "of": len(a)}
     return out
 
 
@@ -203,9 +215,11 @@ def decode_breakdown(llm, prompt: list[int], steps: int = 20) -> dict:
 def _engine_state(llm) -> dict:
     """The shapes our engine actually ran with (CPU defaults differ from the GPU's)."""
     r = llm.engine.runner
-    return {"min_token_bucket": r.min_token_bucket, "min_row_bucket": r.min_row_bucket,
+    return {"b_dense": r.b_dense, "min_token_bucket": r.min_token_bucket,
+            "token_bucket_step": r.token_bucket_step, "min_row_bucket": r.min_row_bucket,
             "fixed_shapes": r.fixed_shapes, "num_pages": llm.engine.sizing.num_pages,
-            "forward": type(r.forward).__name__, "step_compiles": r.num_compiles}
+            "forward": type(r.forward).__name__,
+            "compiler_options": r.forward.compiler_options, "step_compiles": r.num_compiles}
 
 
 def cmd_latency(args) -> int:
@@ -217,6 +231,10 @@ def cmd_latency(args) -> int:
     from nanojax.errors import NanojaxError
     from nanojax.profiling.record import run_record, write_json
 
+    cases = tuple(c for c in args.cases.split(",") if c)
+    if not cases or set(cases) - set(CASES):
+        raise NanojaxError(f"--cases takes some of {', '.join(CASES)} (comma-separated), "
+                           f"got {args.cases!r}")
     threads = args.threads or len(os.sched_getaffinity(0))
     config = engine_config_from_args(args)
     bundle = load_model(args.model, dtype="float32", cache_dir=args.cache_dir)
@@ -231,15 +249,16 @@ def cmd_latency(args) -> int:
                            f"--peer-gguf for {args.model!r}, or --no-peer")
     peer = None if args.no_peer else TransformersPeer(gguf, threads)
     forward = None
-    if args.unrolled_layers:  # straight-line layers: no per-layer weight slice copies
-        from nanojax.engine.forward import UnrolledForward
-        forward = UnrolledForward(bundle.config)
+    if args.forward:  # another CPU forward than the default, for an A/B
+        from nanojax.engine import forward as fwd
+        forward = getattr(fwd, FORWARDS[args.forward])(bundle.config)
+        forward.small_gemms = config.kernels.cpu_small_gemms  # read by layerwise only
     llm = LLM(bundle, config=config, forward=forward)
     prompt = bundle.tokenizer.encode(DECODE_PROMPT) if bundle.tokenizer else None
     out = run_latency(llm, peer, new_tokens=args.new_tokens,
                       prefill_tokens=args.prefill_tokens, batch=args.batch,
                       repeats=args.repeats, decode_prompt=prompt, seed=args.seed,
-                      progress=not args.quiet)
+                      progress=not args.quiet, cases=cases)
     vocab = bundle.config.vocab_size
     breakdown = decode_breakdown(llm, prompt or _prompts(np.random.default_rng(args.seed),
                                                          vocab, 1, 16)[0])
@@ -265,7 +284,9 @@ def format_table(out: dict) -> str:
     sides = list(res)
     lines = [f"{'':26}" + "".join(f"{s:>14}" for s in sides)]
     for label, key, fmt in rows:
-        lines.append(f"{label:26}" + "".join(f"{fmt.format(res[s][key]):>14}" for s in sides))
+        if key in res[sides[0]]:
+            lines.append(f"{label:26}" + "".join(f"{fmt.format(res[s][key]):>14}"
+                                                 for s in sides))
     for k, v in out.get("ratios", {}).items():
         lines.append(f"{k:40} {v:.2f}")
     return "\n".join(lines)
@@ -280,14 +301,18 @@ def register_latency(bsub) -> None:
     p.add_argument("--prefill-tokens", type=int, default=1500)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up")
+    p.add_argument("--cases", default=",".join(CASES),
+                   help=f"which measurements, comma-separated (default: {','.join(CASES)})")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: the cores this process may use, as XLA)")
     p.add_argument("--peer-gguf", default=None,
                    help="GGUF file transformers loads (default: the embedded model's)")
     p.add_argument("--no-peer", action="store_true", help="ours only")
-    p.add_argument("--unrolled-layers", action="store_true",
-                   help="our step with straight-line layers instead of the CPU's scan "
-                        "(reads each layer's weights in place; compiles ~3x longer)")
+    p.add_argument("--forward", choices=sorted(FORWARDS), default=None,
+                   help="our step's forward (default: the engine's; on the CPU layerwise: "
+                        "one jitted layer called per layer; scan: lax.scan over stacked "
+                        "layers, which copies each layer's weights; unrolled: straight-line "
+                        "layers, ~3x the compile)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--json", default=None, help="write the full result here")

@@ -1,9 +1,10 @@
 """The per-iteration model forward, behind one small interface the engine calls
 (`Forward`, below).
 
-`ScanForward` stacks the layers and runs them with lax.scan: one layer is compiled once,
-so compiles stay short on the CPU. `UnrolledForward` runs the layers as straight-line
-code, which is what stream annotation and the nano-batch executor need on the GPU.
+`UnrolledForward` runs the layers as straight-line code, which is what stream annotation
+and the nano-batch executor need on the GPU. `ScanForward` stacks the layers and runs them
+with lax.scan: one layer is compiled once. `LayerwiseForward` (the CPU's) also compiles
+one layer, but dispatches it once per layer from Python with that layer's own weights.
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ class Forward(Protocol):
     chunk_cuts: tuple[int, ...]
     kv_page_axis: int  # the page axis of the cache's paged arrays (prefix-cache copies)
     compiler_options: dict  # XLA options the jitted step compiles with
+    # False: __call__ runs outside the step's jit, dispatching jitted pieces itself
+    traced: bool
 
     def prepare(self, params):
         """Parameters as this forward wants them on device."""
@@ -45,6 +48,9 @@ class Forward(Protocol):
 
 class UnrolledForward:
     chunk_cuts: tuple[int, ...] = ()
+    # the runner traces __call__ inside its jitted step; False: __call__ dispatches jitted
+    # pieces itself (LayerwiseForward), so the runner jits the rest of the step apart
+    traced = True
     kv_page_axis = 0  # of every paged cache array: a list of per-layer [P, KVH, ps, D]
 
     # tp_axis: run as one tensor-parallel shard inside shard_map (nanojax/parallel/tp.py);
@@ -132,10 +138,76 @@ class ScanForward(UnrolledForward):
         return model.apply(rest, x[logit_idx], method=LlamaForCausalLM.logits), kv
 
 
+# XLA's CPU GEMMs by rows (tokens, or logits rows for the LM head): its own GEMV for one,
+# YNNPACK by default. Eigen is the faster for small steps on the 2-core EPYC (8 rows
+# through 30 layers of SmolLM2's projections: Eigen 51.6 ms, YNNPACK 66.5), so steps of
+# up to 16 rows turn YNNPACK off (bench/results/README.md §28)
+SMALL_GEMM_ROWS = 16
+EIGEN_GEMMS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+class LayerwiseForward(UnrolledForward):
+    """One jitted layer, called once per layer from Python (embedding and LM head are two
+    more calls): what the scan compiles, without its weight copies. Inside a scan each
+    layer's weights are a dynamic slice of the stacked arrays, which XLA's CPU backend
+    copies before every dot (a T=1 step read the weights from memory twice: 2x slower
+    decode, bench/results/README.md); straight-line layers read them in place but compile
+    ~3x longer. Here each call gets its layer's arrays as they are, and its cache pages are
+    donated, so appends stay in place. Parameters and cache are UnrolledForward's (the
+    flax tree, a list of per-layer pages). Called inside a trace (tensor parallelism's
+    shard_map, the step benchmark) the calls inline into straight-line layers."""
+
+    traced = False
+
+    def __init__(self, cfg: ModelConfig, attention: AttentionBackend = paged_attention,
+                 tp_axis: str | None = None, small_gemms: str = "eigen"):
+        super().__init__(cfg, attention, tp_axis)
+        self.small_gemms = small_gemms  # KernelConfig.cpu_small_gemms
+        self.num_traces = 0  # layer compilations (the runner's compile count)
+        self._jits = {}
+
+    def for_shard(self, cfg: ModelConfig, tp_axis: str):
+        """A tensor-parallel shard runs traced inside shard_map: the scan, whose compile
+        stays that of one layer."""
+        shard = ScanForward(cfg, self.attention, tp_axis)
+        shard.grouped_gemm, shard.compiler_options = self.grouped_gemm, self.compiler_options
+        return shard
+
+    def _jit(self, name: str, fn, rows: int, **kw):
+        """fn jitted, with Eigen's GEMMs where the step's GEMMs have few rows (a jit's
+        compiler options hold for all its shapes: two jits)."""
+        small = self.small_gemms == "eigen" and rows <= SMALL_GEMM_ROWS
+        if (name, small) not in self._jits:
+            options = {**self.compiler_options, **(EIGEN_GEMMS if small else {})}
+            self._jits[name, small] = jax.jit(fn, compiler_options=options or None, **kw)
+        return self._jits[name, small]
+
+    def __call__(self, params, tokens, kv, meta, logit_idx):
+        model, layer, inv_freq = self.model, self.layer(), self.model.inv_freq
+
+        def run_layer(layer_params, x, kv_layer, meta):
+            self.num_traces += 1  # once per trace, i.e. per compiled shape
+            return layer.apply({"params": layer_params}, x, kv_layer, meta, self.attention,
+                               inv_freq)
+
+        t, r = tokens.shape[0], logit_idx.shape[0]
+        embed = self._jit("embed", lambda p, t: model.apply(
+            p, t, method=LlamaForCausalLM.embed_tokens), t)
+        one = self._jit("layer", run_layer, t, donate_argnums=(2,))
+        logits = self._jit("logits", lambda p, x, i: model.apply(
+            p, x[i], method=LlamaForCausalLM.logits), r)
+        x = embed(params, tokens)
+        kv = list(kv)
+        for i in range(self.cfg.num_layers):
+            x, kv[i] = one(params["params"][f"layers_{i}"], x, kv[i], meta)
+        return logits(params, x, logit_idx), kv
+
+
 def default_forward(cfg: ModelConfig, kernels: KernelConfig = KernelConfig()) -> Forward:
     """GPU: straight-line layers with the Pallas kernels the KernelConfig names; CPU:
-    scan, pure JAX."""
+    per-layer calls, pure JAX."""
     fwd = (UnrolledForward(cfg, attention=pallas_backend(kernels))
-           if jax.default_backend() == "gpu" else ScanForward(cfg))
+           if jax.default_backend() == "gpu"
+           else LayerwiseForward(cfg, small_gemms=kernels.cpu_small_gemms))
     fwd.grouped_gemm = kernels.grouped_gemm
     return fwd

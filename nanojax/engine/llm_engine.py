@@ -72,7 +72,9 @@ class LLMEngine:
         self.bundle = bundle
         self.model_config = bundle.config
         self.tokenizer = bundle.tokenizer
-        self.config = cfg = config or EngineConfig()
+        on_gpu = jax.default_backend() == "gpu"
+        cfg = config or EngineConfig()
+        self.config = cfg = cfg.replace(b_dense=cfg.dense_batch(on_gpu))  # the backend's
         self.max_model_len = min(cfg.max_model_len, self.model_config.max_position_embeddings)
         self.kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.model_config.dtype)
         forward = forward or default_forward(self.model_config, cfg.kernels)
@@ -98,7 +100,6 @@ class LLMEngine:
                                    admission=cfg.admission, max_prefill_seqs=(
                                        forward.attention.prefill_max_seqs
                                        if forward.attention.prefill_block_q else None))
-        on_gpu = jax.default_backend() == "gpu"
         fixed = cfg.fixed_shapes
         if fixed is None:  # a GPU compiles every shape at start; the CPU pays per row
             fixed = on_gpu
@@ -107,13 +108,16 @@ class LLMEngine:
         # shapes compile every bucket at start (fewer buckets, shorter start)
         min_tokens = cfg.min_token_bucket or (16 if on_gpu or fixed else 1)
         min_rows = cfg.min_row_bucket or default_min_row_bucket(on_gpu)
+        # long prompts' chunks: padded to the next power of two, a 600-token one would run
+        # 1,024 tokens; with fixed shapes, each bucket is one more shape compiled at start
+        token_step = cfg.token_bucket_step or (None if on_gpu or fixed else 128)
         self.runner = ModelRunner(self.model_config, bundle.params, self.sizing.num_pages,
                                   cfg.page_size, self.scheduler.max_num_seqs, cfg.b_dense,
                                   forward=forward, constant_batch=cfg.constant_batch,
                                   max_pages_per_seq=-(-self.max_model_len // cfg.page_size),
                                   fixed_shapes=fixed, broadcast=broadcast,
                                   kv_cache_dtype=self.kv_dtype, min_token_bucket=min_tokens,
-                                  min_row_bucket=min_rows)
+                                  min_row_bucket=min_rows, token_bucket_step=token_step)
         self.prefix_cache = self.offloader = None
         if cfg.enable_prefix_caching:
             self._start_prefix_cache()

@@ -24,8 +24,12 @@ from nanojax.engine.scheduler import ScheduledBatch
 from nanojax.layers.attention import PagedMetadata, prefill_metadata
 
 
-def bucket(n: int, minimum: int, maximum: int | None = None) -> int:
+def bucket(n: int, minimum: int, maximum: int | None = None, step: int | None = None) -> int:
+    """n rounded up to a power of two (at least minimum), or above step to a multiple of
+    step; capped at maximum where n fits under it."""
     b = max(minimum, 1 << max(0, n - 1).bit_length())
+    if step is not None and b > step:
+        b = max(minimum, -(-n // step) * step)
     return min(b, maximum) if maximum is not None and n <= maximum else b
 
 
@@ -72,7 +76,8 @@ class ModelRunner:
                  max_rows: int, b_dense: int, forward: Forward | None = None,
                  constant_batch: bool = False, min_token_bucket: int = 16,
                  max_pages_per_seq: int | None = None, fixed_shapes: bool = False,
-                 broadcast=None, kv_cache_dtype=None, min_row_bucket: int = 4):
+                 broadcast=None, kv_cache_dtype=None, min_row_bucket: int = 4,
+                 token_bucket_step: int | None = None):
         self.cfg = cfg
         self.page_size = page_size
         self.min_row_bucket = min_row_bucket
@@ -80,6 +85,7 @@ class ModelRunner:
         self.constant_batch = constant_batch
         self.max_pages_per_seq = max_pages_per_seq
         self.min_token_bucket = min_token_bucket
+        self.token_bucket_step = token_bucket_step
         # one row count and page-table width: only the token count varies, so warmup()
         # can compile every shape the engine will launch (a serving start, not mid-run)
         self.fixed_shapes = fixed_shapes and max_pages_per_seq is not None
@@ -89,15 +95,13 @@ class ModelRunner:
         self.forward = forward
         self.params = forward.prepare(params)
         self.kv = forward.init_kv(num_pages, page_size, kv_cache_dtype)  # None: the model's
-        self.num_compiles = 0
-        self._lock = threading.Lock()
+        self._traces = 0
         self.num_sampler_compiles = 0
         self._lock = threading.Lock()
         # Two executables a step: the forward (tokens in, logits and the cache out) and the
         # sampler, whose variants (greedy or sampling: `sample`'s static flag, chosen on
         # the host) are small to compile; neither holds a device-side conditional
-        self._forward = jax.jit(self._make_forward(forward), donate_argnums=(1,),
-                                compiler_options=forward.compiler_options or None)
+        self._forward = self._make_forward(forward)
         self._sample = jax.jit(self._make_sampler(forward), static_argnames=("sampling",))
         # several processes (parallel/multihost.py): process 0 sends each step's inputs
         self.broadcast = broadcast
@@ -105,14 +109,32 @@ class ModelRunner:
         if broadcast is not None:
             self._prev = broadcast.place(np.zeros((self.max_rows,), np.int32))
 
+    @property
+    def num_compiles(self) -> int:
+        """Step shapes compiled so far (traced: a persistent-cache hit counts too); a
+        forward that dispatches its own layers counts its layer's."""
+        return self._traces + getattr(self.forward, "num_traces", 0)
+
     def _make_forward(self, forward):
+        options = forward.compiler_options or None
+        if not getattr(forward, "traced", True):  # it dispatches its layers: jit the rest
+            input_tokens = jax.jit(_input_tokens, compiler_options=options)
+
+            def layerwise(params, kv, prev_tokens, host_tokens, token_src, meta, logit_idx):
+                tokens = input_tokens(prev_tokens, host_tokens, token_src)
+                meta = jax.device_put(meta)  # once, not once per layer call
+                logits, kv = forward(params, tokens, kv, meta, logit_idx)
+                return kv, logits
+
+            return layerwise
+
         def step(params, kv, prev_tokens, host_tokens, token_src, meta, logit_idx):
-            self.num_compiles += 1  # runs once per trace, i.e. per compilation
+            self._traces += 1  # runs once per trace, i.e. per compilation
             tokens = _input_tokens(prev_tokens, host_tokens, token_src)
             logits, kv = forward(params, tokens, kv, meta, logit_idx)
             return kv, logits
 
-        return step
+        return jax.jit(step, donate_argnums=(1,), compiler_options=options)
 
     def _make_sampler(self, forward):
         max_rows = self.max_rows
@@ -139,8 +161,7 @@ class ModelRunner:
         if self.constant_batch and self.max_pages_per_seq:  # one shape: one compile
             return self.b_dense, self.max_rows, bucket(self.max_pages_per_seq, 4)
         n_tok = batch.num_tokens
-        t = self.b_dense if self.constant_batch else bucket(n_tok, self.min_token_bucket,
-                                                            self.b_dense)
+        t = self.b_dense if self.constant_batch else self._token_bucket(n_tok)
         if self.fixed_shapes:
             return t, self.max_rows, bucket(self.max_pages_per_seq, 4)
         r = bucket(len(batch.entries), self.min_row_bucket, self.max_rows)
@@ -153,10 +174,13 @@ class ModelRunner:
         """The token counts a step can be launched with."""
         if self.constant_batch:
             return [self.b_dense]
-        out = [bucket(1, self.min_token_bucket, self.b_dense)]
+        out = [self._token_bucket(1)]
         while out[-1] < self.b_dense:
-            out.append(bucket(out[-1] + 1, self.min_token_bucket, self.b_dense))
+            out.append(self._token_bucket(out[-1] + 1))
         return out
+
+    def _token_bucket(self, n: int) -> int:
+        return bucket(n, self.min_token_bucket, self.b_dense, self.token_bucket_step)
 
     def warmup(self, progress: bool = False) -> int:
         """With fixed_shapes: compiles the step for every token bucket by launching an

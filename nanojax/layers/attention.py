@@ -214,75 +214,119 @@ def _online_step(carry, scores, values, contract: str):
     return m_new, l * corr + p.sum(-1), acc
 
 
-def _key_blocks(meta: PagedMetadata, page_size: int, block_pages: int):
-    """The page table padded to whole key blocks, and how many blocks this batch needs
-    (up to its longest context: the loop's trip count, so a wide page table costs
-    nothing beyond it)."""
+def _key_blocks(meta: PagedMetadata, block_pages: int):
+    """The page table padded to whole key blocks, and the block count of the table."""
     r, p = meta.page_table.shape
     n = -(-p // block_pages)
-    table = jnp.pad(meta.page_table, ((0, 0), (0, n * block_pages - p)))
-    valid = meta.slot_mapping >= 0
-    longest = jnp.max(jnp.where(valid, meta.positions + 1, 1))
-    return table, jnp.clip(-(-longest // (block_pages * page_size)), 1, n)
+    return jnp.pad(meta.page_table, ((0, 0), (0, n * block_pages - p))), n
+
+
+def _blocks_needed(positions, valid, block_len: int, n: int):
+    """Key blocks up to the longest context of these tokens (the loop's trip count: a
+    wide page table costs nothing beyond it); at least one."""
+    longest = jnp.max(jnp.where(valid, positions + 1, 1))
+    return jnp.clip(-(-longest // block_len), 1, n)
+
+
+# pages a decode iteration gathers for all its tokens together (k and v, 12 KB each for
+# SmolLM2): a block is at most this many pages over the step's tokens, so a batch of
+# decodes gathers about what its contexts need (8 tokens at context 100: 4 pages each,
+# 377 us a layer where 16 pages each took 859 us) and its buffers stay small
+PER_TOKEN_GATHER_PAGES = 32
 
 
 def _blocked_attention(q, k_pages, v_pages, meta: PagedMetadata, k_scale=None,
-                       v_scale=None, per_token: bool = True, block_pages: int = 16):
+                       v_scale=None, per_token: bool = True, block_pages: int = 16,
+                       block_q: int = 256):
     """Flash-style attention over the paged cache in blocks of block_pages pages, looping
     only over the blocks the longest context reaches. per_token: each token reads its own
-    row's keys (a decode batch: one token per row). Otherwise each block's keys are read
-    once per row and every token is scored against all rows, masked to its own (prefill
-    chunks: a 256-token chunk read per token re-read its context 256 times)."""
+    row's keys (a decode batch: one token per row), in blocks of at most
+    PER_TOKEN_GATHER_PAGES / T pages. Otherwise the tokens go in query blocks of block_q;
+    each block's keys are read once per row and every query of a query block is scored
+    against all rows, masked to its own (prefill chunks: a 256-token chunk read per token
+    re-read its context 256 times), up to the query block's own longest context (causal:
+    the first query block of a long chunk skips the keys only later blocks see)."""
     t, h, d = q.shape
     _, kvh, ps, _ = k_pages.shape
     g = h // kvh
-    bl = block_pages * ps
-    table, n_blocks = _key_blocks(meta, ps, block_pages)
     qg = q.reshape(t, kvh, g, d).astype(jnp.float32) * (d ** -0.5)
     if k_scale is not None:
         qg = qg * k_scale[None, :, None, None]
-    if per_token:
-        table = table[meta.seq_ids]                                  # [T, nb * bp]
-    else:
-        qg = qg.transpose(1, 0, 2, 3).reshape(kvh, t * g, d)        # [KVH, T*G, D]
-    r = table.shape[0]
-    key_row = jnp.repeat(jnp.arange(r, dtype=jnp.int32), bl)
+    valid = meta.slot_mapping >= 0
 
-    def block(i, carry):
-        pages = jax.lax.dynamic_slice_in_dim(table, i * block_pages, block_pages, axis=1)
-        kb, vb = (x[pages].astype(jnp.float32) for x in (k_pages, v_pages))  # [R,bp,KVH,ps,D]
-        pos = i * bl + jnp.arange(bl, dtype=jnp.int32)
-        if per_token:
+    def init(shape):
+        return (jnp.full(shape, NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32),
+                jnp.zeros(shape + (d,), jnp.float32))
+
+    if per_token:
+        bp = max(1, min(block_pages, PER_TOKEN_GATHER_PAGES // t))
+        bl = bp * ps
+        table, n = _key_blocks(meta, bp)
+        table = table[meta.seq_ids]                                  # [T, n * bp]
+
+        def block(i, carry):
+            pages = jax.lax.dynamic_slice_in_dim(table, i * bp, bp, axis=1)
+            kb, vb = (x[pages].astype(jnp.float32) for x in (k_pages, v_pages))  # [T,bp,KVH,ps,D]
             kb, vb = (x.transpose(0, 2, 1, 3, 4).reshape(t, kvh, bl, d) for x in (kb, vb))
             s = jnp.einsum("tkgd,tkld->tkgl", qg, kb)
+            pos = i * bl + jnp.arange(bl, dtype=jnp.int32)
             mask = pos[None, :] <= meta.positions[:, None]          # [T, L]
             s = jnp.where(mask[:, None, None, :], s, NEG_INF)
             return _online_step(carry, s, vb, "tkgl,tkld->tkgd")
-        kb, vb = (x.transpose(2, 0, 1, 3, 4).reshape(kvh, r * bl, d) for x in (kb, vb))
-        s = jnp.einsum("ktd,kld->ktl", qg, kb).reshape(kvh, t, g, r * bl)
-        mask = ((key_row[None, :] == meta.seq_ids[:, None])
-                & (jnp.tile(pos, r)[None, :] <= meta.positions[:, None]))  # [T, R*L]
-        s = jnp.where(mask[None, :, None, :], s, NEG_INF).reshape(kvh, t * g, r * bl)
-        return _online_step(carry, s, vb, "ktl,kld->ktd")
 
-    shape = qg.shape[:-1]
-    init = (jnp.full(shape, NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros(qg.shape, jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, n_blocks, block, init)
-    out = acc / l[..., None]
+        n_blocks = _blocks_needed(meta.positions, valid, bl, n)
+        _, l, acc = jax.lax.fori_loop(0, n_blocks, block, init(qg.shape[:-1]))
+        out = acc / l[..., None]
+        if v_scale is not None:
+            out = out * v_scale[None, :, None, None]
+        return out.reshape(t, h, d).astype(q.dtype)
+
+    bl = block_pages * ps
+    table, n = _key_blocks(meta, block_pages)
+    r = table.shape[0]
+    key_row = jnp.repeat(jnp.arange(r, dtype=jnp.int32), bl)
+    bq = min(block_q, t)
+    nq = -(-t // bq)
+    pad = nq * bq - t  # padding queries: no slot, position 0 (attend key 0 of row 0)
+    qb = jnp.pad(qg, ((0, pad), (0, 0), (0, 0), (0, 0)))
+    qb = qb.reshape(nq, bq, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(nq, kvh, bq * g, d)
+    pos_b, ids_b, valid_b = (jnp.pad(x, (0, pad)).reshape(nq, bq)
+                             for x in (meta.positions, meta.seq_ids, valid))
+
+    def query_block(xs):
+        qj, pos_j, ids_j, valid_j = xs
+
+        def block(i, carry):
+            pages = jax.lax.dynamic_slice_in_dim(table, i * block_pages, block_pages, axis=1)
+            kb, vb = (x[pages].astype(jnp.float32) for x in (k_pages, v_pages))  # [R,bp,KVH,ps,D]
+            kb, vb = (x.transpose(2, 0, 1, 3, 4).reshape(kvh, r * bl, d) for x in (kb, vb))
+            s = jnp.einsum("ktd,kld->ktl", qj, kb).reshape(kvh, bq, g, r * bl)
+            pos = i * bl + jnp.arange(bl, dtype=jnp.int32)
+            mask = ((key_row[None, :] == ids_j[:, None])
+                    & (jnp.tile(pos, r)[None, :] <= pos_j[:, None]))  # [bq, R*L]
+            s = jnp.where(mask[None, :, None, :], s, NEG_INF).reshape(kvh, bq * g, r * bl)
+            return _online_step(carry, s, vb, "ktl,kld->ktd")
+
+        n_blocks = _blocks_needed(pos_j, valid_j, bl, n)
+        _, l, acc = jax.lax.fori_loop(0, n_blocks, block, init(qj.shape[:-1]))
+        return acc / l[..., None]                                  # [KVH, bq*G, D]
+
+    out = jax.lax.map(query_block, (qb, pos_b, ids_b, valid_b))   # [nq, KVH, bq*G, D]
     if v_scale is not None:
-        out = out * (v_scale[None, :, None, None] if per_token else v_scale[:, None, None])
-    if not per_token:
-        out = out.reshape(kvh, t, g, d).transpose(1, 0, 2, 3)
-    return out.reshape(t, h, d).astype(q.dtype)
+        out = out * v_scale[None, :, None, None]
+    out = out.reshape(nq, kvh, bq, g, d).transpose(0, 2, 1, 3, 4).reshape(nq * bq, h, d)
+    return out[:t].astype(q.dtype)
 
 
 def attend_cpu(q, kv_layer, meta: PagedMetadata, inv_freq):
     """Pure-JAX attention for the CPU step (_blocked_attention): a decode-only batch reads
     each token's own context; a batch with prefill tokens reads each row's context once
-    for all its tokens. Both branches compile; one runs."""
+    for all its tokens. Both branches compile; one runs. A one-token step is read per
+    token without the branch (its token is its row's only one)."""
     q = apply_rope(q, meta.positions, inv_freq)
     k_pages, v_pages, ks, vs = kv_parts(kv_layer)
+    if q.shape[0] == 1:
+        return _blocked_attention(q, k_pages, v_pages, meta, ks, vs, per_token=True)
     decode_only = jnp.sum(meta.slot_mapping >= 0) <= meta.num_decodes
     return jax.lax.cond(
         decode_only,

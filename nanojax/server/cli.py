@@ -17,7 +17,7 @@ def build_engine(args, bundle):
 
     config = engine_config_from_args(args)
     log = logging.getLogger("nanojax.server")
-    plan, why = choose_plan(args.plan, bundle.config, config.b_dense)
+    plan, why = choose_plan(args.plan, bundle.config, config.dense_batch())
     log.info("%s", why)
     forward = None
     if plan is not None:
