@@ -311,12 +311,14 @@ def test_conversations_fit_max_model_len():
 def test_metrics_report_prefix_cache_and_usage():
     from prometheus_client.parser import text_string_to_metric_families
 
+    from nanojax.engine.kv_offload import OffloadStats
     from nanojax.engine.prefix_cache import PrefixCacheStats
     from nanojax.server.metrics import ServerMetrics
     eng = types.SimpleNamespace(num_running=0, kv_usage=0.25,
                                 prefix_cache=types.SimpleNamespace(
                                     stats=PrefixCacheStats(queries=100, hits=48, tier_hits=16)),
-                                offloader=None)
+                                offloader=types.SimpleNamespace(stats=OffloadStats(
+                                    saved_pages=9, saves_dropped=2, disk_writes_dropped=1)))
     m = ServerMetrics(types.SimpleNamespace(engine=eng, num_pending=0), "m")
     got = {s.name: s.value for f in text_string_to_metric_families(m.render().decode())
            for s in f.samples}
@@ -324,6 +326,8 @@ def test_metrics_report_prefix_cache_and_usage():
     assert got["nanojax:prefix_cache_hits_total"] == 48
     assert got["nanojax:kv_offload_hits_total"] == 16
     assert got["nanojax:kv_cache_usage_perc"] == 0.25
+    assert got["nanojax:kv_offload_saved_pages_total"] == 9
+    assert got["nanojax:kv_offload_dropped_pages_total"] == 3
 
 
 def test_gpu_attention_kernels_prefill_after_cached_pages(tiny_bundle):

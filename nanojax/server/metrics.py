@@ -72,8 +72,12 @@ class _KVReuseCollector:
                      ("kv_offload_hits", "Prompt tokens whose KV was loaded back from host "
                       "memory or disk.", pc.stats.tier_hits)]
         if off is not None:
-            rows.append(("kv_offload_saved_pages", "KV pages copied out to the offload tiers.",
-                         off.stats.saved_pages))
+            st = off.stats
+            rows += [("kv_offload_saved_pages", "KV pages copied out to the offload tiers.",
+                      st.saved_pages),
+                     ("kv_offload_dropped_pages", "KV pages not offloaded because the copies "
+                      "out or the disk were behind (they cost a recompute if asked for).",
+                      st.saves_dropped + st.disk_writes_dropped)]
         for name, doc, value in rows:
             c = CounterMetricFamily(f"nanojax:{name}", doc, labels=list(self.labels))
             c.add_metric(list(self.labels.values()), value)
