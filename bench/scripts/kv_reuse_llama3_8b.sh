@@ -25,15 +25,18 @@
 #                --no-enable-prefix-caching; PAGES pages), driven by `nanojax bench serve
 #                --multi-round ROUNDS` with CONVS (64) conversations at RATE (2)/s. A server
 #                compiles for ~2.5 min before it listens: ~4 min per mode.
+#   PART=probe   bench/scripts/kv_offload_copy_probe.py: the copy methods against a stand-in
+#                engine loop (none, copy_to_host_async, worker np.asarray, pinned, the
+#                offloader), one process; run it before cost and multi.
 # TRACE=sharegpt (or splitwise, lmsys) draws every turn's message and answer lengths from
 # that trace instead of IN/OUT_LEN: the same rows for the traces.
 # MODEL, B_DENSE, VOCAB (random:llama3-8b, 2048, 128256) only for a CPU dry run (random:tiny).
-# Usage: OUT=dir PART=multi|cost|serve [TRACE=sharegpt] [MODES=...] \
+# Usage: OUT=dir PART=multi|cost|serve|probe [TRACE=sharegpt] [MODES=...] \
 #        bash bench/scripts/kv_reuse_llama3_8b.sh
 set -u
 OUT=${OUT:?set OUT}
 export PYTHONPATH=. PYTHONUNBUFFERED=1  # decode kernel: --decode-kernel (default auto)
-PART=${PART:?set PART to multi, cost or serve}
+PART=${PART:?set PART to multi, cost, serve or probe}
 if [ "$PART" = cost ]; then IN=${IN:-512}; OUT_LEN=${OUT_LEN:-512}; fi
 IN=${IN:-256}; OUT_LEN=${OUT_LEN:-128}
 if [ -n "${TRACE:-}" ]; then lens=(--trace "$TRACE"); TAG=$TRACE
@@ -82,6 +85,10 @@ serve)
     kill "$server"; wait "$server" 2> /dev/null
   done
   ;;
-*) echo "PART must be multi, cost or serve" >&2; exit 2 ;;
+probe)  # how each way of copying pages to the host disturbs a stand-in engine loop (~2 min)
+  timeout "${LIMIT1:-300}" python3 bench/scripts/kv_offload_copy_probe.py \
+    "$OUT/kv_offload_copy_probe.json" 2>&1 | quiet 14
+  ;;
+*) echo "PART must be multi, cost, serve or probe" >&2; exit 2 ;;
 esac
 ls -la "$OUT"
