@@ -217,6 +217,8 @@ def test_disk_tier_limit_and_restart_order(tmp_path):
     got = small.get(b"\x02")
     assert got.dtype == np.uint8 and np.array_equal(got, page)
     assert DiskTier(tmp_path, b"other", 1 << 20).get(b"\x02") is None
+    other_layout = DiskTier(tmp_path, b"fp", 1 << 20, page_bytes=64)  # pages are 70 bytes
+    assert other_layout.get(b"\x02") is None and other_layout.num_corrupt == 1
 
 
 def test_page_copier_is_generic_over_the_cache_tree(monkeypatch):

@@ -33,6 +33,7 @@ class Forward(Protocol):
     compiler_options: dict  # XLA options the jitted step compiles with
     # False: __call__ runs outside the step's jit, dispatching jitted pieces itself
     traced: bool
+    num_traces: int  # compilations of such pieces (the runner's compile count); else 0
 
     def prepare(self, params):
         """Parameters as this forward wants them on device."""
@@ -51,6 +52,7 @@ class UnrolledForward:
     # the runner traces __call__ inside its jitted step; False: __call__ dispatches jitted
     # pieces itself (LayerwiseForward), so the runner jits the rest of the step apart
     traced = True
+    num_traces = 0
     kv_page_axis = 0  # of every paged cache array: a list of per-layer [P, KVH, ps, D]
 
     # tp_axis: run as one tensor-parallel shard inside shard_map (nanojax/parallel/tp.py);

@@ -96,6 +96,7 @@ class PageCopier:
                               for shape, dt in self.layout)
         self.chunk_pages = min(MAX_COPY_PAGES, 1 << max(
             2, (COPY_CHUNK_BYTES // self.page_bytes).bit_length() - 1))
+        self.pinned = _has_pinned_host(leaves[0])  # the host copies' way, see `split`
 
         def gather(kv, idx):
             rows = []
@@ -109,17 +110,17 @@ class PageCopier:
         def scatter(kv, idx, rows):
             leaves, tree = jax.tree_util.tree_flatten(kv)
             where = (slice(None),) * ax + (idx,)
-            out, off, n = [], 0, len(idx)
+            out, off, n, layout = [], 0, len(idx), iter(self.layout)
             for leaf, p in zip(leaves, self.paged):
                 if not p:
                     out.append(leaf)
                     continue
-                shape = leaf.shape[:ax] + leaf.shape[ax + 1:]
-                size = np.dtype(leaf.dtype).itemsize
+                shape, dt = next(layout)
+                size = np.dtype(dt).itemsize
                 b = rows[:, off:off + int(np.prod(shape)) * size]
                 off += b.shape[1]
                 b = b.reshape(n, -1, size) if size > 1 else b
-                x = jax.lax.bitcast_convert_type(b, leaf.dtype).reshape((n,) + shape)
+                x = jax.lax.bitcast_convert_type(b, dt).reshape((n,) + shape)
                 out.append(leaf.at[where].set(jnp.moveaxis(x, 0, ax), mode="drop"))
             return jax.tree_util.tree_unflatten(tree, out)
 
@@ -157,7 +158,7 @@ class PageCopier:
         blocking until the device gets there, which would stall the engine thread for the
         GIL. A device_put to pinned_host releases the GIL and returns at once, and numpy
         reads the pinned buffer in place."""
-        if _has_pinned_host(gathered):
+        if self.pinned:
             gathered = jax.device_put(gathered,
                                       gathered.sharding.with_memory_kind("pinned_host"))
         host = np.asarray(gathered)
@@ -169,10 +170,7 @@ class PageCopier:
         idx = np.full(n, self.num_pages, np.int32)  # padding rows fall out of range: dropped
         idx[:len(pages)] = pages
         rows = np.zeros((n, self.page_bytes), np.uint8)
-        for i, e in enumerate(entries):
-            if e.shape != (self.page_bytes,):
-                raise ValueError(f"a page of {e.nbytes} bytes, the cache's are "
-                                 f"{self.page_bytes}")
+        for i, e in enumerate(entries):  # each a page of this cache (DiskTier checks)
             rows[i] = e
         self.runner.update_kv(lambda kv: self._scatter(kv, idx, rows))
 
@@ -227,13 +225,14 @@ class DiskTier:
     mismatch on reading (truncation, flipped bits, another model's file) deletes the file
     and reads as a miss."""
 
-    def __init__(self, root: str | os.PathLike, fingerprint: bytes, max_bytes: int):
+    def __init__(self, root: str | os.PathLike, fingerprint: bytes, max_bytes: int,
+                 page_bytes: int | None = None):
         if max_bytes <= 0:
             raise ConfigError(f"the disk tier needs a positive byte limit, got {max_bytes}")
         self.fingerprint = fingerprint.hex()
         self.dir = Path(root) / self.fingerprint
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.max_bytes = max_bytes
+        self.max_bytes, self.page_bytes = max_bytes, page_bytes  # page_bytes: None, any
         self.bytes = 0
         self._files: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -317,6 +316,9 @@ class DiskTier:
             raise ValueError("written for another model or page")
         if len(payload) != head["payload_bytes"]:
             raise ValueError(f"truncated: {len(payload)} of {head['payload_bytes']} bytes")
+        if self.page_bytes is not None and len(payload) != self.page_bytes:
+            raise ValueError(f"a page of {len(payload)} bytes, this cache's are "
+                             f"{self.page_bytes}")
         if hashlib.blake2b(payload, digest_size=16).hexdigest() != head["digest"]:
             raise ValueError("checksum mismatch")
         return np.frombuffer(payload, np.uint8)
@@ -346,7 +348,8 @@ class KVOffloader:
             raise ConfigError("KV offload needs host bytes or a disk directory")
         self.copier = PageCopier(runner, num_pages, page_axis)
         self.host = HostTier(host_bytes) if host_bytes else None
-        self.disk = DiskTier(disk_dir, fingerprint, disk_bytes) if disk_dir else None
+        self.disk = (DiskTier(disk_dir, fingerprint, disk_bytes, self.copier.page_bytes)
+                     if disk_dir else None)
         self.stats = OffloadStats()
         self._to_save: list[tuple[int, bytes]] = []
         self._queued: set[bytes] = set()   # hashes between save() and their tier
@@ -453,10 +456,7 @@ class KVOffloader:
             item = None  # `gathered` alone holds the device copy: dropped after the split
             try:
                 entries = self.copier.split(gathered, len(hashes))
-                del gathered  # its device memory goes back now
-                with self._backlog_lock:
-                    self._pending -= size
-                    size = 0
+                gathered = None  # its device memory goes back now
                 for h, e in zip(hashes, entries):
                     if self.host is not None:
                         self.host.put(h, e)

@@ -113,11 +113,11 @@ class ModelRunner:
     def num_compiles(self) -> int:
         """Step shapes compiled so far (traced: a persistent-cache hit counts too); a
         forward that dispatches its own layers counts its layer's."""
-        return self._traces + getattr(self.forward, "num_traces", 0)
+        return self._traces + self.forward.num_traces
 
     def _make_forward(self, forward):
         options = forward.compiler_options or None
-        if not getattr(forward, "traced", True):  # it dispatches its layers: jit the rest
+        if not forward.traced:  # it dispatches its layers: jit the rest
             input_tokens = jax.jit(_input_tokens, compiler_options=options)
 
             def layerwise(params, kv, prev_tokens, host_tokens, token_src, meta, logit_idx):

@@ -165,6 +165,7 @@ class TensorParallelForward:
         self.chunk_cuts = base.chunk_cuts
         self.kv_page_axis = base.kv_page_axis
         self.compiler_options = base.compiler_options
+        self.traced, self.num_traces = True, 0  # the shard runs traced inside shard_map
 
     # ---- placement -------------------------------------------------------------------
     def _target(self, params):
