@@ -104,6 +104,29 @@ def test_host_tier_loads_instead_of_recomputing(tiny_bundle, recompute):
     eng.offloader.close()
 
 
+def test_pages_reach_the_host_tier_as_they_fill(tiny_bundle):
+    """A running request's full pages are copied out before it finishes (spread over its
+    life, not a burst at the end), and finishing offers nothing new but its last pages."""
+    eng = _engine(tiny_bundle, kv_offload_host_bytes=1 << 20)
+    prompt = list(range(10, 10 + 3 * PAGE + 2))
+    eng.add_request(prompt, SamplingParams(max_tokens=3 * PAGE, ignore_eos=True))
+    seq = next(iter(eng.requests.values()))
+    for _ in range(4):  # the prompt's 3 full pages, and a few decode steps
+        eng.step()
+    eng.offloader.drain()
+    assert not seq.is_finished and seq.num_cached_pages >= 3
+    host = eng.offloader.host
+    assert all(host.contains(h) for h in seq.block_hashes[:seq.num_cached_pages])
+    saved_while_running = eng.offloader.stats.saved_pages
+    while eng.has_unfinished():
+        eng.step()
+    eng.offloader.drain()
+    full = (len(prompt) + 3 * PAGE - 1) // PAGE  # the last token's KV is never written
+    assert eng.offloader.stats.saved_pages == full > saved_while_running
+    _assert_no_leaks(eng)
+    eng.offloader.close()
+
+
 def test_disk_tier_survives_restart_and_rejects_bad_entries(tiny_bundle, recompute, tmp_path):
     convs = _conversations()
     first = _engine(tiny_bundle, kv_offload_dir=str(tmp_path), kv_offload_disk_bytes=1 << 20)

@@ -27,7 +27,9 @@
 #                compiles for ~2.5 min before it listens: ~4 min per mode.
 #   PART=probe   bench/scripts/kv_offload_copy_probe.py: the copy methods against a stand-in
 #                engine loop (none, copy_to_host_async, worker np.asarray, pinned, the
-#                offloader), one process; run it before cost and multi.
+#                offloader) and the ways of loading pages back (numpy rows on the loop
+#                thread as the offloader does, through pinned memory, staged by a worker),
+#                one process (~2-3 min).
 # TRACE=sharegpt (or splitwise, lmsys) draws every turn's message and answer lengths from
 # that trace instead of IN/OUT_LEN: the same rows for the traces.
 # MODEL, B_DENSE, VOCAB (random:llama3-8b, 2048, 128256) only for a CPU dry run (random:tiny).

@@ -1,8 +1,10 @@
 """Offload tiers for the KV cache: host memory and a bounded directory on disk.
 
 NanoFlow keeps the KV of a finished conversation round in host memory and on SSD and
-loads it back when the conversation returns, instead of recomputing the prefill. Here the
-full cached pages of a finished request are copied out by prefix hash:
+loads it back when the conversation returns, instead of recomputing the prefill. Here each
+page is copied out by prefix hash once it is full (the prefix cache registers it; a full
+page never changes), so the copies spread over a request's life, and a finished request
+offers its pages again (those dropped earlier):
 
 - device -> host: one jitted gather packs the pages into one [pages, page bytes] uint8
   array (every paged leaf of the cache, bit-cast, side by side), dispatched between steps;
@@ -336,9 +338,9 @@ class OffloadStats:
 
 
 class KVOffloader:
-    """The offload tiers as the prefix cache sees them (`contains`, `fetch`) and as the
-    engine drives them (`save` finished pages, `flush` between steps, `load` admitted
-    pages before a step)."""
+    """The offload tiers as the prefix cache sees them (`contains`, `fetch`, `save` pages
+    as they fill) and as the engine drives them (`flush` between steps, `load` admitted
+    pages before a step, `save` a finished request's pages again)."""
 
     def __init__(self, runner, num_pages: int, page_axis: int, fingerprint: bytes,
                  host_bytes: int = 0, disk_dir: str | None = None, disk_bytes: int = 0):
@@ -388,7 +390,7 @@ class KVOffloader:
 
     # ---- engine side -----------------------------------------------------------------------
     def save(self, pages: list[int], hashes: list[bytes]) -> None:
-        """Queues a finished request's cached pages for the tiers (those not there yet)."""
+        """Queues full pages for the tiers (those not there or on the way yet)."""
         for p, h in zip(pages, hashes):
             if h in self._queued or (self.host is not None and self.host.contains(h)) or (
                     self.host is None and self.disk.contains(h)):

@@ -241,7 +241,7 @@ class LLMEngine:
             self._in_flight = launched
         elif launched:
             results += self._process(*launched)
-        if self.offloader is not None:  # finished requests' pages: copy out before reuse
+        if self.offloader is not None:  # pages saved this iteration: copied out before reuse
             self.offloader.flush()
         waited = self.stats.wait_s - wait_before
         host = time.perf_counter() - start - waited
@@ -289,7 +289,7 @@ class LLMEngine:
                 seq.finish("error", f"{type(exc).__name__}: {exc}")
             results.append(self._output(seq))
             if seq.is_finished:
-                if self.offloader is not None:
+                if self.offloader is not None:  # its last pages, and any dropped before
                     self.prefix_cache.register(seq)
                     n = seq.num_cached_pages
                     self.offloader.save(seq.pages[:n], seq.block_hashes[:n])

@@ -8,7 +8,10 @@ its last partial page is always its own, and when every page of its context is c
 last page is still recomputed so the step has logits to sample.
 
 Pages missing on the GPU may be in an offload tier (host memory, disk): `match` continues
-the chain there and the scheduler loads those pages into fresh ones before the step.
+the chain there and the scheduler loads those pages into fresh ones before the step. The
+tier gets each page when it becomes full (`register`), not when its request finishes: a
+full page never changes, and copying pages out as they fill spreads the copies over the
+run instead of a burst when many requests finish together (bench/results/README.md §29).
 """
 from __future__ import annotations
 
@@ -67,6 +70,11 @@ class OffloadTier(Protocol):
     def fetch(self, hashes: list[bytes]) -> list:
         """The leading pages' contents, stopping at the first that cannot be produced
         intact (a corrupt disk entry): those are recomputed."""
+
+    def save(self, pages: list[int], hashes: list[bytes]) -> None:
+        """Queues copies of these GPU pages, full and written (or being written) by a
+        launched step; best effort (a page may be dropped), copied out before the next
+        schedule can hand the pages to anyone else."""
 
 
 @dataclasses.dataclass
@@ -132,4 +140,6 @@ class PrefixCache:
         hs = self.hashes(seq, full)
         for i in range(seq.num_cached_pages, full):
             self.allocator.register(seq.pages[i], hs[i])
+        if self.tier is not None:
+            self.tier.save(seq.pages[seq.num_cached_pages:full], hs[seq.num_cached_pages:full])
         seq.num_cached_pages = full
