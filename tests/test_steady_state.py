@@ -40,6 +40,7 @@ def test_saturated_tiny_engine_keeps_the_batch_full(tiny_bundle):
     assert st["tokens_per_s"] == pytest.approx(st["window_tokens"] / st["window_s"])
     assert st["tokens_per_s"] <= st["tokens_per_s_at_full_fill"] * (1 + 1e-9)
     assert 0 <= st["device_wait_share"] <= 1 and st["host_ms_per_iteration"] > 0
+    assert 0 < st["launch_ms_per_iteration"] <= st["host_ms_per_iteration"]
     assert st["max_running"] <= r["max_num_seqs"]
     assert r["kv_pages"] == 480
 
@@ -137,3 +138,26 @@ def test_merge_splits_the_ratio_into_fill_and_iteration_speed():
     assert out["ratio"] == pytest.approx(0.95 * 0.9)
     assert out["where_the_rest_goes"]["fill_times_speed"] == pytest.approx(out["ratio"])
     assert out["target"] == {"ratio_at_least_0.9": False, "fill_at_least_0.9": True}
+
+
+def test_engine_timeline_window_profiles_iterations_mid_run(tiny_bundle, tmp_path):
+    """`nanojax bench --timeline`: a few iterations from the N-th run under the profiler;
+    the run's tokens are those of a run without it, and the report says how busy the
+    device was through them (the question of bench/results/README.md §30)."""
+    import json
+
+    from nanojax.bench.offline import TimelineWindow, run_offline
+    from nanojax.bench.workload import make_requests
+    cfg = EngineConfig(b_dense=32, page_size=4, num_pages=128, max_model_len=32,
+                       fixed_shapes=True)
+    reqs = make_requests(12, tiny_bundle.config.vocab_size, 16, 8, seed=2)
+    plain = run_offline(LLMEngine(tiny_bundle, cfg), reqs, progress=False)
+    path = tmp_path / "engine.events.json"
+    r = run_offline(LLMEngine(tiny_bundle, cfg), reqs, progress=False,
+                    timeline=TimelineWindow(str(path), at=3, iterations=2))
+    assert r["output_digests"] == plain["output_digests"]
+    assert r["iterations"] == plain["iterations"]
+    tl = r["timeline"]
+    assert tl["first_iteration"] == 3 and tl["iterations"] == 2
+    events = json.loads(path.read_text())["engine"]
+    assert events and tl["span_us"] > 0 and 0 < tl["busy_fraction_any"] <= 1

@@ -15,7 +15,7 @@ from pathlib import Path
 
 STEADY_KEYS = ("window", "window_iterations", "mean_fill", "full_iteration_share",
                "tokens_per_s", "tokens_per_s_at_full_fill", "s_per_iteration",
-               "host_ms_per_iteration", "device_wait_share", "preemptions", "mean_decodes",
+               "host_ms_per_iteration", "launch_ms_per_iteration", "device_wait_share", "preemptions", "mean_decodes",
                "mean_running", "max_running", "ramp_iterations", "ramp_mean_fill",
                "drain_iterations", "drain_mean_fill", "why_no_window")
 RUN_KEYS = ("requests", "total_tokens_per_s", "mean_batch_fill", "iterations", "wall_s",
@@ -61,7 +61,14 @@ def merge(step: dict, engine: dict) -> dict:
         # a wait share near 0 means the host, not the device, set the pace
         "device_wait_share": st["device_wait_share"],
         "preemptions": st["preemptions"],
+        # of the host's time, dispatching the step: large means a dispatch blocked
+        "launch_ms_per_iteration": st.get("launch_ms_per_iteration"),
     }
+    tl = run.get("timeline")
+    if tl:  # a few profiled iterations: busy ~1 means the device's step itself is slower
+        out["where_the_rest_goes"]["timeline"] = {  # than the step's; below, idle gaps
+            k: tl.get(k) for k in ("path", "first_iteration", "iterations", "span_us",
+                                   "busy_fraction_any", "busy_fraction", "kernel_us")}
     out["target"] = {"ratio_at_least_0.9": out["ratio"] >= 0.9,
                      "fill_at_least_0.9": st["mean_fill"] >= 0.9}
     return out

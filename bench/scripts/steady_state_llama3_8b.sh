@@ -45,8 +45,19 @@ ENGINE_PLAN=${ENGINE_PLAN-$PLAN}
 engine_plan=()
 [ -n "$ENGINE_PLAN" ] && engine_plan=(--plan "$ENGINE_PLAN" --modes non-overlap)
 
+# TIMELINE_AT=N (default 800, inside the steady window; 0: none) profiles 6 engine
+# iterations from the N-th: is the device idle between steps or is each step slower?
+timeline=()
+[ "${TIMELINE_AT:-800}" != 0 ] && timeline=(--timeline "$OUT/engine_timeline.events.json"
+                                          --timeline-at "${TIMELINE_AT:-800}")
+# STEP_NUM_PAGES: the step's KV pool (default 16,384 pages); the engine's (53,541 on the
+# H200) spreads the pages a step reads over ~105 GB
+step_pages=()
+[ -n "${STEP_NUM_PAGES:-}" ] && step_pages=(--num-pages "$STEP_NUM_PAGES")
+
 timeout "${LIMIT_STEP:-180}" python3 -m nanojax bench step --model "$MODEL" --plan "$PLAN" \
   --b-dense "$B_DENSE" --workloads "$IN/$OUTLEN" --modes non-overlap "${kernel[@]}" \
+  "${step_pages[@]}" \
   --max-num-seqs "${MAX_NUM_SEQS:-1152}" \
   --max-model-len "${MAX_MODEL_LEN:-1024}" --quiet --json "$OUT/step.json" 2>&1 | quiet 6
 
@@ -57,7 +68,7 @@ timeout "$left" python3 -m nanojax bench --model "$MODEL" --quiet "${kernel[@]}"
   --min-token-bucket "${MIN_TOKEN_BUCKET:-128}" --max-num-seqs "${MAX_NUM_SEQS:-1152}" \
   --page-size "${PAGE_SIZE:-16}" "${pages[@]}" --num-prompts "${NUM_PROMPTS:-3072}" \
   --input-len "$IN" --output-len "$OUTLEN" --max-model-len "${MAX_MODEL_LEN:-1024}" \
-  --json "$OUT/engine.json" 2>&1 | quiet 8
+  "${timeline[@]}" --json "$OUT/engine.json" 2>&1 | quiet 8
 
 python3 bench/scripts/merge_steady_state.py "$OUT/step.json" "$OUT/engine.json" \
   --out "$OUT/steady_state_summary.json"

@@ -54,7 +54,12 @@ def _run_modes(args, bundle, reqs, config, modes: list[str], partial: dict) -> d
             if not is_leader():  # process 0 schedules; this one runs its steps
                 eng.runner.follow()
                 continue
-            results[mode] = run_offline(eng, reqs, progress=not args.quiet)
+            window = None
+            if args.timeline:  # one file per mode
+                from nanojax.bench.offline import TimelineWindow
+                path = args.timeline if len(modes) == 1 else f"{args.timeline}.{mode}.json"
+                window = TimelineWindow(path, args.timeline_at, args.timeline_iterations)
+            results[mode] = run_offline(eng, reqs, progress=not args.quiet, timeline=window)
             eng.runner.stop_followers()
         except Exception as e:  # record the failure of one mode, measure the others
             if not args.plan:
@@ -81,7 +86,7 @@ def _steady_line(st: dict) -> str:
     first, last = st["window"]
     line = (f"iterations {first}-{last}, mean fill {st['mean_fill']:.3f}, "
             f"{st['preemptions']} preemptions, host {st['host_ms_per_iteration']:.1f} "
-            "ms/iteration")
+            f"ms/iteration (launch {st['launch_ms_per_iteration']:.1f})")
     if "tokens_per_s" in st:
         line += (f", {st['tokens_per_s']:.1f} tok/s ({1e3 * st['s_per_iteration']:.1f} "
                  f"ms/iteration, device wait {100 * st['device_wait_share']:.0f}%)")
@@ -305,6 +310,14 @@ def register(sub) -> None:
                    help="requests for the peer (default: the same as ours)")
     t.add_argument("--peer-timeout", type=float, default=900,
                    help="seconds before the peer's process is stopped (recorded as its error)")
+    t.add_argument("--timeline", default=None, metavar="PATH",
+                   help="profile a few engine iterations mid-run (device kernels and the "
+                        "host's launches) and write their events JSON here; the result "
+                        "gains the device's busy share of those iterations")
+    t.add_argument("--timeline-at", type=int, default=600, metavar="N",
+                   help="start the timeline at the run's N-th iteration (default: 600, "
+                        "inside the steady window of 512/512)")
+    t.add_argument("--timeline-iterations", type=int, default=6, metavar="N")
     from nanojax.bench.multi_round import add_multi_round_args
     add_multi_round_args(t)
     t.add_argument("--quiet", action="store_true")

@@ -1,8 +1,11 @@
 """Offline throughput: push a whole workload through the engine, count what came out."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import time
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
@@ -12,11 +15,48 @@ from nanojax.engine.llm_engine import LLMEngine
 from nanojax.engine.sampling import SamplingParams
 
 
+@dataclasses.dataclass(frozen=True)
+class TimelineWindow:
+    """Profile `iterations` engine iterations from the run's `at`-th; events to `path`."""
+    path: str
+    at: int = 600
+    iterations: int = 6
+
+
+def _run(engine: LLMEngine, bar, window: TimelineWindow | None) -> tuple[dict, dict | None]:
+    """engine.run_to_completion, with the window's iterations under the profiler: is the
+    device busy through them (the step itself is slower than the step benchmark's) or idle
+    between steps (the host holds the next launch back)?"""
+    if window is None:
+        return engine.run_to_completion(bar), None
+    from nanojax.profiling import timeline
+    done: dict = {}
+
+    def steps(n: int | None) -> None:
+        while not engine.is_idle and (n is None or n > 0):
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+            n = None if n is None else n - 1
+
+    start = engine.stats.steps
+    steps(window.at)
+    first = engine.stats.steps - start
+    events = timeline.capture(lambda: steps(window.iterations)) if not engine.is_idle else []
+    steps(None)
+    Path(window.path).write_text(json.dumps({"engine": events}))
+    report = {"path": window.path, "first_iteration": first,
+              "iterations": window.iterations, **timeline.summarize(events)}
+    return done, report
+
+
 def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool = True,
-                warmup: bool = True) -> dict:
+                warmup: bool = True, timeline: TimelineWindow | None = None) -> dict:
     """Tokens are counted from the outputs actually produced, not from the request list.
     The result's "steady_state" is the report of bench/steady.py: fill, tokens/s, host time
-    and preemptions in the window where the engine was saturated."""
+    and preemptions in the window where the engine was saturated; with a timeline window,
+    "timeline" summarizes the profiled iterations (their events go to its path)."""
     if warmup and engine.offloader is not None:  # the KV offload's page copies
         engine.offloader.warmup()
     if warmup and engine.runner.fixed_shapes:  # every shape it can launch, before timing
@@ -37,7 +77,7 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
            for r in requests]
     t0 = time.perf_counter()
     with tqdm(total=len(ids), desc="requests", unit="req", disable=not progress) as bar:
-        done = engine.run_to_completion(bar)
+        done, timeline_report = _run(engine, bar, timeline)
     wall = time.perf_counter() - t0
     trace, engine.stats.trace = engine.stats.trace, None
     iterations = max(1, engine.stats.steps - steps_before)
@@ -69,4 +109,5 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
         "steady_state": steady_state(trace, engine.config.b_dense,
                                      output_tokens / max(1, len(ids)) + 1),
         "output_digests": digests,  # per request, to compare modes' tokens
+        **({"timeline": timeline_report} if timeline_report else {}),
     }

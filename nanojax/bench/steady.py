@@ -53,6 +53,9 @@ def steady_state(records: list, b_dense: int, mean_stay: float) -> dict:
         "mean_running": sum(r.running for r in win) / len(win),
         "preemptions": win[-1].preemptions - records[ramp - 1].preemptions,
         "host_ms_per_iteration": 1e3 * sum(r.host_s for r in win) / len(win),
+        # of it, dispatching the step (and page loads): large only if a dispatch blocks
+        "launch_ms_per_iteration": 1e3 * sum(r.launch_s for r in win)
+        / len(win),
     })
     before = records[ramp - 1].done_t
     if before is not None and win[-1].done_t is not None:

@@ -51,8 +51,9 @@ class EngineStats:
 @dataclasses.dataclass(slots=True)
 class IterationRecord:
     """One launched iteration: its batch, the scheduler's queues after forming it, and its
-    times (host_s, wait_s: of the step() call that launched it; done_t: perf_counter when
-    its tokens were read)."""
+    times (host_s, wait_s: of the step() call that launched it; launch_s: the part of
+    host_s spent dispatching the step and its page loads, which only blocks if a transfer
+    or the dispatch waits on the device; done_t: perf_counter when its tokens were read)."""
     tokens: int
     decodes: int
     waiting: int
@@ -61,6 +62,7 @@ class IterationRecord:
     host_s: float = 0.0
     wait_s: float = 0.0
     done_t: float | None = None
+    launch_s: float = 0.0
 
 
 class LLMEngine:
@@ -224,10 +226,13 @@ class LLMEngine:
         if self.offloader is not None:  # pages of requests aborted since the last step
             self.offloader.flush()
         batch = self.scheduler.schedule(prev_rows)
+        t_launch = time.perf_counter()
         loads = self.scheduler.take_loads()
         if loads:  # offloaded pages into fresh ones, ordered before this step
             self.offloader.load(loads)
         launched = (batch, self.runner.launch(batch), self._record(batch)) if batch else None
+        if launched and launched[2] is not None:
+            launched[2].launch_s = time.perf_counter() - t_launch
         if launched:
             self.stats.steps += 1
             self.stats.scheduled_tokens += batch.num_tokens

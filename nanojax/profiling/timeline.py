@@ -125,6 +125,10 @@ def summarize(events: list[dict]) -> dict:
         "streams": sorted({e["stream"] for e in events}),
         "kernel_us": {k: sum(e["dur_us"] for e in events if e["kind"] == k) for k in KINDS},
         "busy_fraction": {k: _length(v) / span for k, v in by_kind.items()},
+        # any kernel on any stream: below 1 the device sat idle (between engine steps:
+        # the host's launch came late)
+        "busy_fraction_any": _length(_union([(e["start_us"], e["start_us"] + e["dur_us"])
+                                             for e in events])) / span,
         "attention_overlapped_by_gemm": (_intersect(by_kind["attention"], by_kind["gemm"])
                                          / attn if attn else 0.0),
     }
