@@ -428,6 +428,10 @@ class EngineConfig:
         "also keep them in this directory (per model fingerprint), reused after a restart"))
     kv_offload_disk_bytes: int = dataclasses.field(default=16 << 30, metadata=_opt(
         "the disk tier's limit", parse="bytes"))
+    step_cache: bool = dataclasses.field(default=False, metadata=_opt(
+        "keep the compiled step executables beside jax's compile cache (none with "
+        "--no-compile-cache), so a warm start loads them without tracing the step; off "
+        "until a GPU run shows a reloaded GPU step runs (bench/results/README.md §32)"))
     kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
 
     def __post_init__(self):

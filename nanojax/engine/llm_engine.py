@@ -113,13 +113,23 @@ class LLMEngine:
         # long prompts' chunks: padded to the next power of two, a 600-token one would run
         # 1,024 tokens; with fixed shapes, each bucket is one more shape compiled at start
         token_step = cfg.token_bucket_step or (None if on_gpu or fixed else 128)
+        step_cache = None
+        # one jitted step on one device: loadable next start (a sharded step's executable
+        # is not: its devices' order is not checked here)
+        if forward.traced and cfg.step_cache and cfg.tensor_parallel_size == 1:
+            from nanojax.step_cache import StepCache, describe
+            step_cache = StepCache.from_jax_config({
+                "model": describe(self.model_config), "engine": describe(cfg),
+                "forward": describe(forward), "kv_dtype": str(self.kv_dtype)},
+                jax.devices()[:1])  # where prepare() puts the parameters
         self.runner = ModelRunner(self.model_config, bundle.params, self.sizing.num_pages,
                                   cfg.page_size, self.scheduler.max_num_seqs, cfg.b_dense,
                                   forward=forward, constant_batch=cfg.constant_batch,
                                   max_pages_per_seq=-(-self.max_model_len // cfg.page_size),
                                   fixed_shapes=fixed, broadcast=broadcast,
                                   kv_cache_dtype=self.kv_dtype, min_token_bucket=min_tokens,
-                                  min_row_bucket=min_rows, token_bucket_step=token_step)
+                                  min_row_bucket=min_rows, token_bucket_step=token_step,
+                                  step_cache=step_cache)
         self.prefix_cache = self.offloader = None
         if cfg.enable_prefix_caching:
             self._start_prefix_cache()

@@ -77,7 +77,9 @@ class ModelRunner:
                  constant_batch: bool = False, min_token_bucket: int = 16,
                  max_pages_per_seq: int | None = None, fixed_shapes: bool = False,
                  broadcast=None, kv_cache_dtype=None, min_row_bucket: int = 4,
-                 token_bucket_step: int | None = None):
+                 token_bucket_step: int | None = None, step_cache=None):
+        """step_cache: a nanojax.step_cache.StepCache the traced step's executables are
+        loaded from and stored to (skips tracing on a warm start); None: jit only."""
         self.cfg = cfg
         self.page_size = page_size
         self.min_row_bucket = min_row_bucket
@@ -98,6 +100,8 @@ class ModelRunner:
         self._traces = 0
         self.num_sampler_compiles = 0
         self._lock = threading.Lock()
+        # across processes every step's inputs are global arrays: plain jit there
+        self.step_cache = step_cache if broadcast is None else None
         # Two executables a step: the forward (tokens in, logits and the cache out) and the
         # sampler, whose variants (greedy or sampling: `sample`'s static flag, chosen on
         # the host) are small to compile; neither holds a device-side conditional
@@ -108,6 +112,11 @@ class ModelRunner:
         self._prev = jnp.zeros((self.max_rows,), jnp.int32)
         if broadcast is not None:
             self._prev = broadcast.place(np.zeros((self.max_rows,), np.int32))
+
+    @property
+    def num_loaded(self) -> int:
+        """Step shapes loaded from the step cache (not traced) so far."""
+        return self.step_cache.loaded if self.step_cache is not None else 0
 
     @property
     def num_compiles(self) -> int:
@@ -134,7 +143,20 @@ class ModelRunner:
             logits, kv = forward(params, tokens, kv, meta, logit_idx)
             return kv, logits
 
-        return jax.jit(step, donate_argnums=(1,), compiler_options=options)
+        jitted = jax.jit(step, donate_argnums=(1,), compiler_options=options)
+        if self.step_cache is None:
+            return jitted
+        from nanojax.step_cache import CachedJit
+        cached = CachedJit(jitted, self.step_cache)
+
+        def from_cache(params, kv, prev_tokens, host_tokens, token_src, meta, logit_idx):
+            # the host arrays' shapes determine the step's (params, cache: the runner's)
+            key = tuple(np.shape(x) for x in jax.tree_util.tree_leaves(
+                (host_tokens, meta, logit_idx)))
+            return cached(key, params, kv, prev_tokens, host_tokens, token_src, meta,
+                          logit_idx)
+
+        return from_cache
 
     def _make_sampler(self, forward):
         max_rows = self.max_rows

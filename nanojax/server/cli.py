@@ -32,10 +32,13 @@ def warm_up(engine) -> None:
     port opens, so no request waits on a compile."""
     if engine.runner.fixed_shapes:
         t0 = time.monotonic()
+        loaded = engine.runner.num_loaded
         n = engine.runner.warmup(progress=True)
+        loaded = engine.runner.num_loaded - loaded
         if engine.offloader is not None:  # the KV offload's page copies too
             n += engine.offloader.warmup()
-        print(f"nanojax: compiled {n} step shapes in {time.monotonic() - t0:.1f}s",
+        print(f"nanojax: compiled {n} step shapes, loaded {loaded} from the step cache, "
+              f"in {time.monotonic() - t0:.1f}s",
               file=sys.stderr, flush=True)
 
 

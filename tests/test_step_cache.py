@@ -1,0 +1,109 @@
+"""The step executable cache (nanojax/step_cache.py): a second engine start loads its step
+shapes instead of tracing them, runs the same tokens, and a bad or foreign entry compiles."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nanojax.config import EngineConfig, KernelConfig
+from nanojax.engine.forward import ScanForward, UnrolledForward
+from nanojax.engine.llm_engine import LLMEngine
+from nanojax.engine.sampling import SamplingParams
+from nanojax.layers.attention import pallas_backend
+from nanojax.step_cache import MAGIC, SUBDIR, StepCache, describe
+
+
+@pytest.fixture
+def cache_dir(tmp_path):
+    """jax's cache directory pointed at tmp_path for the step cache (jax's own cache has
+    already opened the shared one: a compile first), restored after."""
+    jax.jit(lambda x: x + 1)(jnp.ones(2)).block_until_ready()
+    saved = (jax.config.jax_enable_compilation_cache, jax.config.jax_compilation_cache_dir)
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    yield tmp_path / SUBDIR
+    jax.config.update("jax_enable_compilation_cache", saved[0])
+    jax.config.update("jax_compilation_cache_dir", saved[1])
+
+
+def start(bundle, kernels=KernelConfig(), requests=True, b_dense=32):
+    """An engine start as `serve` makes it (fixed shapes, every bucket at warmup), then a
+    few greedy requests: (tokens, shapes traced, runner)."""
+    eng = LLMEngine(bundle, EngineConfig(b_dense=b_dense, num_pages=64, max_model_len=64,
+                                         max_num_seqs=4, fixed_shapes=True, kernels=kernels,
+                                         step_cache=True),
+                    forward=ScanForward(bundle.config))
+    traced = eng.runner.warmup()
+    if not requests:
+        return None, traced, eng.runner
+    rng = np.random.default_rng(3)
+    ids = [eng.add_request(rng.integers(0, 500, size=int(n)).tolist(),
+                           SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+           for n in (3, 20, 40)]
+    done = eng.run_to_completion()
+    return [done[i].token_ids for i in ids], traced, eng.runner
+
+
+def test_second_start_loads_every_step_shape_and_runs_the_same_tokens(tiny_bundle,
+                                                                      cache_dir):
+    tokens, traced, runner = start(tiny_bundle)
+    assert traced == 2 and runner.num_loaded == 0  # buckets 16 and 32
+    assert runner.step_cache.stored == 2 and len(list(cache_dir.iterdir())) == 2
+    tokens2, traced2, runner2 = start(tiny_bundle)
+    assert traced2 == 0 and runner2.num_compiles == 0  # nothing traced, start to finish
+    assert runner2.num_loaded == 2
+    assert tokens2 == tokens
+    # an entry names what it holds
+    data = next(cache_dir.iterdir()).read_bytes()
+    assert data.startswith(MAGIC)
+    n = int.from_bytes(data[len(MAGIC):len(MAGIC) + 8], "little")
+    key = json.loads(data[len(MAGIC) + 8:len(MAGIC) + 8 + n])["key"]
+    for part in ('"jaxlib"', '"device_kind"', '"num_devices"', '"source"', "ScanForward",
+                 '"b_dense": 32', '"prefill_block_q": 16', "int32[16]"):
+        assert part in key, part
+
+
+def test_corrupt_or_foreign_entries_compile_and_a_changed_config_misses(tiny_bundle,
+                                                                        cache_dir):
+    """One step shape (B_dense 16) per start; K2 differs from K1 in one kernel option."""
+    k1, k2 = KernelConfig(), KernelConfig(prefill_block_q=8)
+    start(tiny_bundle, k1, requests=False, b_dense=16)
+    (first,) = cache_dir.iterdir()
+    _, traced, runner = start(tiny_bundle, k2, requests=False, b_dense=16)
+    assert traced == 1 and runner.num_loaded == 0 and runner.step_cache.dropped == 0
+    (second,) = set(cache_dir.iterdir()) - {first}
+    # K1's entry under K2's name; a flipped byte in K1's executable
+    blob = bytearray(first.read_bytes())
+    second.write_bytes(bytes(blob))
+    blob[-100] ^= 0xFF
+    first.write_bytes(bytes(blob))
+    for k in (k1, k2):
+        _, traced, runner = start(tiny_bundle, k, requests=False, b_dense=16)
+        assert traced == 1 and runner.num_loaded == 0 and runner.step_cache.dropped == 1
+    # rewritten: the next start loads it
+    _, traced, runner = start(tiny_bundle, k1, requests=False, b_dense=16)
+    assert traced == 0 and runner.num_loaded == 1
+
+
+def test_the_gpu_forward_describes_the_same_in_every_process(tiny_bundle):
+    """No object addresses in the key (they differ each start: every start would miss)."""
+    def gpu():
+        return json.dumps(describe(UnrolledForward(tiny_bundle.config, attention=(
+            pallas_backend(KernelConfig(decode_kernel="mosaic"))))))
+    text = gpu()
+    assert "0x" not in text and "attend_pallas" in text and '"mosaic"' in text
+    assert text == gpu()
+
+
+def test_prune_keeps_the_most_recently_used_entries(tmp_path):
+    cache = StepCache(tmp_path, {"program": 1}, jax.devices()[:1])
+    for i in range(5):
+        (tmp_path / f"e{i}").write_bytes(b"x")
+        os.utime(tmp_path / f"e{i}", (i, i))
+    (tmp_path / ".tmp-partial").write_bytes(b"x")  # another process's write in flight
+    cache.prune(keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-partial", "e3", "e4"]
+    assert describe(np.float32(0.5)) == 0.5 and describe(np.int64(3)) == 3
