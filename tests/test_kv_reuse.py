@@ -127,6 +127,65 @@ def test_pages_reach_the_host_tier_as_they_fill(tiny_bundle):
     eng.offloader.close()
 
 
+def test_a_request_waits_for_its_staged_load_and_an_abort_drops_it(tiny_bundle, recompute):
+    """Tier pages are staged on the device off the engine thread: the request stays out of
+    the batch and its loaded pages out of the prefix cache until the staging is done, then
+    gives the recompute's tokens; aborted (or preempted) while loading, it leaks nothing."""
+    import concurrent.futures
+    import threading
+    eng = _engine(tiny_bundle, kv_offload_host_bytes=1 << 20)
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(10, 500, size=3 * PAGE + 1).tolist()
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    eng.add_request(prompt, greedy)
+    eng.run_to_completion()
+    for _ in range(2):  # others fill the 16 pages: the prompt's pages leave the GPU
+        eng.add_request(rng.integers(10, 500, size=12 * PAGE).tolist(), greedy)
+        eng.run_to_completion()
+    eng.offloader.drain()
+    gates, threads, real = [], [], eng.offloader.stage
+
+    def held(pages, entries):  # the staging finishes only when its gate opens
+        fut, gate = concurrent.futures.Future(), threading.Event()
+        gates.append(gate)
+
+        def run():
+            gate.wait()
+            if fut.set_running_or_notify_cancel():  # not cancelled by the scheduler
+                fut.set_result(real(pages, entries).result())
+        threads.append(threading.Thread(target=run, daemon=True))
+        threads[-1].start()
+        return fut
+    eng.offloader.stage = held
+    rid = eng.add_request(prompt + [7, 8], greedy)
+    seq = eng.requests[rid]
+    for _ in range(3):
+        eng.step()
+    assert len(gates) == 1 and seq.loading is not None and seq.output_ids == []
+    assert all(eng.allocator.lookup(h) is None for h in seq.block_hashes[:3])
+    gates[0].set()
+    done = eng.run_to_completion()
+    ref_eng = recompute[0]
+    ref_id = ref_eng.add_request(prompt + [7, 8], greedy)
+    assert done[rid].token_ids == ref_eng.run_to_completion()[ref_id].token_ids
+    assert eng.offloader.stats.loaded_host_pages >= 3
+    # aborted while its pages are on the way: nothing leaks, nothing gets cached
+    for _ in range(2):
+        eng.add_request(rng.integers(10, 500, size=12 * PAGE).tolist(), greedy)
+        eng.run_to_completion()
+    rid = eng.add_request(prompt + [9], greedy)
+    eng.step()
+    aborted = eng.requests[rid]
+    assert aborted.loading is not None
+    eng.abort_request(rid)
+    eng.run_to_completion()
+    assert aborted.loading is None  # dropped (its Future cancelled)
+    gates[-1].set()
+    threads[-1].join()
+    _assert_no_leaks(eng)
+    eng.offloader.close()
+
+
 def test_disk_tier_survives_restart_and_rejects_bad_entries(tiny_bundle, recompute, tmp_path):
     convs = _conversations()
     first = _engine(tiny_bundle, kv_offload_dir=str(tmp_path), kv_offload_disk_bytes=1 << 20)
@@ -270,7 +329,7 @@ def test_page_copier_is_generic_over_the_cache_tree(monkeypatch):
     page = (2 * 4 * 3) * (4 + 2) + 2 * 4  # f32 k, bf16 v, f32 scales: one byte row a page
     assert cp.page_bytes == 2 * page and [e.shape for e in entries] == [(2 * page,)] * 2
     assert entries[0][page + 96:page + 144].tobytes() == old[1][1][4].tobytes()
-    cp.scatter([0, 5], entries)
+    cp.scatter(cp.stage([0, 5], entries))  # staged on the device, then copied in
     new = runner.kv
     for layer in range(2):
         for j in range(3):

@@ -13,9 +13,10 @@ offers its pages again (those dropped earlier):
   backlog limit are skipped, not waited for). The engine thread only dispatches.
   Gathers not yet copied out hold device memory: past MAX_PENDING_BYTES a save is dropped
   (the pages cost a recompute later), never a stall now.
-- host -> device: a request whose prefix continues in a tier gets fresh pages, and one
-  scatter of the stacked rows is dispatched before its step (after the step in flight),
-  so the transfer overlaps the running step. When a request arrives, the pages of its
+- host -> device: a request whose prefix continues in a tier gets fresh pages; a loader
+  thread stacks the rows and puts them on the device (through pinned memory on a GPU),
+  while the request waits out of the batch, so the engine thread never copies host
+  memory; then one scatter of the staged rows is dispatched before its first step. When a request arrives, the pages of its
   prefix that only the disk holds are read into host memory in the background
   (`prefetch`); a page still on disk at admission is read there, synchronously.
 
@@ -30,6 +31,7 @@ side handles one array per page whatever the layout (a per-layer cache has 64 le
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -99,6 +101,9 @@ class PageCopier:
         self.chunk_pages = min(MAX_COPY_PAGES, 1 << max(
             2, (COPY_CHUNK_BYTES // self.page_bytes).bit_length() - 1))
         self.pinned = _has_pinned_host(leaves[0])  # the host copies' way, see `split`
+        devices = leaves[0].sharding.device_set
+        # where loads are staged; a cache over several devices: rows stay on the host
+        self.device = next(iter(devices)) if len(devices) == 1 else None
 
         def gather(kv, idx):
             rows = []
@@ -146,7 +151,7 @@ class PageCopier:
         for b in sizes:
             zeros = np.zeros(b, np.int32)
             out = jax.block_until_ready(self.runner.with_kv(lambda kv: self._gather(kv, zeros)))
-            rows = np.zeros(out.shape, out.dtype)
+            rows = self._to_device(np.zeros(out.shape, out.dtype))  # as `stage` places them
             idx = np.full(b, self.num_pages, np.int32)  # all out of range: nothing written
             self.runner.update_kv(lambda kv: self._scatter(kv, idx, rows))
         jax.block_until_ready(self.runner.kv)
@@ -166,16 +171,36 @@ class PageCopier:
         host = np.asarray(gathered)
         return [host[i].copy() for i in range(n)]
 
-    def scatter(self, pages: list[int], entries: list[Entry]) -> None:
-        """Dispatches the copy of entries into pages, before the next step."""
-        n = _bucket(len(pages))
-        idx = np.full(n, self.num_pages, np.int32)  # padding rows fall out of range: dropped
-        idx[:len(pages)] = pages
-        rows = np.empty((n, self.page_bytes), np.uint8)  # one pass over the bytes, not two
-        for i, e in enumerate(entries):  # each a page of this cache (DiskTier checks)
-            rows[i] = e
-        rows[len(entries):] = 0  # padding rows land nowhere, but stay defined
-        self.runner.update_kv(lambda kv: self._scatter(kv, idx, rows))
+    def _to_device(self, rows: np.ndarray):
+        """Host rows onto the cache's device (through pinned memory where there is some:
+        the transfer then runs without the GIL); a multi-device cache takes them as is."""
+        if self.device is None:
+            return rows
+        if self.pinned:
+            rows = jax.device_put(rows, jax.sharding.SingleDeviceSharding(
+                self.device, memory_kind="pinned_host"))
+        return jax.device_put(rows, jax.sharding.SingleDeviceSharding(self.device))
+
+    def stage(self, pages: list[int], entries: list[Entry]) -> list[tuple]:
+        """Stacks entries into page-bucket chunks on the device: (page index, rows) per
+        chunk, for `scatter` (the loader thread's work: the copies, not the engine's)."""
+        staged, n = [], self.chunk_pages
+        for i in range(0, len(pages), n):
+            ps, es = pages[i:i + n], entries[i:i + n]
+            b = _bucket(len(ps))
+            idx = np.full(b, self.num_pages, np.int32)  # padding rows fall out of range
+            idx[:len(ps)] = ps
+            rows = np.empty((b, self.page_bytes), np.uint8)  # one pass over the bytes
+            for j, e in enumerate(es):  # each a page of this cache (DiskTier checks)
+                rows[j] = e
+            rows[len(es):] = 0  # padding rows land nowhere, but stay defined
+            staged.append((idx, self._to_device(rows)))
+        return staged
+
+    def scatter(self, staged: list[tuple]) -> None:
+        """Dispatches the copy of staged chunks into their pages, before the next step."""
+        for idx, rows in staged:
+            self.runner.update_kv(lambda kv: self._scatter(kv, idx, rows))
 
 
 class HostTier:
@@ -360,6 +385,8 @@ class KVOffloader:
         self._disk_q: queue.Queue = queue.Queue()
         self._disk_backlog = self._pending = 0  # bytes for the disk / gathered on device
         self._backlog_lock = threading.Lock()
+        self._loader = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="nanojax-kv-load")
         self._threads = [threading.Thread(target=self._worker, name="nanojax-kv-offload",
                                           daemon=True),
                          threading.Thread(target=self._disk_writer, name="nanojax-kv-disk",
@@ -423,12 +450,15 @@ class KVOffloader:
         if self.host is not None and self.disk is not None and hashes:
             self._work.put(("prefetch", hashes))
 
-    def load(self, loads: list[tuple[list[int], list[Entry]]]) -> None:
-        pages = [p for ps, _ in loads for p in ps]
-        entries = [e for _, es in loads for e in es]
-        n = self.copier.chunk_pages
-        for i in range(0, len(pages), n):
-            self.copier.scatter(pages[i:i + n], entries[i:i + n])
+    def stage(self, pages: list[int], entries: list[Entry]) -> concurrent.futures.Future:
+        """Starts putting a request's tier pages on the device (loader thread); the
+        scheduler holds the request until the Future is done, then `load`s its result."""
+        return self._loader.submit(self.copier.stage, list(pages), list(entries))
+
+    def load(self, loads: list[list[tuple]]) -> None:
+        """Dispatches the copies of staged loads into their pages (before the step)."""
+        for staged in loads:
+            self.copier.scatter(staged)
 
     def warmup(self) -> int:
         return self.copier.warmup()
@@ -439,6 +469,7 @@ class KVOffloader:
         self._disk_q.join()
 
     def close(self) -> None:
+        self._loader.shutdown(wait=True, cancel_futures=True)
         self.drain()
         self._work.put(None)
         self._disk_q.put(None)

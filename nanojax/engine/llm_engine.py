@@ -236,6 +236,8 @@ class LLMEngine:
         if self.offloader is not None:  # pages of requests aborted since the last step
             self.offloader.flush()
         batch = self.scheduler.schedule(prev_rows)
+        if not batch and self._in_flight is None:  # nothing to run but tier pages on the
+            self.scheduler.wait_for_loads(0.01)    # way: wait for them, not spin
         t_launch = time.perf_counter()
         loads = self.scheduler.take_loads()
         if loads:  # offloaded pages into fresh ones, ordered before this step

@@ -71,6 +71,10 @@ class OffloadTier(Protocol):
         """The leading pages' contents, stopping at the first that cannot be produced
         intact (a corrupt disk entry): those are recomputed."""
 
+    def stage(self, pages: list[int], entries: list):
+        """Starts putting fetched entries on the device for these fresh pages, off the
+        engine thread: a concurrent.futures.Future whose result the engine `load`s."""
+
     def save(self, pages: list[int], hashes: list[bytes]) -> None:
         """Queues copies of these GPU pages, full and written (or being written) by a
         launched step; best effort (a page may be dropped), copied out before the next

@@ -7,8 +7,10 @@ still need; when a decode needs a page and none is free, the newest running requ
 preempted (recompute: its pages are freed and it re-enters the queue at the front).
 
 With a prefix cache, an admitted request first takes the cached pages of its leading
-tokens (shared read-only, see prefix_cache.py) and pages an offload tier holds (loaded into
-fresh pages before its step: `take_loads`), and prefills only the rest.
+tokens (shared read-only, see prefix_cache.py) and pages an offload tier holds, and
+prefills only the rest. The tier's pages are staged on the device in the background (host
+rows to device memory, off the engine thread); the request waits in `running` until they
+are, then its copy into fresh pages goes out before its first step (`take_loads`).
 
 `admission="predicted"` is NanoFlow's memory-usage prediction on top: a request is also
 admitted only if the predicted peak of the cache, with every running request plus it
@@ -33,7 +35,9 @@ that cohort comes round.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
+import logging
 
 import numpy as np
 
@@ -42,6 +46,8 @@ from nanojax.engine.kv_cache import OutOfPages, PageAllocator, pages_needed
 from nanojax.engine.prefix_cache import PrefixCache, PrefixMatch
 from nanojax.engine.sequence import Sequence, Status
 from nanojax.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -91,7 +97,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache = prefix_cache
         self.max_prefill_seqs = max_prefill_seqs or b_dense
-        self._loads: list[tuple[list[int], list]] = []  # (fresh pages, tier entries)
+        self._loads: list = []  # staged tier pages to copy in before this step
         self._credit = 1.0  # predicted admission: requests its pace lets in now
 
     # ---- queue management ------------------------------------------------------------
@@ -103,6 +109,7 @@ class Scheduler:
         if seq.finish_reason in ("stop", "length"):
             self.finished_outputs += len(seq.output_ids)
             self.finished_count += 1
+        self._drop_load(seq)
         if self.prefix_cache is not None:  # its last full pages stay cached
             self.prefix_cache.register(seq)
         if seq in self.running:
@@ -117,13 +124,44 @@ class Scheduler:
             seq.pages = []
         seq.num_cached_pages = 0
 
-    def take_loads(self) -> list[tuple[list[int], list]]:
-        """Offload-tier pages admitted this iteration: (pages, entries) to copy in before
-        the step is launched."""
+    def _drop_load(self, seq: Sequence) -> None:
+        """A request leaving (or restarting) before its tier pages arrived: they are
+        dropped and never cached (its pages are freed or recomputed)."""
+        if seq.loading is not None:
+            seq.loading.cancel()
+            seq.loading = None
+            seq.num_computed = seq.num_cached_pages * self.page_size
+
+    def _loaded(self, seq: Sequence) -> bool:
+        """Whether seq may be scheduled: no load in flight, or its load staged (then its
+        copy in goes out with this step); a failed staging recomputes those pages."""
+        if seq.loading is None:
+            return True
+        if not seq.loading.done():
+            return False
+        fut, seq.loading = seq.loading, None
+        try:
+            self._loads.append(fut.result())
+        except Exception:  # staging failed: recompute, never serve a page not loaded
+            log.exception("staging %s's offloaded pages failed; recomputing them",
+                          seq.request_id)
+            seq.num_computed = seq.num_cached_pages * self.page_size
+        return True
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Blocks until a running request's staged load is done (or timeout)."""
+        futures = [s.loading for s in self.running if s.loading is not None]
+        if futures:
+            concurrent.futures.wait(futures, timeout, concurrent.futures.FIRST_COMPLETED)
+
+    def take_loads(self) -> list:
+        """Tier pages staged on the device whose requests run this step: to copy into
+        their pages before the step is launched (KVOffloader.load)."""
         loads, self._loads = self._loads, []
         return loads
 
     def _preempt(self, seq: Sequence) -> None:
+        self._drop_load(seq)
         self.running.remove(seq)
         self._free(seq)
         seq.num_computed = 0
@@ -162,7 +200,8 @@ class Scheduler:
         budget = self.b_dense
         if self.prefix_cache is not None:  # pages completed by the steps launched so far
             for seq in self.running:
-                self.prefix_cache.register(seq)
+                if seq.loading is None:  # a load in flight: its pages hold nothing yet
+                    self.prefix_cache.register(seq)
 
         # 1. decodes: every running request whose prompt is fully in the cache. Per
         # request only a few attribute reads: at 1,000 running requests this loop is much
@@ -194,7 +233,7 @@ class Scheduler:
         for seq in prefilling:
             if budget <= 0 or len(entries) - num_decodes >= self.max_prefill_seqs:
                 break
-            if seq.status is not Status.RUNNING:
+            if seq.status is not Status.RUNNING or not self._loaded(seq):
                 continue
             chunk = self._chunk(seq.num_known - seq.num_computed, budget)
             if not self._grow_or_preempt(seq, seq.num_computed + chunk, scheduled):
@@ -229,6 +268,9 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
             self._take_prefix(seq, match)
+            if seq.loading is not None:  # scheduled once its tier pages are staged
+                room.add(self, seq)
+                continue
             chunk = self._chunk(seq.num_known - seq.num_computed, budget)
             ok = self._grow(seq, seq.num_computed + chunk)
             assert ok, "admission checked the pages"
@@ -270,14 +312,12 @@ class Scheduler:
         entries = pc.tier.fetch(match.tier_hashes) if match.tier_hashes else []
         match.tier_hashes = match.tier_hashes[:len(entries)]
         pc.count(seq, match)
-        if entries:
+        seq.num_cached_pages = len(seq.pages)
+        if entries:  # cached (registered) once loaded, by the next register() after it
             fresh = self.allocator.allocate(len(entries))
             seq.pages += fresh
-            for p, h in zip(fresh, match.tier_hashes):
-                self.allocator.register(p, h)  # the copy in is launched before any reader
-            self._loads.append((fresh, entries))
+            seq.loading = pc.tier.stage(fresh, entries)
         seq.num_computed = len(seq.pages) * self.page_size
-        seq.num_cached_pages = len(seq.pages)
 
     def _admissible(self, seq: Sequence, match: PrefixMatch, room: "_Room") -> bool:
         """Pages for its whole known context plus one (less the cached pages it shares),

@@ -29,6 +29,9 @@ class Sequence:
         self.pages: list[int] = []
         self.block_hashes: list[bytes] = []   # hash chain of its full pages (prefix cache)
         self.num_cached_pages = 0             # leading pages in the prefix cache
+        # an offload tier's pages on their way into its pages (a Future of the staged
+        # copies): not scheduled, and its loaded pages not cached, until it is done
+        self.loading = None
         self.num_computed = 0
         self.pending = 0
         self.finish_reason: str | None = None
