@@ -30,21 +30,12 @@ def _run(engine: LLMEngine, bar, window: TimelineWindow | None) -> tuple[dict, d
     if window is None:
         return engine.run_to_completion(bar), None
     from nanojax.profiling import timeline
-    done: dict = {}
-
-    def steps(n: int | None) -> None:
-        while not engine.is_idle and (n is None or n > 0):
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    bar.update(1)
-            n = None if n is None else n - 1
-
-    start = engine.stats.steps
-    steps(window.at)
+    start, done = engine.stats.steps, {}
+    engine.run_to_completion(bar, window.at, done)
     first = engine.stats.steps - start
-    events = timeline.capture(lambda: steps(window.iterations)) if not engine.is_idle else []
-    steps(None)
+    events = (timeline.capture(lambda: engine.run_to_completion(bar, window.iterations, done))
+              if not engine.is_idle else [])
+    engine.run_to_completion(bar, done=done)
     Path(window.path).write_text(json.dumps({"engine": events}))
     report = {"path": window.path, "first_iteration": first,
               "iterations": window.iterations, **timeline.summarize(events)}

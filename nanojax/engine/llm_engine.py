@@ -362,12 +362,15 @@ class LLMEngine:
                              ttft, seq.num_preemptions, delta_text, delta_ids)
 
     # ---- offline helper ------------------------------------------------------------------
-    def run_to_completion(self, progress=None) -> dict[str, RequestOutput]:
-        done: dict[str, RequestOutput] = {}
-        while not self.is_idle:
+    def run_to_completion(self, progress=None, max_steps: int | None = None,
+                          done: dict | None = None) -> dict[str, RequestOutput]:
+        """Steps until idle (or max_steps steps); finished outputs added to done."""
+        done = {} if done is None else done
+        while not self.is_idle and (max_steps is None or max_steps > 0):
             for out in self.step():
                 if out.finished:
                     done[out.request_id] = out
                     if progress is not None:
                         progress.update(1)
+            max_steps = None if max_steps is None else max_steps - 1
         return done
