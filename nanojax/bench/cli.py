@@ -86,7 +86,8 @@ def _steady_line(st: dict) -> str:
     first, last = st["window"]
     line = (f"iterations {first}-{last}, mean fill {st['mean_fill']:.3f}, "
             f"{st['preemptions']} preemptions, host {st['host_ms_per_iteration']:.1f} "
-            f"ms/iteration (launch {st['launch_ms_per_iteration']:.1f})")
+            f"ms/iteration (launch {st['launch_ms_per_iteration']:.1f}, of it inputs "
+            f"{st['inputs_ms_per_iteration']:.1f})")
     if "tokens_per_s" in st:
         line += (f", {st['tokens_per_s']:.1f} tok/s ({1e3 * st['s_per_iteration']:.1f} "
                  f"ms/iteration, device wait {100 * st['device_wait_share']:.0f}%)")

@@ -56,6 +56,8 @@ def steady_state(records: list, b_dense: int, mean_stay: float) -> dict:
         # of it, dispatching the step (and page loads): large only if a dispatch blocks
         "launch_ms_per_iteration": 1e3 * sum(r.launch_s for r in win)
         / len(win),
+        # of that, building the step's host arrays (the rest: dispatch and transfers)
+        "inputs_ms_per_iteration": 1e3 * sum(r.inputs_s for r in win) / len(win),
     })
     before = records[ramp - 1].done_t
     if before is not None and win[-1].done_t is not None:

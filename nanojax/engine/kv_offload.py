@@ -164,12 +164,15 @@ class PageCopier:
         the GIL held, and XLA's stream executor may run that copy on the calling thread,
         blocking until the device gets there, which would stall the engine thread for the
         GIL. A device_put to pinned_host releases the GIL and returns at once, and numpy
-        reads the pinned buffer in place."""
+        reads the pinned buffer in place. Each page is one memcpy with the GIL held
+        (`tobytes`): numpy's copy releases the GIL around every page and must win it back
+        from the engine thread each time, which cut the worker's pace several times over
+        (bench/results/kv_reuse/host_split_cpu.json)."""
         if self.pinned:
             gathered = jax.device_put(gathered,
                                       gathered.sharding.with_memory_kind("pinned_host"))
         host = np.asarray(gathered)
-        return [host[i].copy() for i in range(n)]
+        return [np.frombuffer(host[i].tobytes(), np.uint8) for i in range(n)]
 
     def _to_device(self, rows: np.ndarray):
         """Host rows onto the cache's device (through pinned memory where there is some:

@@ -52,8 +52,10 @@ class EngineStats:
 class IterationRecord:
     """One launched iteration: its batch, the scheduler's queues after forming it, and its
     times (host_s, wait_s: of the step() call that launched it; launch_s: the part of
-    host_s spent dispatching the step and its page loads, which only blocks if a transfer
-    or the dispatch waits on the device; done_t: perf_counter when its tokens were read)."""
+    host_s spent building and dispatching the step and its page loads; inputs_s: of it,
+    building the step's host arrays (CPU work only: the rest is dispatch and transfers,
+    which block only if they wait on the device); done_t: perf_counter when its tokens
+    were read)."""
     tokens: int
     decodes: int
     waiting: int
@@ -63,6 +65,7 @@ class IterationRecord:
     wait_s: float = 0.0
     done_t: float | None = None
     launch_s: float = 0.0
+    inputs_s: float = 0.0
 
 
 class LLMEngine:
@@ -245,6 +248,7 @@ class LLMEngine:
         launched = (batch, self.runner.launch(batch), self._record(batch)) if batch else None
         if launched and launched[2] is not None:
             launched[2].launch_s = time.perf_counter() - t_launch
+            launched[2].inputs_s = self.runner.last_inputs_s
         if launched:
             self.stats.steps += 1
             self.stats.scheduled_tokens += batch.num_tokens

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
+import time
 import types
 
 import jax
@@ -18,8 +19,8 @@ import numpy as np
 
 from nanojax.config import ModelConfig
 from nanojax.engine.forward import Forward, default_forward
-from nanojax.engine.sampling import (Penalties, any_sampling, penalty_inputs, sample,
-                                     with_pending)
+from nanojax.engine.sampling import (Penalties, any_logprobs, any_sampling, penalty_inputs,
+                                     sample, with_pending)
 from nanojax.engine.scheduler import ScheduledBatch
 from nanojax.layers.attention import PagedMetadata, prefill_metadata
 
@@ -99,6 +100,7 @@ class ModelRunner:
         self.kv = forward.init_kv(num_pages, page_size, kv_cache_dtype)  # None: the model's
         self._traces = 0
         self.num_sampler_compiles = 0
+        self.last_inputs_s = 0.0
         self._lock = threading.Lock()
         # across processes every step's inputs are global arrays: plain jit there
         self.step_cache = step_cache if broadcast is None else None
@@ -106,7 +108,8 @@ class ModelRunner:
         # sampler, whose variants (greedy or sampling: `sample`'s static flag, chosen on
         # the host) are small to compile; neither holds a device-side conditional
         self._forward = self._make_forward(forward)
-        self._sample = jax.jit(self._make_sampler(forward), static_argnames=("sampling",))
+        self._sample = jax.jit(self._make_sampler(forward),
+                               static_argnames=("sampling", "logprobs"))
         # several processes (parallel/multihost.py): process 0 sends each step's inputs
         self.broadcast = broadcast
         self._prev = jnp.zeros((self.max_rows,), jnp.int32)
@@ -166,14 +169,14 @@ class ModelRunner:
                         else None)
 
         def sampler(logits, prev_tokens, host_tokens, token_src, logit_idx, temperature,
-                    top_p, top_k, seeds, steps, penalties, sampling):
+                    top_p, top_k, seeds, steps, penalties, sampling, logprobs):
             self.num_sampler_compiles += 1
             if penalties is not None:  # a decode's input may be a sample the host lacks
                 tokens = _input_tokens(prev_tokens, host_tokens, token_src)
                 penalties = with_pending(penalties, tokens[logit_idx],
                                          token_src[logit_idx] >= 0)
             out = sample(logits, temperature, top_p, top_k, seeds, steps, penalties,
-                         top_logprobs, sampling=sampling)
+                         top_logprobs, sampling=sampling, logprobs=logprobs)
             pad = max_rows - logits.shape[0]
             return [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in out]
 
@@ -218,12 +221,14 @@ class ModelRunner:
                       disable=not progress, file=sys.stderr):
             empty = types.SimpleNamespace(entries=[], num_decodes=0, num_tokens=t)
             jax.block_until_ready(self.launch(empty).tokens)
-        # the sampler's sampling variant (one row shape): a padding row at temperature 1
-        inputs = self._host_inputs(empty, *self.shapes_for(empty))
-        inputs[4][0] = 1.0  # temperature; the row samples a token nobody reads
-        if self.broadcast is not None:
-            self.broadcast.send(inputs)
-        jax.block_until_ready(self._run(inputs).tokens)
+        # the sampler's other variants (one row shape): a padding row at temperature 1
+        # and / or asking for logprobs; it samples a token nobody reads
+        for temperature, logprobs in ((1.0, False), (0.0, True), (1.0, True)):
+            inputs = self._host_inputs(empty, *self.shapes_for(empty))
+            inputs[4][0], inputs[10][0] = temperature, logprobs
+            if self.broadcast is not None:
+                self.broadcast.send(inputs)
+            jax.block_until_ready(self._run(inputs).tokens)
         return self.num_compiles - before
 
     def with_kv(self, fn):
@@ -238,7 +243,9 @@ class ModelRunner:
 
     def launch(self, batch: ScheduledBatch) -> StepOutput:
         """Builds the step's inputs on the host and dispatches it; does not block."""
+        t = time.perf_counter()
         inputs = self._host_inputs(batch, *self.shapes_for(batch))
+        self.last_inputs_s = time.perf_counter() - t  # CPU work, for the engine's records
         if self.broadcast is not None:
             self.broadcast.send(inputs)
         return self._run(inputs)
@@ -247,7 +254,8 @@ class ModelRunner:
         """Processes other than 0: run process 0's steps until it stops; returns how many."""
         empty = types.SimpleNamespace(entries=[], num_decodes=0, num_tokens=0)
         plain = self._host_inputs(empty, 16, 4, 4)  # no row processes its logits
-        with_penalties = plain[:-1] + (Penalties(*[np.zeros(1)] * len(Penalties._fields)),)
+        with_penalties = (plain[:9] + (Penalties(*[np.zeros(1)] * len(Penalties._fields)),)
+                          + plain[10:])
         treedefs = {len(jax.tree_util.tree_leaves(t)): jax.tree_util.tree_structure(t)
                     for t in (plain, with_penalties)}
         n = 0
@@ -261,19 +269,19 @@ class ModelRunner:
             self.broadcast.stop()
 
     def _run(self, inputs) -> StepOutput:
-        (host_tokens, token_src, meta, logit_idx, temperature, top_p, top_k, seeds, steps,
-         penalties) = inputs
-        sampling = any_sampling(temperature)  # from the host arrays, before placing them
+        # the sampler's variant, from the host arrays before placing them
+        sampling, logprobs = any_sampling(inputs[4]), any_logprobs(inputs[10])
         if self.broadcast is not None:
             inputs = self.broadcast.place(inputs)
-            (host_tokens, token_src, meta, logit_idx, temperature, top_p, top_k, seeds,
-             steps, penalties) = inputs
+        (host_tokens, token_src, meta, logit_idx, temperature, top_p, top_k, seeds, steps,
+         penalties, _) = inputs
         with self._lock:
             prev = self._prev
             self.kv, logits = self._forward(self.params, self.kv, prev, host_tokens,
                                             token_src, meta, logit_idx)
             out = self._sample(logits, prev, host_tokens, token_src, logit_idx, temperature,
-                               top_p, top_k, seeds, steps, penalties, sampling=sampling)
+                               top_p, top_k, seeds, steps, penalties, sampling=sampling,
+                               logprobs=logprobs)
             self._prev = out[0]
         return StepOutput(*out)
 
@@ -292,6 +300,7 @@ class ModelRunner:
         top_k = np.full(r, -1, np.int32)
         seeds = np.zeros(r, np.uint32)
         steps = np.zeros(r, np.int32)
+        wants_logprobs = np.zeros(r, bool)  # only picks the sampler's variant
         ps = self.page_size
         i = 0
         history = []  # (params, prompt, known outputs) per row, for penalties/logit_bias
@@ -324,6 +333,7 @@ class ModelRunner:
             top_k[row] = sp.top_k
             seeds[row] = (sp.seed or 0) & 0xFFFFFFFF
             steps[row] = seq.num_generated - (1 if e.samples else 0)
+            wants_logprobs[row] = sp.logprobs is not None
             history.append((sp, seq.prompt_ids, seq.output_ids))
             i += n
         penalties = penalty_inputs(history, r, self.cfg.vocab_size, self.max_pages_per_seq
@@ -339,4 +349,4 @@ class ModelRunner:
                              num_decodes=np.int32(batch.num_decodes),
                              prefill_blocks=blocks, prefill_slot=slot)
         return (host_tokens, token_src, meta, logit_idx, temperature, top_p, top_k, seeds,
-                steps, penalties)
+                steps, penalties, wants_logprobs)
