@@ -253,3 +253,104 @@ def test_side_stream_attention_takes_triton_unless_a_kernel_is_named():
     assert side_stream_kernels(auto) == auto.replace(decode_kernel="triton")
     named = KernelConfig(decode_kernel="mosaic", prefill_kernel=True)
     assert side_stream_kernels(named) == named
+
+
+def _fused_plan(cfg, b_dense=32, **fused):
+    """_plan_for with mlp[0] and attention[1] (adjacent, independent) as one fused launch."""
+    plan = copy.deepcopy(_plan_for(cfg, b_dense))
+    for op in plan["nano_ops"]:
+        if (op["op"], op["batch"]) == ("attention", 1):
+            op.update(stream=0, share=1.0)
+        if (op["op"], op["batch"]) == ("mlp", 0):
+            op["fused"] = {"attention": 1, "gemm_programs": 88, "programs": 132, **fused}
+    return plan
+
+
+def _op(plan, g, k):
+    return next(op for op in plan["nano_ops"] if (op["op"], op["batch"]) == (g, k))
+
+
+def test_a_fused_pair_validates_and_the_ablations_drop_it():
+    from nanojax.pipeline.plan import fused_pairs
+    plan = validate(_fused_plan(named_shape("tiny")))
+    pair = {"gemm": ("mlp", 0), "attention": 1, "gemm_programs": 88, "programs": 132}
+    assert fused_pairs(plan) == {("mlp", 0): pair, ("attention", 1): pair}
+    assert fused_pairs(ablation(plan, "overlap")) == fused_pairs(plan)
+    for mode in ("non-overlap", "nanobatch-only"):
+        assert fused_pairs(validate(ablation(plan, mode))) == {}
+
+
+@pytest.mark.parametrize("mutate,msg", [
+    (lambda p: _op(p, "mlp", 0)["fused"].update(gemm_programs=0), "out of range"),
+    (lambda p: _op(p, "mlp", 0)["fused"].update(gemm_programs=132), "out of range"),
+    (lambda p: _op(p, "mlp", 0)["fused"].update(attention=2), "does not have"),
+    (lambda p: _op(p, "mlp", 0)["fused"].update(layer=3), "fused must be"),
+    (lambda p: _op(p, "mlp", 0)["fused"].update(programs="132"), "fused must be"),
+    (lambda p: _op(p, "attention", 0).update(fused=_op(p, "mlp", 0).pop("fused")),
+     "attention is not a GEMM"),
+    (lambda p: _op(p, "attention", 1).update(stream=1), "stream 0"),
+    # o_proj[0] is not next to attention[1]
+    (lambda p: _op(p, "o_proj", 0).update(fused=_op(p, "mlp", 0).pop("fused")),
+     "not adjacent"),
+    # qkv[1] (tokens 12-32) is next to attention[0] (0-20), which reads it
+    (lambda p: (_op(p, "attention", 0).update(stream=0),
+                _op(p, "qkv", 1).update(fused=dict(_op(p, "mlp", 0).pop("fused"),
+                                                   attention=0))),
+     r"attention\[0\] reads qkv\[1\]"),
+    # o_proj[1] (20-32) after attention[1] (20-32) reads it
+    (lambda p: _op(p, "o_proj", 1).update(fused=_op(p, "mlp", 0).pop("fused")),
+     r"o_proj\[1\] reads attention\[1\]"),
+    # mlp[0] and o_proj[1] both name attention[1]
+    (lambda p: _op(p, "o_proj", 1).update(fused=dict(_op(p, "mlp", 0)["fused"])),
+     "fused with both"),
+])
+def test_bad_fused_pairs_are_refused(mutate, msg):
+    plan = _fused_plan(named_shape("tiny"))
+    mutate(plan)
+    with pytest.raises(PlanError, match=msg):
+        validate(plan)
+
+
+def test_fused_pairs_give_the_non_overlap_tokens_in_every_mode(tiny_bundle):
+    """On the CPU the pair cannot be one launch: it runs back to back, says why, and every
+    mode gives the tokens of non-overlap."""
+    plan = _fused_plan(tiny_bundle.config)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(1, tiny_bundle.config.vocab_size, size=int(n)).tolist()
+               for n in (5, 23, 11)]
+    tokens, reports = {}, {}
+    for mode in MODES:
+        fwd = PipelineForward(tiny_bundle.config, plan, mode)
+        eng = LLMEngine(tiny_bundle, EngineConfig(b_dense=32, num_pages=32,
+                                                  max_model_len=64, constant_batch=True),
+                        forward=fwd)
+        ids = [eng.add_request(p, SamplingParams(max_tokens=6, temperature=0,
+                                                 ignore_eos=True)) for p in prompts]
+        done = eng.run_to_completion()
+        tokens[mode] = [done[i].token_ids for i in ids]
+        reports[mode] = fwd.fused_report
+    assert tokens["overlap"] == tokens["nanobatch-only"] == tokens["non-overlap"]
+    assert reports["non-overlap"] == reports["nanobatch-only"] == {}
+    r = reports["overlap"]["mlp[0]+attention[1]"]
+    assert r["launch"] == "back to back" and "no Hopper GPU" in r["reason"]
+
+
+def test_why_a_fused_pair_runs_back_to_back():
+    """Each reason fused.unavailable gives, pinned device facts (no GPU here)."""
+    import jax.numpy as jnp
+
+    from nanojax.config import KernelConfig
+    from nanojax.layers.attention import paged_attention, pallas_backend
+    from nanojax.pipeline.fused import unavailable
+    pair = {"gemm_programs": 88, "programs": 132}
+    q = jnp.zeros((4, 32, 128), jnp.bfloat16)
+    kv = (jnp.zeros((8, 8, 16, 128), jnp.bfloat16),) * 2
+    pallas = pallas_backend(KernelConfig())
+    assert "no Hopper" in unavailable(pallas, pair, q, kv, "auto", hopper=False)
+    assert "not the Pallas one" in unavailable(paged_attention, pair, q, kv, "auto",
+                                               hopper=True, sms=132)
+    assert "decode kernel is triton" in unavailable(pallas, pair, q, kv, "triton",
+                                                    hopper=True, sms=132)
+    assert "132 programs, the device 114 SMs" in unavailable(pallas, pair, q, kv, "mosaic",
+                                                             hopper=True, sms=114)
+    assert unavailable(pallas, pair, q, kv, "mosaic", hopper=True, sms=132) is None

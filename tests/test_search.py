@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from nanojax.pipeline.executor import _check_order
+from nanojax.pipeline.plan import check_order
 from nanojax.pipeline.plan import OP_GROUPS
 from search.milp import Profile, SearchError, search, stage1, to_plan
 
@@ -90,7 +90,7 @@ def test_search_grows_k_and_writes_a_valid_plan():
     best = search(prof, max_k=3)
     assert best["k"] >= 2  # splitting pays on this profile
     plan = to_plan(prof, best, named_shape("llama3-8b").signature())
-    _check_order(plan)  # the executor accepts its order
+    check_order(plan)  # the executor accepts its order
     again = to_plan(prof, search(prof, max_k=3), named_shape("llama3-8b").signature())
     assert again == plan  # same input, same plan
 
