@@ -70,10 +70,14 @@ def cmd_search(args) -> int:
     report = {}
     pair = _read_pair(args.pair) if args.pair else None
     if args.profile:
-        if pair is None:
-            prof = Profile.load(args.profile)
-        else:
-            prof = Profile.from_dict(_with_pair(_read_json(args.profile, SearchError), pair))
+        raw = _read_json(args.profile, SearchError)
+        if pair is None and _is_pair(raw.get("pair")):  # `nanojax profile --pair-shares`
+            pair = raw["pair"]
+            report["pair_source"] = f"{args.profile} (its 'pair')"
+        elif pair is not None:
+            report["pair_source"] = args.pair
+        prof = (Profile.load(args.profile) if pair is None
+                else Profile.from_dict(_with_pair(raw, pair)))
     elif args.datasheet:  # a profile synthesized from the cost model and a datasheet
         from search.costmodel import WORKLOADS, analyze, gpu_from
         from search.datasheet import datasheet_profile
@@ -111,6 +115,12 @@ def cmd_search(args) -> int:
         print(f"nanojax: no overlap: {report['overlap']['reason']}", file=sys.stderr)
         best = stage1(prof, 1, args.time_limit)  # one nano-batch: every op on one stream
     plan = to_plan(prof, best, signature, args.tp)
+    if pair is not None and report["overlap"]["chosen"] and len(best["sizes"]) > 1:
+        from search.pair import fuse  # the overlapped pairs as the launch that was measured
+        plan, report["overlap"]["fused_pairs"] = fuse(plan, best, pair)
+        fused = [f"{e['gemm']}+attention[{e['attention']}] G {e['gemm_programs']}"
+                 for e in report["overlap"]["fused_pairs"] if "gemm" in e]
+        print(f"nanojax: fused pairs: {', '.join(fused) or 'none'}", file=sys.stderr)
     report.update({"nano_batches": best["sizes"], "predicted_makespan_s": best["makespan"],
                    "non_overlap_s": serial,
                    "predicted_gain_over_non_overlap": serial / best["makespan"]})
@@ -133,9 +143,13 @@ def _read_json(path, error=SystemExit) -> dict:
         raise error(f"nanojax: cannot read {path}: {e}") from None
 
 
+def _is_pair(record) -> bool:
+    return isinstance(record, dict) and "programs" in record and "gemms" in record
+
+
 def _read_pair(path) -> dict:
     record = _read_json(path)
-    if not isinstance(record, dict) or "programs" not in record or "gemms" not in record:
+    if not _is_pair(record):
         raise SystemExit(f"nanojax: {path} is not a pair file written by "
                          "bench/kernels/fused_pair.py (no 'programs' or 'gemms')")
     return record
@@ -266,8 +280,10 @@ def register(sub) -> None:
     s.add_argument("--png", default=None, help="write the predicted schedule as a PNG")
     s.add_argument("--pair", default=None, metavar="FILE",
                    help="a measured GEMM + attention pair (bench/kernels/fused_pair.py's "
-                        "JSON): stage II reads its interference, and the plan has no "
-                        "overlap where the pair does not beat back to back")
+                        "JSON; default: the profile's own 'pair', from nanojax profile "
+                        "--pair-shares): stage II reads its interference, the plan has no "
+                        "overlap where the pair does not beat back to back, and else fuses "
+                        "each overlapped GEMM + attention pair into one launch")
     s.set_defaults(func=cmd_search)
 
     pr = sub.add_parser("profile", help="measure op times by batch size and share, and the "
