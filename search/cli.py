@@ -206,10 +206,18 @@ def cmd_profile(args) -> int:
     if args.granularity <= 0 or args.b_dense <= 0 or args.b_dense % args.granularity:
         raise SystemExit(f"nanojax: --b-dense ({args.b_dense}) must be a positive multiple "
                          f"of --granularity ({args.granularity})")
+    try:
+        pair_shares = [int(g) for g in args.pair_shares.split(",")] if args.pair_shares else []
+    except ValueError:
+        pair_shares = [-1]
+    if any(g <= 0 for g in pair_shares):
+        raise SystemExit(f"nanojax: --pair-shares must be positive integers (GEMM programs "
+                         f"G of the fused pair), got {args.pair_shares}")
     from nanojax.profiling.synthetic import workload_lengths
     workload_lengths(args.workload, 2048)  # a bad workload fails before the profile runs
     prof = run_profile(bundle, args.b_dense, args.granularity, args.workload, shares,
-                       iters=args.iters, tp=args.tp, kernels=kernel_config_from_args(args))
+                       iters=args.iters, tp=args.tp, kernels=kernel_config_from_args(args),
+                       pair_shares=pair_shares, pair_power_seconds=args.pair_power_seconds)
     prof["command"] = " ".join(["nanojax"] + sys.argv[1:])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(prof, indent=1))
@@ -302,6 +310,15 @@ def register(sub) -> None:
     pr.add_argument("--tp", type=int, default=1,
                     help="profile one TP shard's ops and the all-reduces over this many "
                          "devices (the network nano-ops)")
+    pr.add_argument("--pair-shares", default="", metavar="G,G,...",
+                    help="also time the fused GEMM + attention launch (Hopper) at these GEMM "
+                         "program counts G, e.g. 44,66,88,110: each side alone, the pair and "
+                         "back to back at the model's nano-batch shapes, clock and power "
+                         "sampled; stored as the profile's 'pair', which nanojax search "
+                         "reads (skipped with the reason off Hopper)")
+    pr.add_argument("--pair-power-seconds", type=float, default=1.0,
+                    help="with --pair-shares: seconds each case runs while nvidia-smi "
+                         "samples clock and power (0: off)")
     pr.add_argument("--out", required=True)
     add_engine_args(pr, kernels_only=True)
     pr.set_defaults(func=cmd_profile)
