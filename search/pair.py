@@ -1,6 +1,8 @@
-"""The interference table from a measured GEMM + attention pair (issue 18).
+"""The interference table from a measured GEMM + attention pair (issue 18), and the plan's
+fused pairs where that pair pays (`fuse`).
 
-`bench/kernels/fused_pair.py` times, at a nano-batch's shapes, one launch whose programs
+nanojax/profiling/fused_pair.py (`nanojax profile --pair-shares`, bench/kernels/
+fused_pair.py) times, at a nano-batch's shapes, one launch whose programs
 [0, G) run a GEMM and programs [G, N) decode attention, against each side alone on its
 programs and against the two back to back on the full grid. That is the pair the executor
 would run, so it is the interference stage II should read (search/shares.py), in place of
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-SOURCE = "fused GEMM + attention launch (bench/kernels/fused_pair.py)"
+SOURCE = "fused GEMM + attention launch (nanojax/profiling/fused_pair.py)"
 
 
 def pair_rows(record: dict) -> list[dict]:

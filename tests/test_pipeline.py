@@ -354,3 +354,22 @@ def test_why_a_fused_pair_runs_back_to_back():
     assert "132 programs, the device 114 SMs" in unavailable(pallas, pair, q, kv, "mosaic",
                                                              hopper=True, sms=114)
     assert unavailable(pallas, pair, q, kv, "mosaic", hopper=True, sms=132) is None
+
+
+def test_a_gemm_the_fused_kernel_cannot_tile_runs_alone_and_says_why():
+    """PairMatmul leaves GEMMs the kernel cannot take to the plain dot (the executor then
+    runs the attention after the GEMM nano-op); none is fused, and why names the shape."""
+    import jax.numpy as jnp
+
+    from nanojax.pipeline.fused import PairMatmul
+
+    def never(decode):
+        raise AssertionError("no fused launch expected")
+    q = jnp.zeros((4, 32, 128), jnp.bfloat16)
+    kv = (jnp.zeros((8, 8, 16, 128), jnp.bfloat16),) * 2
+    mm = PairMatmul(never, q, kv, None, None, gemm_programs=88, programs=132)
+    x = jnp.ones((100, 64), jnp.bfloat16)
+    w = jnp.ones((64, 256), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(mm(x, w), np.float32),
+                                  np.asarray(jnp.dot(x, w), np.float32))
+    assert mm.attention_out is None and "M = 100" in mm.why
