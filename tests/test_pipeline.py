@@ -345,15 +345,19 @@ def test_why_a_fused_pair_runs_back_to_back():
     pair = {"gemm_programs": 88, "programs": 132}
     q = jnp.zeros((4, 32, 128), jnp.bfloat16)
     kv = (jnp.zeros((8, 8, 16, 128), jnp.bfloat16),) * 2
-    pallas = pallas_backend(KernelConfig())
-    assert "no Hopper" in unavailable(pallas, pair, q, kv, "auto", hopper=False)
-    assert "not the Pallas one" in unavailable(paged_attention, pair, q, kv, "auto",
-                                               hopper=True, sms=132)
-    assert "decode kernel is triton" in unavailable(pallas, pair, q, kv, "triton",
-                                                    hopper=True, sms=132)
-    assert "132 programs, the device 114 SMs" in unavailable(pallas, pair, q, kv, "mosaic",
+    pallas = pallas_backend(KernelConfig(decode_kernel="mosaic"))
+    assert "no Hopper" in unavailable(pallas, pair, q, kv, hopper=False)
+    assert "not the Pallas one" in unavailable(paged_attention, pair, q, kv, hopper=True,
+                                               sms=132)
+    triton = pallas_backend(KernelConfig(decode_kernel="triton"))
+    assert "decode kernel is triton" in unavailable(triton, pair, q, kv, hopper=True,
+                                                    sms=132)
+    fp8 = (kv[0].astype(jnp.float8_e4m3fn),) * 2  # FP8 pages: Triton, whatever the name
+    assert "decode kernel is triton" in unavailable(pallas, pair, q, fp8, hopper=True,
+                                                    sms=132)
+    assert "132 programs, the device 114 SMs" in unavailable(pallas, pair, q, kv,
                                                              hopper=True, sms=114)
-    assert unavailable(pallas, pair, q, kv, "mosaic", hopper=True, sms=132) is None
+    assert unavailable(pallas, pair, q, kv, hopper=True, sms=132) is None
 
 
 def test_a_gemm_the_fused_kernel_cannot_tile_runs_alone_and_says_why():
@@ -373,3 +377,53 @@ def test_a_gemm_the_fused_kernel_cannot_tile_runs_alone_and_says_why():
     np.testing.assert_array_equal(np.asarray(mm(x, w), np.float32),
                                   np.asarray(jnp.dot(x, w), np.float32))
     assert mm.attention_out is None and "M = 100" in mm.why
+
+
+def test_a_fused_pair_step_lowers_for_cuda_as_one_launch():
+    """The whole overlap step of a one-layer bf16 model whose shapes the fused kernel
+    tiles (128-token nano-batches, D 128), exported for CUDA on the CPU with the device
+    facts pinned to an H200's: mlp[0] and attention[1] go through the fused launch
+    (fused_report), attention[0] through the swap-AB kernel alone."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from nanojax.config import KernelConfig, ModelConfig
+    from nanojax.layers.attention import PagedMetadata, pallas_backend
+    from nanojax.models.llama import init_params
+    cfg = ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=128, dtype="bfloat16")
+    halves = [[0, 128], [128, 256]]
+    plan = validate({
+        "version": 1, "model": cfg.signature(), "tp": 1, "b_dense": 256,
+        "nano_batches": {g: halves for g in ("qkv", "attention", "o_proj", "mlp")},
+        "nano_ops": [{"op": "qkv", "batch": 0}, {"op": "qkv", "batch": 1},
+                     {"op": "attention", "batch": 0}, {"op": "o_proj", "batch": 0},
+                     {"op": "mlp", "batch": 0, "fused": {"attention": 1,
+                                                         "gemm_programs": 88,
+                                                         "programs": 132}},
+                     {"op": "attention", "batch": 1}, {"op": "o_proj", "batch": 1},
+                     {"op": "mlp", "batch": 1}]})
+    fwd = PipelineForward(cfg, plan, "overlap",
+                          attention=pallas_backend(KernelConfig(decode_kernel="mosaic")))
+    fwd.fused_device = {"hopper": True, "sms": 132}
+    sd = jax.ShapeDtypeStruct
+    t, pages, width = 256, 1024, 8
+    params = jax.tree_util.tree_map(lambda a: sd(a.shape, a.dtype),
+                                    jax.eval_shape(lambda: init_params(cfg)))
+    kv = [(sd((pages, 2, 16, 128), jnp.bfloat16),) * 2]
+    i32 = sd((t,), jnp.int32)
+    meta = PagedMetadata(i32, i32, i32, sd((t, width), jnp.int32), i32, sd((), jnp.int32))
+    exported = jax.export.export(jax.jit(fwd.__call__), platforms=["cuda"])(
+        params, sd((t,), jnp.int32), kv, meta, sd((8,), jnp.int32))
+    assert fwd.fused_report == {"mlp[0]+attention[1]": {
+        "launch": "fused", "gemm_programs": 88, "programs": 132, "reason": ""}}
+    calls = [ln for ln in exported.mlir_module().splitlines()
+             if re.search(r"stablehlo.custom_call @mosaic_gpu", ln)]
+    # attention[0]'s swap-AB kernel, and the pair: one launch that takes mlp[0]'s gate GEMM
+    # (x [128, 512], w [512, 1024]) and returns its output beside the attention's
+    assert len(calls) == 2
+    fused_call = [ln for ln in calls if "-> (tensor<128x1024xbf16>, tensor<128x" in ln]
+    assert len(fused_call) == 1
+    assert "(tensor<128x512xbf16>, tensor<512x1024xbf16>, " in fused_call[0]

@@ -283,8 +283,7 @@ class PipelineForward(UnrolledForward):
         a, b = ranges["attention"][j]
         q, kk, vv = _gather(out["qkv"], ranges["qkv"], a, b)
         name = f"{g}[{k}]+attention[{j}]"
-        why = fused.unavailable(self.attention, pair, q, kv_layer, self.kernels.decode_kernel,
-                                **self.fused_device)
+        why = fused.unavailable(self.attention, pair, q, kv_layer, **self.fused_device)
         if why is not None:
             self._report(name, pair, why)
             for op in (first, second):

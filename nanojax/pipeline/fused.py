@@ -30,10 +30,11 @@ def device_programs() -> int | None:
     return getattr(jax.devices()[0], "core_count", None)
 
 
-def unavailable(attention, pair: dict, q, kv_layer, decode_kernel: str,
-                hopper: bool | None = None, sms: int | None = None) -> str | None:
-    """Why this pair cannot be one launch here (None: it can, if a GEMM fits). hopper,
-    sms: the device's (tests; None: asked)."""
+def unavailable(attention, pair: dict, q, kv_layer, hopper: bool | None = None,
+                sms: int | None = None) -> str | None:
+    """Why this pair cannot be one launch here (None: it can, if a GEMM fits). The decode
+    kernel is the one the backend's attend would pick. hopper, sms: the device's (tests;
+    None: asked)."""
     if hopper is None:
         from pallas_kernels.mosaic_gpu_support import on_hopper
         hopper = on_hopper()
@@ -43,7 +44,8 @@ def unavailable(attention, pair: dict, q, kv_layer, decode_kernel: str,
             and isinstance(attention.attend, functools.partial)
             and attention.attend.func is attend_pallas):
         return "the attention backend is not the Pallas one (attend_pallas)"
-    kernel = choose_decode_kernel(decode_kernel, q, kv_parts(kv_layer)[0])
+    kernel = choose_decode_kernel(attention.attend.keywords.get("decode_kernel", "auto"), q,
+                                  kv_parts(kv_layer)[0])
     if kernel != "mosaic":
         return f"the decode kernel is {kernel}, not the swap-AB Mosaic GPU one"
     sms = device_programs() if sms is None else sms
