@@ -70,14 +70,17 @@ def cmd_search(args) -> int:
     report = {}
     pair = _read_pair(args.pair) if args.pair else None
     if args.profile:
-        raw = _read_json(args.profile, SearchError)
-        if pair is None and _is_pair(raw.get("pair")):  # `nanojax profile --pair-shares`
+        try:
+            raw = json.loads(Path(args.profile).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise SearchError(f"cannot read profile {args.profile}: {e}") from None
+        # the pair that `nanojax profile --pair-shares` measured, unless --pair names one
+        if pair is None and isinstance(raw, dict) and _is_pair(raw.get("pair")):
             pair = raw["pair"]
             report["pair_source"] = f"{args.profile} (its 'pair')"
         elif pair is not None:
             report["pair_source"] = args.pair
-        prof = (Profile.load(args.profile) if pair is None
-                else Profile.from_dict(_with_pair(raw, pair)))
+        prof = Profile.from_dict(raw if pair is None else _with_pair(raw, pair))
     elif args.datasheet:  # a profile synthesized from the cost model and a datasheet
         from search.costmodel import WORKLOADS, analyze, gpu_from
         from search.datasheet import datasheet_profile
@@ -136,11 +139,11 @@ def cmd_search(args) -> int:
     return 0
 
 
-def _read_json(path, error=SystemExit) -> dict:
+def _read_json(path) -> dict:
     try:
         return json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise error(f"nanojax: cannot read {path}: {e}") from None
+        raise SystemExit(f"nanojax: cannot read {path}: {e}") from None
 
 
 def _is_pair(record) -> bool:

@@ -133,6 +133,9 @@ def fuse(plan: dict, sched: dict, record: dict) -> tuple[dict, list[dict]]:
         g = min(n - 1, max(1, round((1 - r) * n))) if r < 1 else best_g
         entry = {"attention": att[1], "gemm_programs": g, "programs": n,
                  "g_from": "stage II share" if r < 1 else "best measured G"}
+        if g is None:
+            out.append({**entry, "not_fused": "the pair record has no measured share"})
+            continue
         why = []
         for _, gemm in beside:  # the most overlapped GEMM first; the next if it cannot
             ops = plan["nano_ops"]
