@@ -28,7 +28,7 @@ def pair_rows(record: dict) -> list[dict]:
     """Per GEMM share: attention share R, P of the GEMM and of the attention, and the
     pair's gain over back to back (mean over the GEMMs measured at that share)."""
     n = int(record["programs"])
-    by_share: dict[float, list[tuple[float, float, float]]] = {}
+    by_share: dict[float, list[tuple]] = {}
     for gemm in record.get("gemms", {}).values():
         # the profile's GEMM times are XLA's: P_c is relative to them (the PyTorch
         # reference file names its full-grid GEMM gemm_full)
@@ -40,12 +40,17 @@ def pair_rows(record: dict) -> list[dict]:
             g_ms, a_ms, p_ms = (row[k]["ms"] for k in ("gemm", "attention", "pair"))
             s = max(1.0, p_ms / max(g_ms, a_ms))
             r = round(1 - int(row.get("gemm_sms", row["G"])) / n, 6)
+            power = (row["pair"].get("power") or {})
             by_share.setdefault(r, []).append(
-                (full["ms"] / (g_ms * s), 1.0 / s, b2b["ms"] / p_ms))
-    return [{"share": r, "compute": float(np.mean([v[0] for v in vals])),
-             "memory": float(np.mean([v[1] for v in vals])),
-             "gain_over_back_to_back": float(np.mean([v[2] for v in vals])),
-             "gemms": len(vals)}
+                (full["ms"] / (g_ms * s), 1.0 / s, b2b["ms"] / p_ms,
+                 power.get("power_w_mean"), power.get("sm_clock_mhz_mean")))
+
+    def mean(vals, i):  # the pair's power and clock: where nvidia-smi sampled them
+        got = [v[i] for v in vals if v[i] is not None]
+        return float(np.mean(got)) if got else None
+    return [{"share": r, "compute": mean(vals, 0), "memory": mean(vals, 1),
+             "gain_over_back_to_back": mean(vals, 2), "pair_power_w": mean(vals, 3),
+             "pair_sm_clock_mhz": mean(vals, 4), "gemms": len(vals)}
             for r, vals in sorted(by_share.items())]
 
 

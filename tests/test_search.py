@@ -228,6 +228,11 @@ def test_interference_from_a_measured_pair():
     s = 0.8 / 0.6
     assert rows[1]["compute"] == pytest.approx(0.3 / (0.4 * s))
     assert rows[1]["memory"] == pytest.approx(1 / s)
+    assert rows[1]["pair_power_w"] is None  # no nvidia-smi samples in this record
+    rec["gemms"]["mlp"]["shares"][1]["pair"]["power"] = {"power_w_mean": 650.0,
+                                                         "sm_clock_mhz_mean": 1700.0}
+    assert pair_rows(rec)[1]["pair_power_w"] == 650.0
+    assert pair_rows(rec)[1]["pair_sm_clock_mhz"] == 1700.0
     assert best_gain(rec) == pytest.approx(1.25)
     table = interference_from_pair(rec, [0.25, 0.5, 1.0])
     # 0.25 lies below the measured shares: clamped to the nearest one, never "free"
