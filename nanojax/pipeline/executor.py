@@ -209,9 +209,8 @@ class PipelineForward(UnrolledForward):
                     pair["gemm"] if g == "attention" else ("attention", pair["attention"]))
                 if other in by_key:  # both sides in this batch (a short one may lack one)
                     paired.add(other)
-                    with jax.named_scope(f"nanoop_pair_{g}_b{k}"):
-                        kv_layer = self._pair(op, by_key[other], pair, lp, x, meta, ranges,
-                                              out, kv_layer, placed)
+                    kv_layer = self._pair(op, by_key[other], pair, lp, x, meta, ranges, out,
+                                          kv_layer, placed)
                     continue
                 gid = self.groups.get((g, k))
                 # the scope names the nano-op in the HLO's metadata (bench/hlo_schedule.py)
@@ -262,18 +261,27 @@ class PipelineForward(UnrolledForward):
 
     def _gemm(self, g, layer, x, a, b, out, ranges):
         """A GEMM nano-op over tokens [a, b): (f(lp, *args), args)."""
+        return self._gemm_fn(g, layer, out), self._gemm_args(g, x, a, b, out, ranges)
+
+    def _gemm_args(self, g, x, a, b, out, ranges) -> tuple:
         if g == "qkv":
-            return (lambda lp, xs: layer.apply(lp, xs, method=DecoderLayer.qkv)), (x[a:b],)
+            return (x[a:b],)
         if g == "o_proj":
             attn = _gather(out["attention"], ranges["attention"], a, b)
-            if "o_allreduce" in out:  # the partial sum; o_allreduce adds the shards' sums
-                return (lambda lp, o: layer.apply(lp, o, method=DecoderLayer.attn_out_partial),
-                        (attn,))
-            return (lambda lp, o, r: layer.apply(lp, o, r, method=DecoderLayer.attn_out),
-                    (attn, x[a:b]))
-        h = _gather(out[self.producer[g]], ranges[self.producer[g]], a, b)
+            # the partial sum under TP (o_allreduce adds the shards' sums and the residual)
+            return (attn,) if "o_allreduce" in out else (attn, x[a:b])
+        return (_gather(out[self.producer[g]], ranges[self.producer[g]], a, b),)
+
+    @staticmethod
+    def _gemm_fn(g, layer, out):
+        if g == "qkv":
+            return lambda lp, xs: layer.apply(lp, xs, method=DecoderLayer.qkv)
+        if g == "o_proj":
+            if "o_allreduce" in out:
+                return lambda lp, o: layer.apply(lp, o, method=DecoderLayer.attn_out_partial)
+            return lambda lp, o, r: layer.apply(lp, o, r, method=DecoderLayer.attn_out)
         method = DecoderLayer.mlp_partial if "mlp_allreduce" in out else DecoderLayer.mlp
-        return (lambda lp, h: layer.apply(lp, h, method=method)), (h,)
+        return lambda lp, h: layer.apply(lp, h, method=method)
 
     def _pair(self, first, second, pair, lp, x, meta, ranges, out, kv_layer, placed):
         """A fused pair (plan.py): one launch where it can run (fused.py), else its two
@@ -287,27 +295,28 @@ class PipelineForward(UnrolledForward):
         if why is not None:
             self._report(name, pair, why)
             for op in (first, second):
-                kv_layer = self._nano_op(op, lp, x, meta, ranges, out, kv_layer, placed)
+                with jax.named_scope(f"nanoop_{op['op']}_b{op['batch']}"):
+                    kv_layer = self._nano_op(op, lp, x, meta, ranges, out, kv_layer, placed)
             return kv_layer
         m = slice_metadata(meta, a, b)
-        ga, gb = ranges[g][k]
         backend, inv_freq = self.attention, self.model.inv_freq
-        fn_args = self._gemm(g, None, x, ga, gb, out, ranges)[1]
         status = {}
 
         def f(lp, gemm_args, q, kk, vv, kvl, m):
-            kvl = backend.append(kk, vv, kvl, m, inv_freq)
+            with jax.named_scope(f"nanoop_attention_b{j}"):  # the append, as its nano-op's
+                kvl = backend.append(kk, vv, kvl, m, inv_freq)
             mm = fused.PairMatmul(fused.fused_attend(backend), q, kvl, m, inv_freq,
                                   gemm_programs=pair["gemm_programs"],
                                   programs=pair["programs"])
-            gemm_f, _ = self._gemm(g, self.layer(mm), x, ga, gb, out, ranges)
-            y = gemm_f(lp, *gemm_args)
-            o = mm.attention_out
-            if o is None:  # no GEMM of the op fits the kernel: attention after it
-                o = backend.attend(q, kvl, m, inv_freq)
+            with jax.named_scope(f"nanoop_{g}_b{k}"):  # the launch: the GEMM's scope
+                y = self._gemm_fn(g, self.layer(mm), out)(lp, *gemm_args)
+                o = mm.attention_out
+                if o is None:  # no GEMM of the op fits the kernel: attention after it
+                    o = backend.attend(q, kvl, m, inv_freq)
             status["why"] = mm.why
             return y, o, kvl
-        y, o, kvl = placed(f, 0, lp, fn_args, q, kk, vv, kv_layer, m)
+        y, o, kvl = placed(f, 0, lp, self._gemm_args(g, x, *ranges[g][k], out, ranges),
+                           q, kk, vv, kv_layer, m)
         self._report(name, pair, status["why"])
         out[g][k] = y
         out["attention"][j], kv_layer = jax.lax.optimization_barrier((o, kvl))
