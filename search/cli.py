@@ -70,10 +70,17 @@ def cmd_search(args) -> int:
     report = {}
     pair = _read_pair(args.pair) if args.pair else None
     if args.profile:
-        if pair is None:
-            prof = Profile.load(args.profile)
-        else:
-            prof = Profile.from_dict(_with_pair(_read_json(args.profile, SearchError), pair))
+        try:
+            raw = json.loads(Path(args.profile).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise SearchError(f"cannot read profile {args.profile}: {e}") from None
+        # the pair that `nanojax profile --pair-shares` measured, unless --pair names one
+        if pair is None and isinstance(raw, dict) and _is_pair(raw.get("pair")):
+            pair = raw["pair"]
+            report["pair_source"] = f"{args.profile} (its 'pair')"
+        elif pair is not None:
+            report["pair_source"] = args.pair
+        prof = Profile.from_dict(raw if pair is None else _with_pair(raw, pair))
     elif args.datasheet:  # a profile synthesized from the cost model and a datasheet
         from search.costmodel import WORKLOADS, analyze, gpu_from
         from search.datasheet import datasheet_profile
@@ -111,6 +118,12 @@ def cmd_search(args) -> int:
         print(f"nanojax: no overlap: {report['overlap']['reason']}", file=sys.stderr)
         best = stage1(prof, 1, args.time_limit)  # one nano-batch: every op on one stream
     plan = to_plan(prof, best, signature, args.tp)
+    if pair is not None and report["overlap"]["chosen"] and len(best["sizes"]) > 1:
+        from search.pair import fuse  # the overlapped pairs as the launch that was measured
+        plan, report["overlap"]["fused_pairs"] = fuse(plan, best, pair)
+        fused = [f"{e['gemm']}+attention[{e['attention']}] G {e['gemm_programs']}"
+                 for e in report["overlap"]["fused_pairs"] if "gemm" in e]
+        print(f"nanojax: fused pairs: {', '.join(fused) or 'none'}", file=sys.stderr)
     report.update({"nano_batches": best["sizes"], "predicted_makespan_s": best["makespan"],
                    "non_overlap_s": serial,
                    "predicted_gain_over_non_overlap": serial / best["makespan"]})
@@ -126,16 +139,20 @@ def cmd_search(args) -> int:
     return 0
 
 
-def _read_json(path, error=SystemExit) -> dict:
+def _read_json(path) -> dict:
     try:
         return json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise error(f"nanojax: cannot read {path}: {e}") from None
+        raise SystemExit(f"nanojax: cannot read {path}: {e}") from None
+
+
+def _is_pair(record) -> bool:
+    return isinstance(record, dict) and "programs" in record and "gemms" in record
 
 
 def _read_pair(path) -> dict:
     record = _read_json(path)
-    if not isinstance(record, dict) or "programs" not in record or "gemms" not in record:
+    if not _is_pair(record):
         raise SystemExit(f"nanojax: {path} is not a pair file written by "
                          "bench/kernels/fused_pair.py (no 'programs' or 'gemms')")
     return record
@@ -192,10 +209,18 @@ def cmd_profile(args) -> int:
     if args.granularity <= 0 or args.b_dense <= 0 or args.b_dense % args.granularity:
         raise SystemExit(f"nanojax: --b-dense ({args.b_dense}) must be a positive multiple "
                          f"of --granularity ({args.granularity})")
+    try:
+        pair_shares = [int(g) for g in args.pair_shares.split(",")] if args.pair_shares else []
+    except ValueError:
+        pair_shares = [-1]
+    if any(g <= 0 for g in pair_shares):
+        raise SystemExit(f"nanojax: --pair-shares must be positive integers (GEMM programs "
+                         f"G of the fused pair), got {args.pair_shares}")
     from nanojax.profiling.synthetic import workload_lengths
     workload_lengths(args.workload, 2048)  # a bad workload fails before the profile runs
     prof = run_profile(bundle, args.b_dense, args.granularity, args.workload, shares,
-                       iters=args.iters, tp=args.tp, kernels=kernel_config_from_args(args))
+                       iters=args.iters, tp=args.tp, kernels=kernel_config_from_args(args),
+                       pair_shares=pair_shares, pair_power_seconds=args.pair_power_seconds)
     prof["command"] = " ".join(["nanojax"] + sys.argv[1:])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(prof, indent=1))
@@ -266,8 +291,10 @@ def register(sub) -> None:
     s.add_argument("--png", default=None, help="write the predicted schedule as a PNG")
     s.add_argument("--pair", default=None, metavar="FILE",
                    help="a measured GEMM + attention pair (bench/kernels/fused_pair.py's "
-                        "JSON): stage II reads its interference, and the plan has no "
-                        "overlap where the pair does not beat back to back")
+                        "JSON; default: the profile's own 'pair', from nanojax profile "
+                        "--pair-shares): stage II reads its interference, the plan has no "
+                        "overlap where the pair does not beat back to back, and else fuses "
+                        "each overlapped GEMM + attention pair into one launch")
     s.set_defaults(func=cmd_search)
 
     pr = sub.add_parser("profile", help="measure op times by batch size and share, and the "
@@ -286,6 +313,15 @@ def register(sub) -> None:
     pr.add_argument("--tp", type=int, default=1,
                     help="profile one TP shard's ops and the all-reduces over this many "
                          "devices (the network nano-ops)")
+    pr.add_argument("--pair-shares", default="", metavar="G,G,...",
+                    help="also time the fused GEMM + attention launch (Hopper) at these GEMM "
+                         "program counts G, e.g. 44,66,88,110: each side alone, the pair and "
+                         "back to back at the model's nano-batch shapes, clock and power "
+                         "sampled; stored as the profile's 'pair', which nanojax search "
+                         "reads (skipped with the reason off Hopper)")
+    pr.add_argument("--pair-power-seconds", type=float, default=1.0,
+                    help="with --pair-shares: seconds each case runs while nvidia-smi "
+                         "samples clock and power (0: off)")
     pr.add_argument("--out", required=True)
     add_engine_args(pr, kernels_only=True)
     pr.set_defaults(func=cmd_profile)

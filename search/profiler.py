@@ -14,7 +14,15 @@
    executor runs them); from the trace, each kernel's time together over its time alone
    is its normalized performance P (NanoFlow's Table 3).
 
-3. Under tensor parallelism (tp > 1): the compute and memory ops on one shard's shape
+3. The fused pair (`pair_shares`, issue 18): one launch of a GEMM nano-op on G programs
+   beside decode attention on the rest, timed against each side alone and back to back
+   over G at the model's nano-batch shapes (nanojax/profiling/fused_pair.py: a GEMM of
+   half the dense batch's tokens, the attention of half its decodes at their mean
+   context), SM clock and power sampled per case; stored as the profile's "pair", which
+   `nanojax search` reads in place of the two-stream table. Hopper GPUs only; elsewhere
+   "pair" says why it was skipped.
+
+4. Under tensor parallelism (tp > 1): the compute and memory ops on one shard's shape
    (parallel/tp.py, random weights), and the network ops (o_allreduce, mlp_allreduce):
    a psum of n x hidden activations over a `tp` mesh in shard_map, timed on the device.
 
@@ -192,10 +200,43 @@ def shard_bundle(bundle, tp: int):
     return ModelBundle(cfg, init_params(cfg), None)
 
 
+def pair_spec(lay: LayerOps, b_dense: int, granularity: int, pair_shares,
+              power_seconds: float = 1.0):
+    """The fused pair's shapes for this profile: a GEMM nano-batch of half the dense batch
+    (a multiple of the granularity), beside half its decodes at their mean context."""
+    import numpy as np
+
+    from nanojax.profiling.fused_pair import model_spec
+    tokens = max(granularity, b_dense // 2 // granularity * granularity)
+    d = lay.dense.num_decodes
+    ctx = np.asarray(lay.dense.meta.positions)[:d] + 1 if d else np.array([lay.page_size])
+    ctx = int(-(-float(ctx.mean()) // lay.page_size) * lay.page_size)
+    return model_spec(lay.cfg, tokens, max(1, d // 2), ctx, pair_shares,
+                      power_seconds=power_seconds)
+
+
+def measure_pair_or_skip(lay, b_dense, granularity, pair_shares, power_seconds=1.0,
+                         log=None) -> dict:
+    """The profile's "pair": the fused pair's record, or {"measured": False, "reason"}."""
+    import sys
+
+    from nanojax.profiling.fused_pair import measure_pair, unavailable
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    why = unavailable()
+    if why is not None:
+        log(f"nanojax: fused pair not measured: {why}")
+        return {"measured": False, "reason": why}
+    spec = pair_spec(lay, b_dense, granularity, pair_shares, power_seconds)
+    return measure_pair(spec, "nanojax profile --pair-shares", log=log)
+
+
 def run_profile(bundle, b_dense: int, granularity: int, workload: str = "512/512",
                 shares=(0.25, 0.5, 1.0), iters: int = 10, progress: bool = True,
                 num_pages: int = 16384, tp: int = 1,
-                kernels: KernelConfig = KernelConfig()) -> dict:
+                kernels: KernelConfig = KernelConfig(), pair_shares=(),
+                pair_power_seconds: float = 1.0) -> dict:
+    """pair_shares: the GEMM programs G to measure the fused pair at (empty: not
+    measured, no "pair")."""
     from tqdm.auto import tqdm
 
     from nanojax.pipeline.streams import streams_enabled
@@ -240,7 +281,11 @@ def run_profile(bundle, b_dense: int, granularity: int, workload: str = "512/512
             "attention": {r: by_share[r][n] for r in shares}})
     else:  # one stream: nothing runs together, so there is nothing to measure
         table = {"measured": False, "reason": "no concurrent streams on this backend"}
-    return {"version": 1, "b_dense": b_dense, "granularity": granularity,
-            "workload": workload, "model": signature, "tp": tp, "ops": ops,
-            "interference": table, "environment": environment(),
-            "kernels": dataclasses.asdict(kernels)}
+    out = {"version": 1, "b_dense": b_dense, "granularity": granularity,
+           "workload": workload, "model": signature, "tp": tp, "ops": ops,
+           "interference": table, "environment": environment(),
+           "kernels": dataclasses.asdict(kernels)}
+    if pair_shares:
+        out["pair"] = measure_pair_or_skip(lay, b_dense, granularity, pair_shares,
+                                           pair_power_seconds)
+    return out

@@ -4,6 +4,8 @@ on 1 of 2 and 2 of 3 programs, the CUDA lowering at the LLaMA-3-8B nano-batch sh
 G in {66, 88, 110} of 132 (Mosaic GPU's layout and operand checks, without a GPU; shared
 memory is counted by hand in the module), and compiled on a Hopper GPU when there is
 one."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,3 +123,32 @@ def test_fused_on_gpu(k, n, g):
     assert _gemm_rel(c, a, b) < REL_TOL_BF16
     assert rel_error(o, q, kp, vp, pt, lens) < REL_TOL_BF16
     assert _gemm_rel(gemm_part(a, b), a, b) < REL_TOL_BF16
+
+
+def test_the_executors_fused_pair_lowers_for_cuda():
+    """The executor's call path (nanojax/pipeline/fused.py): the Pallas attend path (RoPE,
+    page-table rows) with the fused launch in place of its decode kernel, beside q_proj of
+    a 1,024-token nano-batch, G 88 of 132, at the 8B decode shapes."""
+    from nanojax.config import KernelConfig
+    from nanojax.layers.attention import PagedMetadata, pallas_backend
+    from nanojax.pipeline.fused import PairMatmul, fused_attend
+    backend = pallas_backend(KernelConfig(decode_kernel="mosaic"))
+    inv_freq = 1.0 / (500000.0 ** (np.arange(0, 128, 2) / 128))
+    x, w, q, kp, vp, pt, lens = _nano_batch_args(4096, 4096)
+    t = q.shape[0]
+    i32 = jax.ShapeDtypeStruct((t,), jnp.int32)
+    made = {}
+
+    def f(x, w, q, kp, vp, pt, lens, positions, slots, seq_ids, num_decodes):
+        meta = PagedMetadata(positions, slots, seq_ids, pt, lens, num_decodes)
+        mm = PairMatmul(fused_attend(backend), q, (kp, vp), meta, inv_freq,
+                        gemm_programs=88, programs=132)
+        c = mm(x, w)
+        made["why"] = mm.why
+        return c, mm.attention_out
+    exported = jax.export.export(jax.jit(f), platforms=["cuda"])(
+        x, w, q, kp, vp, pt, lens, i32, i32, i32, jax.ShapeDtypeStruct((), jnp.int32))
+    assert made["why"] is None
+    text = exported.mlir_module()  # one Mosaic GPU launch: the pair, no separate decode
+    assert len(re.findall(r"stablehlo.custom_call @mosaic_gpu", text)) == 1
+    assert [o.shape for o in exported.out_avals] == [(1024, 4096), q.shape]

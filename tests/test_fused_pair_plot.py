@@ -13,8 +13,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "kernels"))
 import fused_pair  # noqa: E402
 import green_context_pair  # noqa: E402
-import pair_record as pr  # noqa: E402
 import plot_fused_pair  # noqa: E402
+from nanojax.profiling import pair_record as pr  # noqa: E402
 
 
 def _power(clock, watts):

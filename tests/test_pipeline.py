@@ -253,3 +253,177 @@ def test_side_stream_attention_takes_triton_unless_a_kernel_is_named():
     assert side_stream_kernels(auto) == auto.replace(decode_kernel="triton")
     named = KernelConfig(decode_kernel="mosaic", prefill_kernel=True)
     assert side_stream_kernels(named) == named
+
+
+def _fused_plan(cfg, b_dense=32, **fused):
+    """_plan_for with mlp[0] and attention[1] (adjacent, independent) as one fused launch."""
+    plan = copy.deepcopy(_plan_for(cfg, b_dense))
+    for op in plan["nano_ops"]:
+        if (op["op"], op["batch"]) == ("attention", 1):
+            op.update(stream=0, share=1.0)
+        if (op["op"], op["batch"]) == ("mlp", 0):
+            op["fused"] = {"attention": 1, "gemm_programs": 88, "programs": 132, **fused}
+    return plan
+
+
+def _op(plan, g, k):
+    return next(op for op in plan["nano_ops"] if (op["op"], op["batch"]) == (g, k))
+
+
+def test_a_fused_pair_validates_and_the_ablations_drop_it():
+    from nanojax.pipeline.plan import fused_pairs
+    plan = validate(_fused_plan(named_shape("tiny")))
+    pair = {"gemm": ("mlp", 0), "attention": 1, "gemm_programs": 88, "programs": 132}
+    assert fused_pairs(plan) == {("mlp", 0): pair, ("attention", 1): pair}
+    assert fused_pairs(ablation(plan, "overlap")) == fused_pairs(plan)
+    for mode in ("non-overlap", "nanobatch-only"):
+        assert fused_pairs(validate(ablation(plan, mode))) == {}
+
+
+@pytest.mark.parametrize("mutate,msg", [
+    (lambda p: _op(p, "mlp", 0)["fused"].update(gemm_programs=0), "out of range"),
+    (lambda p: _op(p, "mlp", 0)["fused"].update(gemm_programs=132), "out of range"),
+    (lambda p: _op(p, "mlp", 0)["fused"].update(attention=2), "does not have"),
+    (lambda p: _op(p, "mlp", 0)["fused"].update(layer=3), "fused must be"),
+    (lambda p: _op(p, "mlp", 0)["fused"].update(programs="132"), "fused must be"),
+    (lambda p: _op(p, "attention", 0).update(fused=_op(p, "mlp", 0).pop("fused")),
+     "attention is not a GEMM"),
+    (lambda p: _op(p, "attention", 1).update(stream=1), "stream 0"),
+    # o_proj[0] is not next to attention[1]
+    (lambda p: _op(p, "o_proj", 0).update(fused=_op(p, "mlp", 0).pop("fused")),
+     "not adjacent"),
+    # qkv[1] (tokens 12-32) is next to attention[0] (0-20), which reads it
+    (lambda p: (_op(p, "attention", 0).update(stream=0),
+                _op(p, "qkv", 1).update(fused=dict(_op(p, "mlp", 0).pop("fused"),
+                                                   attention=0))),
+     r"attention\[0\] reads qkv\[1\]"),
+    # o_proj[1] (20-32) after attention[1] (20-32) reads it
+    (lambda p: _op(p, "o_proj", 1).update(fused=_op(p, "mlp", 0).pop("fused")),
+     r"o_proj\[1\] reads attention\[1\]"),
+    # mlp[0] and o_proj[1] both name attention[1]
+    (lambda p: _op(p, "o_proj", 1).update(fused=dict(_op(p, "mlp", 0)["fused"])),
+     "fused with both"),
+])
+def test_bad_fused_pairs_are_refused(mutate, msg):
+    plan = _fused_plan(named_shape("tiny"))
+    mutate(plan)
+    with pytest.raises(PlanError, match=msg):
+        validate(plan)
+
+
+def test_fused_pairs_give_the_non_overlap_tokens_in_every_mode(tiny_bundle):
+    """On the CPU the pair cannot be one launch: it runs back to back, says why, and every
+    mode gives the tokens of non-overlap."""
+    plan = _fused_plan(tiny_bundle.config)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(1, tiny_bundle.config.vocab_size, size=int(n)).tolist()
+               for n in (5, 23, 11)]
+    tokens, reports = {}, {}
+    for mode in MODES:
+        fwd = PipelineForward(tiny_bundle.config, plan, mode)
+        eng = LLMEngine(tiny_bundle, EngineConfig(b_dense=32, num_pages=32,
+                                                  max_model_len=64, constant_batch=True),
+                        forward=fwd)
+        ids = [eng.add_request(p, SamplingParams(max_tokens=6, temperature=0,
+                                                 ignore_eos=True)) for p in prompts]
+        done = eng.run_to_completion()
+        tokens[mode] = [done[i].token_ids for i in ids]
+        reports[mode] = fwd.fused_report
+    assert tokens["overlap"] == tokens["nanobatch-only"] == tokens["non-overlap"]
+    assert reports["non-overlap"] == reports["nanobatch-only"] == {}
+    r = reports["overlap"]["mlp[0]+attention[1]"]
+    assert r["launch"] == "back to back" and "no Hopper GPU" in r["reason"]
+
+
+def test_why_a_fused_pair_runs_back_to_back():
+    """Each reason fused.unavailable gives, pinned device facts (no GPU here)."""
+    import jax.numpy as jnp
+
+    from nanojax.config import KernelConfig
+    from nanojax.layers.attention import paged_attention, pallas_backend
+    from nanojax.pipeline.fused import unavailable
+    pair = {"gemm_programs": 88, "programs": 132}
+    q = jnp.zeros((4, 32, 128), jnp.bfloat16)
+    kv = (jnp.zeros((8, 8, 16, 128), jnp.bfloat16),) * 2
+    pallas = pallas_backend(KernelConfig(decode_kernel="mosaic"))
+    assert "no Hopper" in unavailable(pallas, pair, q, kv, hopper=False)
+    assert "not the Pallas one" in unavailable(paged_attention, pair, q, kv, hopper=True,
+                                               sms=132)
+    triton = pallas_backend(KernelConfig(decode_kernel="triton"))
+    assert "decode kernel is triton" in unavailable(triton, pair, q, kv, hopper=True,
+                                                    sms=132)
+    fp8 = (kv[0].astype(jnp.float8_e4m3fn),) * 2  # FP8 pages: Triton, whatever the name
+    assert "decode kernel is triton" in unavailable(pallas, pair, q, fp8, hopper=True,
+                                                    sms=132)
+    assert "132 programs, the device 114 SMs" in unavailable(pallas, pair, q, kv,
+                                                             hopper=True, sms=114)
+    assert unavailable(pallas, pair, q, kv, hopper=True, sms=132) is None
+
+
+def test_a_gemm_the_fused_kernel_cannot_tile_runs_alone_and_says_why():
+    """PairMatmul leaves GEMMs the kernel cannot take to the plain dot (the executor then
+    runs the attention after the GEMM nano-op); none is fused, and why names the shape."""
+    import jax.numpy as jnp
+
+    from nanojax.pipeline.fused import PairMatmul
+
+    def never(decode):
+        raise AssertionError("no fused launch expected")
+    q = jnp.zeros((4, 32, 128), jnp.bfloat16)
+    kv = (jnp.zeros((8, 8, 16, 128), jnp.bfloat16),) * 2
+    mm = PairMatmul(never, q, kv, None, None, gemm_programs=88, programs=132)
+    x = jnp.ones((100, 64), jnp.bfloat16)
+    w = jnp.ones((64, 256), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(mm(x, w), np.float32),
+                                  np.asarray(jnp.dot(x, w), np.float32))
+    assert mm.attention_out is None and "M = 100" in mm.why
+
+
+def test_a_fused_pair_step_lowers_for_cuda_as_one_launch():
+    """The whole overlap step of a one-layer bf16 model whose shapes the fused kernel
+    tiles (128-token nano-batches, D 128), exported for CUDA on the CPU with the device
+    facts pinned to an H200's: mlp[0] and attention[1] go through the fused launch
+    (fused_report), attention[0] through the swap-AB kernel alone."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from nanojax.config import KernelConfig, ModelConfig
+    from nanojax.layers.attention import PagedMetadata, pallas_backend
+    from nanojax.models.llama import init_params
+    cfg = ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=128, dtype="bfloat16")
+    halves = [[0, 128], [128, 256]]
+    plan = validate({
+        "version": 1, "model": cfg.signature(), "tp": 1, "b_dense": 256,
+        "nano_batches": {g: halves for g in ("qkv", "attention", "o_proj", "mlp")},
+        "nano_ops": [{"op": "qkv", "batch": 0}, {"op": "qkv", "batch": 1},
+                     {"op": "attention", "batch": 0}, {"op": "o_proj", "batch": 0},
+                     {"op": "mlp", "batch": 0, "fused": {"attention": 1,
+                                                         "gemm_programs": 88,
+                                                         "programs": 132}},
+                     {"op": "attention", "batch": 1}, {"op": "o_proj", "batch": 1},
+                     {"op": "mlp", "batch": 1}]})
+    fwd = PipelineForward(cfg, plan, "overlap",
+                          attention=pallas_backend(KernelConfig(decode_kernel="mosaic")))
+    fwd.fused_device = {"hopper": True, "sms": 132}
+    sd = jax.ShapeDtypeStruct
+    t, pages, width = 256, 1024, 8
+    params = jax.tree_util.tree_map(lambda a: sd(a.shape, a.dtype),
+                                    jax.eval_shape(lambda: init_params(cfg)))
+    kv = [(sd((pages, 2, 16, 128), jnp.bfloat16),) * 2]
+    i32 = sd((t,), jnp.int32)
+    meta = PagedMetadata(i32, i32, i32, sd((t, width), jnp.int32), i32, sd((), jnp.int32))
+    exported = jax.export.export(jax.jit(fwd.__call__), platforms=["cuda"])(
+        params, sd((t,), jnp.int32), kv, meta, sd((8,), jnp.int32))
+    assert fwd.fused_report == {"mlp[0]+attention[1]": {
+        "launch": "fused", "gemm_programs": 88, "programs": 132, "reason": ""}}
+    calls = [ln for ln in exported.mlir_module().splitlines()
+             if re.search(r"stablehlo.custom_call @mosaic_gpu", ln)]
+    # attention[0]'s swap-AB kernel, and the pair: one launch that takes mlp[0]'s gate GEMM
+    # (x [128, 512], w [512, 1024]) and returns its output beside the attention's
+    assert len(calls) == 2
+    fused_call = [ln for ln in calls if "-> (tensor<128x1024xbf16>, tensor<128x" in ln]
+    assert len(fused_call) == 1
+    assert "(tensor<128x512xbf16>, tensor<512x1024xbf16>, " in fused_call[0]

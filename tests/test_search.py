@@ -3,8 +3,7 @@ import itertools
 
 import pytest
 
-from nanojax.pipeline.executor import _check_order
-from nanojax.pipeline.plan import OP_GROUPS
+from nanojax.pipeline.plan import OP_GROUPS, check_order, validate
 from search.milp import Profile, SearchError, search, stage1, to_plan
 
 
@@ -90,7 +89,7 @@ def test_search_grows_k_and_writes_a_valid_plan():
     best = search(prof, max_k=3)
     assert best["k"] >= 2  # splitting pays on this profile
     plan = to_plan(prof, best, named_shape("llama3-8b").signature())
-    _check_order(plan)  # the executor accepts its order
+    check_order(plan)  # the executor accepts its order
     again = to_plan(prof, search(prof, max_k=3), named_shape("llama3-8b").signature())
     assert again == plan  # same input, same plan
 
@@ -229,6 +228,11 @@ def test_interference_from_a_measured_pair():
     s = 0.8 / 0.6
     assert rows[1]["compute"] == pytest.approx(0.3 / (0.4 * s))
     assert rows[1]["memory"] == pytest.approx(1 / s)
+    assert rows[1]["pair_power_w"] is None  # no nvidia-smi samples in this record
+    rec["gemms"]["mlp"]["shares"][1]["pair"]["power"] = {"power_w_mean": 650.0,
+                                                         "sm_clock_mhz_mean": 1700.0}
+    assert pair_rows(rec)[1]["pair_power_w"] == 650.0
+    assert pair_rows(rec)[1]["pair_sm_clock_mhz"] == 1700.0
     assert best_gain(rec) == pytest.approx(1.25)
     table = interference_from_pair(rec, [0.25, 0.5, 1.0])
     # 0.25 lies below the measured shares: clamped to the nearest one, never "free"
@@ -243,11 +247,15 @@ def test_interference_from_a_measured_pair():
         (rows[1]["compute"], rows[1]["memory"]))
 
 
-@pytest.mark.parametrize("gain,gemm_ms,overlap", [(0.95, 0.4, False), (1.6, 0.32, True)])
+@pytest.mark.parametrize("gain,gemm_ms,overlap,in_profile", [
+    (0.95, 0.4, False, False), (1.6, 0.32, True, False),
+    (0.95, 0.4, False, True), (1.6, 0.32, True, True)])
 def test_the_search_plans_no_overlap_where_the_measured_pair_loses(tmp_path, gain, gemm_ms,
-                                                                   overlap):
+                                                                   overlap, in_profile):
     """Attention-heavy layer where splitting pays when overlap is free; a measured pair
-    slower than back to back must give one nano-batch on one stream, with the reason."""
+    slower than back to back must give one nano-batch on one stream, with the reason; one
+    that wins gives fused pairs (one launch each). The pair comes from --pair or from the
+    profile's own "pair" (nanojax profile --pair-shares)."""
     import json
 
     from nanojax.cli import main
@@ -259,21 +267,35 @@ def test_the_search_plans_no_overlap_where_the_measured_pair_loses(tmp_path, gai
     d["ops"]["attention"]["times_by_share"] = {
         "0.5": {str(n): 1.1 * t for n, t in prof.times["attention"].items()},
         "1.0": {str(n): t for n, t in prof.times["attention"].items()}}
+    if in_profile:
+        d["pair"] = _pair_record(gain, gemm_ms)
     (tmp_path / "profile.json").write_text(json.dumps(d))
     (tmp_path / "pair.json").write_text(json.dumps(_pair_record(gain, gemm_ms)))
-    assert main(["search", "--profile", str(tmp_path / "profile.json"), "--pair",
-                 str(tmp_path / "pair.json"), "--out", str(tmp_path / "plan.json"),
+    pair_flag = [] if in_profile else ["--pair", str(tmp_path / "pair.json")]
+    assert main(["search", "--profile", str(tmp_path / "profile.json"), *pair_flag,
+                 "--out", str(tmp_path / "plan.json"),
                  "--max-k", "3", "--time-limit", "20"]) == 0
-    plan = json.loads((tmp_path / "plan.json").read_text())
+    plan = validate(json.loads((tmp_path / "plan.json").read_text()))
     decision = plan["predicted"]["report"]["overlap"]
     assert decision["chosen"] is overlap
     assert decision["pair_best_gain_over_back_to_back"] == pytest.approx(gain)
+    fused = [op for op in plan["nano_ops"] if "fused" in op]
     if not overlap:
         assert "cannot pay" in decision["reason"]
         assert len(plan["nano_batches"]["qkv"]) == 1
         assert {op["stream"] for op in plan["nano_ops"]} == {0}
+        assert fused == [] and "fused_pairs" not in decision
     else:
         assert len(plan["nano_batches"]["qkv"]) >= 2
+        assert fused and {op["op"] for op in fused} <= {"qkv", "o_proj", "mlp"}
+        made = [e for e in decision["fused_pairs"] if "gemm" in e]
+        assert len(made) == len(fused)
+        for op in fused:  # G from stage II's share, or the best measured one (88 of 132)
+            assert op["fused"]["programs"] == 132 and 0 < op["fused"]["gemm_programs"] < 132
+            e = next(e for e in made if e["gemm"] == f"{op['op']}[{op['batch']}]")
+            assert e["gemm_programs"] == op["fused"]["gemm_programs"]
+            if e["g_from"] == "best measured G":  # a measured G
+                assert op["fused"]["gemm_programs"] in (44, 66, 88)
     with pytest.raises(SystemExit, match="not a pair file"):
         (tmp_path / "bad.json").write_text("{}")
         main(["search", "--profile", str(tmp_path / "profile.json"), "--pair",

@@ -97,15 +97,18 @@ def test_profile_with_bad_share_data_is_refused():
 
 
 def test_profiler_writes_a_profile_the_search_reads(tmp_path):
-    """On the CPU: real op times of a tiny model, no interference table (one stream)."""
+    """On the CPU: real op times of a tiny model, no interference table (one stream), the
+    fused pair skipped with its reason (no Hopper GPU)."""
     import json
 
     from checkpoints.loader import load_model
     from search.milp import search
     from search.profiler import run_profile
     prof = run_profile(load_model("random:tiny"), 32, 16, workload="24/16", shares=(0.5,),
-                       iters=2, progress=False, num_pages=256)
+                       iters=2, progress=False, num_pages=256, pair_shares=(66,))
     assert prof["interference"]["measured"] is False
+    assert prof["pair"] == {"measured": False, "reason": prof["pair"]["reason"]}
+    assert "no Hopper GPU" in prof["pair"]["reason"]
     assert set(prof["ops"]["attention"]["times_by_share"]) == {"0.5", "1.0"}
     mix = prof["ops"]["attention"]["decodes_and_prefill_tokens"]
     assert mix[16][0] > 0 and mix[16][1] > 0 and sum(mix[32]) == 32  # decodes + prefill
@@ -116,3 +119,25 @@ def test_profiler_writes_a_profile_the_search_reads(tmp_path):
     assert p.prefix == {"attention"}  # the first n tokens of one dense batch
     out = stage2(p, search(p, max_k=2, time_limit=20), time_limit=20)
     assert out["makespan"] > 0
+
+
+def test_the_profiled_pair_takes_the_models_nano_batch_shapes():
+    """A GEMM of half the dense batch (each of the model's GEMM nano-ops), beside half the
+    dense batch's decodes at their mean context (rounded up to whole pages)."""
+    import numpy as np
+
+    from checkpoints.loader import load_model
+    from search.profiler import LayerOps, pair_spec
+    bundle = load_model("random:tiny")
+    cfg = bundle.config
+    lay = LayerOps(bundle, 32, 16, "24/16", num_pages=256)
+    spec = pair_spec(lay, 32, 16, [44, 88], power_seconds=0)
+    h, ffn = cfg.hidden_size, cfg.intermediate_size
+    assert spec.gemms == {"qkv": (h, cfg.q_size + 2 * cfg.kv_size), "o": (cfg.q_size, h),
+                          "gate_up": (h, 2 * ffn), "down": (ffn, h)}
+    assert spec.tokens == 16 and spec.shares == [44, 88] and spec.power_seconds == 0
+    d = lay.dense.num_decodes
+    assert d > 0 and spec.batch == max(1, d // 2)
+    mean = float(np.mean(np.asarray(lay.dense.meta.positions)[:d] + 1))
+    assert spec.ctx % lay.page_size == 0 and mean <= spec.ctx < mean + lay.page_size
+    assert spec.heads == (cfg.num_heads, cfg.num_kv_heads) and spec.head_dim == cfg.head_dim

@@ -26,9 +26,10 @@ import statistics
 import sys
 import time
 
-from pair_record import (GEMMS, HEAD_DIM, KV_HEADS, Q_HEADS, PowerSampler, add_share,
-                         make_parser, case, check_args, error_row, gemm_entry, header,
-                         share_row)
+from nanojax.profiling.pair_record import (GEMMS, HEAD_DIM, KV_HEADS, Q_HEADS,
+                                          PowerSampler, add_share, make_parser, case,
+                                          check_args, error_row, gemm_entry, header,
+                                          share_row)
 
 
 def parse_args(argv=None):

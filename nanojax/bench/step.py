@@ -332,7 +332,7 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
             shard = options.pop("shard_map")
             how = options.pop("logit_rows")
             mode_batches = {w: with_logit_rows(b, how) for w, b in batches.items()}
-            fwd = PipelineForward(cfg, p, base, tp=tp, **options)
+            fwd = pipe = PipelineForward(cfg, p, base, tp=tp, **options)
             kind = tp > 1 or shard
             if kind:  # the tensor-parallel path (':shardmap' takes it at TP 1)
                 fwd = TensorParallelForward(fwd, tp)
@@ -356,6 +356,8 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
                                   repeats, kv_dtype)
                 r = {"b_dense": b_dense, "workload": w, "mode": mode, "rows": rows, **r,
                      "compile_s": compile_s}
+                if pipe.fused_report:  # how each fused pair ran: one launch, or why not
+                    r["fused_pairs"] = dict(pipe.fused_report)
                 if roof:
                     _roofline_fields(r, cfg, roof, tp)
                 outputs.setdefault(w, {})[mode] = out

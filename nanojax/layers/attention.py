@@ -379,8 +379,10 @@ def decode_programs(kernel: str, share: float | None, num_sms: int, ctas_per_sm:
 def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, share: float | None = None,
                   num_sms: int = 132, ctas_per_sm: int = 4, block_q: int = 16,
                   decode_kernel: str = "auto", decode_prefetch: bool | None = None,
-                  interpret: bool = False):
+                  interpret: bool = False, decode_fn: Callable | None = None):
     """GPU path: the Pallas paged kernels. share: the decode kernel's resource share.
+    decode_fn: called in place of the chosen decode kernel, with its arguments (the
+    pipeline's fused GEMM + attention launch, nanojax/pipeline/fused.py).
 
     Without query blocks every token is a row of the decode kernel with its own sequence's
     pages and a context that ends at its own position (causal for prefill chunks too, but
@@ -394,6 +396,8 @@ def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, share: float | Non
         decode = functools.partial(decode, prefetch=decode_prefetch)
     if ks is not None:  # FP8 pages (Triton only, see choose_decode_kernel)
         decode = functools.partial(decode, k_scale=ks, v_scale=vs)
+    if decode_fn is not None:
+        decode = decode_fn
     num_programs = decode_programs(kernel, share, num_sms, ctas_per_sm)
     q = apply_rope(q, meta.positions, inv_freq)
     rows = meta.page_table[meta.seq_ids]

@@ -22,8 +22,14 @@ that cover its range.
   its dones. Only async pairs keep the annotation through XLA's fusion passes, so the
   GEMMs that should run beside attention go on a second side stream and join the
   attention's group (`overlap_groups`; `scheduling_groups=True`).
+- A fused pair (plan.py, "fused") is one launch on the main stream: the GEMM nano-op's
+  first GEMM and the attention nano-op's decode attention split the SMs by program id
+  (fused.py), after the attention's append; where that kernel cannot run, the two nano-ops
+  run one after the other (the nanobatch-only mode's math) and `fused_report` says why.
 """
 from __future__ import annotations
+
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -33,27 +39,13 @@ from nanojax.engine.forward import UnrolledForward, default_forward
 from nanojax.layers.attention import AttentionBackend, PagedMetadata, slice_metadata
 from nanojax.layers.matmul import matmul_at
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
-from nanojax.pipeline.plan import (PlanError, ablation, check_model, plan_groups, producers,
-                                   validate)
+from nanojax.pipeline import fused
+from nanojax.pipeline.plan import (GEMM_GROUPS, ablation, check_model, check_order,
+                                   fused_pairs, plan_groups, producers, validate)
 from nanojax.pipeline.streams import (carry_metadata_to_stream_calls, on_stream,
                                       scheduling_group, streams_enabled)
 
-
-def _check_order(plan: dict) -> None:
-    """Each nano-op must come after the nano-ops that produce its inputs."""
-    nb = plan["nano_batches"]
-    producer = producers(plan_groups(plan))
-    done: set = set()
-    for op in plan["nano_ops"]:
-        g, k = op["op"], op["batch"]
-        a, b = nb[g][k]
-        if g in producer:
-            p = producer[g]
-            need = {(p, j) for j, (c, d) in enumerate(nb[p]) if c < b and a < d}
-            if not need <= done:
-                raise PlanError(f"nano-op {g}[{k}] is ordered before its inputs "
-                                f"{sorted(need - done)}")
-        done.add((g, k))
+log = logging.getLogger(__name__)
 
 
 def overlap_groups(plan: dict) -> dict[tuple[str, int], int]:
@@ -130,7 +122,7 @@ class PipelineForward(UnrolledForward):
         validate(plan)
         check_model(plan, cfg, tp)
         self.plan = ablation(plan, mode)
-        _check_order(self.plan)
+        check_order(self.plan)
         self.mode = mode
         self.kernels = kernels
         # attention nano-ops on a side stream: with the default kernel choice, Triton's.
@@ -154,6 +146,11 @@ class PipelineForward(UnrolledForward):
         if keep not in KEEP:
             raise ValueError(f"keep must be one of {KEEP}, got {keep!r}")
         self.keep = keep
+        # the fused pairs (overlap mode only: the ablations drop them), and how each ran
+        # in the last trace: {"gemm[k]+attention[j]": {"launch", "reason", ...}}
+        self.pairs = fused_pairs(self.plan)
+        self.fused_report: dict[str, dict] = {}
+        self.fused_device = {}  # fused.unavailable's hopper / sms (tests pin them)
         self.chunk_cuts = tuple(a for a, _ in self.plan["nano_batches"]["attention"][1:])
         self.groups_in_order = plan_groups(self.plan)
         self.producer = producers(self.groups_in_order)
@@ -201,8 +198,20 @@ class PipelineForward(UnrolledForward):
         for li, kv_layer in enumerate(kv):
             lp = {"params": params["params"][f"layers_{li}"]}
             out = {g: {} for g in groups}
+            by_key = {(op["op"], op["batch"]): op for op in ops}
+            paired = set()  # nano-ops already run as part of a fused pair
             for op in ops:
                 g, k = op["op"], op["batch"]
+                if (g, k) in paired:
+                    continue
+                pair = self.pairs.get((g, k))
+                other = None if pair is None else (
+                    pair["gemm"] if g == "attention" else ("attention", pair["attention"]))
+                if other in by_key:  # both sides in this batch (a short one may lack one)
+                    paired.add(other)
+                    kv_layer = self._pair(op, by_key[other], pair, lp, x, meta, ranges, out,
+                                          kv_layer, placed)
+                    continue
                 gid = self.groups.get((g, k))
                 # the scope names the nano-op in the HLO's metadata (bench/hlo_schedule.py)
                 with scheduling_group(None if gid is None else li * 1000 + gid), \
@@ -222,9 +231,9 @@ class PipelineForward(UnrolledForward):
         inv_freq = self.model.inv_freq
         a, b = ranges[g][k]
         stream = op.get("stream", 0)
-        if g == "qkv":
-            f = lambda lp, xs: layer.apply(lp, xs, method=DecoderLayer.qkv)  # noqa: E731
-            out[g][k] = placed(f, stream, lp, x[a:b])
+        if g in GEMM_GROUPS:
+            f, args = self._gemm(g, layer, x, a, b, out, ranges)
+            out[g][k] = placed(f, stream, lp, *args)
         elif g == "attention":
             q, kk, vv = _gather(out["qkv"], ranges["qkv"], a, b)
             m = slice_metadata(meta, a, b)
@@ -237,21 +246,6 @@ class PipelineForward(UnrolledForward):
                 return attend(q, kvl, m, inv_freq), kvl
             o, kv_layer = placed(f, stream, q, kk, vv, kv_layer, m, keep=(0, 1, 2, 4))
             out[g][k], kv_layer = jax.lax.optimization_barrier((o, kv_layer))
-        elif g == "o_proj":
-            attn = _gather(out["attention"], ranges["attention"], a, b)
-            if "o_allreduce" in out:  # the partial sum; o_allreduce adds the shards' sums
-                f = lambda lp, o: layer.apply(lp, o, method=DecoderLayer.attn_out_partial)  # noqa
-                out[g][k] = placed(f, stream, lp, attn)
-            else:
-                f = lambda lp, o, r: layer.apply(lp, o, r, method=DecoderLayer.attn_out)  # noqa
-                out[g][k] = placed(f, stream, lp, attn, x[a:b])
-        elif g == "mlp":
-            h = _gather(out[self.producer[g]], ranges[self.producer[g]], a, b)
-            if "mlp_allreduce" in out:
-                f = lambda lp, h: layer.apply(lp, h, method=DecoderLayer.mlp_partial)  # noqa
-            else:
-                f = lambda lp, h: layer.apply(lp, h, method=DecoderLayer.mlp)  # noqa: E731
-            out[g][k] = placed(f, stream, lp, h)
         else:  # a network nano-op: residual + the sum of the shards' partial outputs
             src = self.producer[g]
             partial = _gather(out[src], ranges[src], a, b)
@@ -264,3 +258,75 @@ class PipelineForward(UnrolledForward):
             out[g][k] = f(partial, residual) if stream == 3 else placed(f, 0, partial,
                                                                          residual)
         return kv_layer
+
+    def _gemm(self, g, layer, x, a, b, out, ranges):
+        """A GEMM nano-op over tokens [a, b): (f(lp, *args), args)."""
+        return self._gemm_fn(g, layer, out), self._gemm_args(g, x, a, b, out, ranges)
+
+    def _gemm_args(self, g, x, a, b, out, ranges) -> tuple:
+        if g == "qkv":
+            return (x[a:b],)
+        if g == "o_proj":
+            attn = _gather(out["attention"], ranges["attention"], a, b)
+            # the partial sum under TP (o_allreduce adds the shards' sums and the residual)
+            return (attn,) if "o_allreduce" in out else (attn, x[a:b])
+        return (_gather(out[self.producer[g]], ranges[self.producer[g]], a, b),)
+
+    @staticmethod
+    def _gemm_fn(g, layer, out):
+        if g == "qkv":
+            return lambda lp, xs: layer.apply(lp, xs, method=DecoderLayer.qkv)
+        if g == "o_proj":
+            if "o_allreduce" in out:
+                return lambda lp, o: layer.apply(lp, o, method=DecoderLayer.attn_out_partial)
+            return lambda lp, o, r: layer.apply(lp, o, r, method=DecoderLayer.attn_out)
+        method = DecoderLayer.mlp_partial if "mlp_allreduce" in out else DecoderLayer.mlp
+        return lambda lp, h: layer.apply(lp, h, method=method)
+
+    def _pair(self, first, second, pair, lp, x, meta, ranges, out, kv_layer, placed):
+        """A fused pair (plan.py): one launch where it can run (fused.py), else its two
+        nano-ops in plan order. Either way the reason lands in fused_report."""
+        g, k = pair["gemm"]
+        j = pair["attention"]
+        a, b = ranges["attention"][j]
+        q, kk, vv = _gather(out["qkv"], ranges["qkv"], a, b)
+        name = f"{g}[{k}]+attention[{j}]"
+        why = fused.unavailable(self.attention, pair, q, kv_layer, **self.fused_device)
+        if why is not None:
+            self._report(name, pair, why)
+            for op in (first, second):
+                with jax.named_scope(f"nanoop_{op['op']}_b{op['batch']}"):
+                    kv_layer = self._nano_op(op, lp, x, meta, ranges, out, kv_layer, placed)
+            return kv_layer
+        m = slice_metadata(meta, a, b)
+        backend, inv_freq = self.attention, self.model.inv_freq
+        status = {}
+
+        def f(lp, gemm_args, q, kk, vv, kvl, m):
+            with jax.named_scope(f"nanoop_attention_b{j}"):  # the append, as its nano-op's
+                kvl = backend.append(kk, vv, kvl, m, inv_freq)
+            mm = fused.PairMatmul(fused.fused_attend(backend), q, kvl, m, inv_freq,
+                                  gemm_programs=pair["gemm_programs"],
+                                  programs=pair["programs"])
+            with jax.named_scope(f"nanoop_{g}_b{k}"):  # the launch: the GEMM's scope
+                y = self._gemm_fn(g, self.layer(mm), out)(lp, *gemm_args)
+                o = mm.attention_out
+                if o is None:  # no GEMM of the op fits the kernel: attention after it
+                    o = backend.attend(q, kvl, m, inv_freq)
+            status["why"] = mm.why
+            return y, o, kvl
+        y, o, kvl = placed(f, 0, lp, self._gemm_args(g, x, *ranges[g][k], out, ranges),
+                           q, kk, vv, kv_layer, m)
+        self._report(name, pair, status["why"])
+        out[g][k] = y
+        out["attention"][j], kv_layer = jax.lax.optimization_barrier((o, kvl))
+        return kv_layer
+
+    def _report(self, name, pair, why):
+        """fused_report[name]; the first time a pair falls back for a reason, a log line."""
+        entry = {"launch": "fused" if why is None else "back to back",
+                 "gemm_programs": pair["gemm_programs"], "programs": pair["programs"],
+                 "reason": why or ""}
+        if why is not None and self.fused_report.get(name) != entry:
+            log.warning("fused pair %s runs back to back: %s", name, why)
+        self.fused_report[name] = entry

@@ -12,6 +12,18 @@
 Streams: 0 is the main stream, 1 and 2 side streams, 3 collectives. `share` is the
 fraction of the GPU a kernel may take (the decode kernel's persistent program count).
 
+Fused pairs (issue 18): a GEMM nano-op (qkv, o_proj, mlp) may carry
+    "fused": {"attention": j, "gemm_programs": G, "programs": N}
+meaning it and attention nano-op j run as ONE launch of N programs, programs [0, G) the
+GEMM and the rest decode attention (pallas_kernels/fused_gemm_attention_mgpu.py). The two
+nano-ops must be adjacent in nano_ops, both on stream 0 (the split is inside the launch,
+not across streams), neither reading the other's output, 0 < G < N, and each attention
+nano-op in at most one pair. The plan is one layer's nano-ops, applied to every layer, so a
+pair never spans layers. Where the fused kernel cannot run (no Hopper GPU, another decode
+kernel, shapes it cannot tile), the executor runs the two nano-ops one after the other
+and says why (executor.PipelineForward.fused_report). The ablation modes other than
+"overlap" drop the field.
+
 Under tensor parallelism (tp > 1) a plan may also carry the network nano-ops
 (NETWORK_GROUPS): "o_allreduce" sums o_proj's partial outputs over the shards and adds the
 residual, "mlp_allreduce" does the same after the MLP. On stream 3 they are left out of the
@@ -31,6 +43,8 @@ from nanojax.errors import NanojaxError
 PLAN_VERSION = 1
 OP_GROUPS = ("qkv", "attention", "o_proj", "mlp")  # the data order within a layer
 PRODUCER = dict(zip(OP_GROUPS[1:], OP_GROUPS))     # op group -> the group it reads
+GEMM_GROUPS = ("qkv", "o_proj", "mlp")  # the nano-ops a fused pair's GEMM side may be
+FUSED_KEYS = ("attention", "gemm_programs", "programs")
 NETWORK_GROUPS = ("o_allreduce", "mlp_allreduce")
 TP_GROUPS = ("qkv", "attention", "o_proj", "o_allreduce", "mlp", "mlp_allreduce")
 
@@ -99,7 +113,87 @@ def validate(plan: dict) -> dict:
     missing = {(g, k) for g in groups for k in range(len(nb[g]))} - seen
     if missing:
         raise PlanError(f"plan leaves nano-ops unscheduled: {sorted(missing)}")
+    _validate_fused(plan, groups)
     return plan
+
+
+def _overlaps(r, s) -> bool:
+    return r[0] < s[1] and s[0] < r[1]
+
+
+def _validate_fused(plan: dict, groups) -> None:
+    """The fused pairs' rules (module docstring)."""
+    nb, ops = plan["nano_batches"], plan["nano_ops"]
+    producer = producers(groups)
+    where = {(op["op"], op["batch"]): i for i, op in enumerate(ops)}
+    paired: dict[int, str] = {}
+    for i, op in enumerate(ops):
+        f = op.get("fused")
+        if f is None:
+            continue
+        name = f"{op['op']}[{op['batch']}]"
+        if not isinstance(f, dict) or sorted(f) != sorted(FUSED_KEYS) or not all(
+                isinstance(f[k], int) and not isinstance(f[k], bool) for k in FUSED_KEYS):
+            raise PlanError(f"nano-op {name}: fused must be {{'attention': int, "
+                            f"'gemm_programs': int, 'programs': int}}, got {f!r}")
+        if op["op"] not in GEMM_GROUPS:
+            raise PlanError(f"nano-op {name}: a fused pair is a GEMM nano-op "
+                            f"({', '.join(GEMM_GROUPS)}) with a decode attention nano-op; "
+                            f"{op['op']} is not a GEMM")
+        j, g, n = f["attention"], f["gemm_programs"], f["programs"]
+        if not 0 <= j < len(nb["attention"]):
+            raise PlanError(f"nano-op {name} is fused with attention[{j}], which the plan "
+                            f"does not have ({len(nb['attention'])} attention nano-batches)")
+        if not 0 < g < n:
+            raise PlanError(f"nano-op {name}: gemm_programs {g} out of range: both sides "
+                            f"need programs, 0 < G < programs {n}")
+        if j in paired:
+            raise PlanError(f"attention[{j}] is fused with both {paired[j]} and {name}")
+        paired[j] = name
+        if abs(where[("attention", j)] - i) != 1:
+            raise PlanError(f"nano-op {name} and attention[{j}] are fused but not adjacent "
+                            "in nano_ops (one launch runs them at one point of the order)")
+        att = ops[where[("attention", j)]]
+        if op.get("stream", 0) != 0 or att.get("stream", 0) != 0:
+            raise PlanError(f"fused pair {name} + attention[{j}]: both must be on stream 0 "
+                            "(one launch splits the GPU by program, not by stream)")
+        gemm_range, att_range = nb[op["op"]][op["batch"]], nb["attention"][j]
+        if _overlaps(gemm_range, att_range):  # o_proj reads attention, attention reads qkv
+            if producer.get(op["op"]) == "attention":
+                raise PlanError(f"fused pair {name} + attention[{j}]: {name} reads "
+                                f"attention[{j}]'s output, so they cannot run in one launch")
+            if producer["attention"] == op["op"]:
+                raise PlanError(f"fused pair {name} + attention[{j}]: attention[{j}] reads "
+                                f"{name}'s output, so they cannot run in one launch")
+
+
+def fused_pairs(plan: dict) -> dict[tuple[str, int], dict]:
+    """(op, batch) of each side of a fused pair -> {"gemm": (op, batch), "attention": j,
+    "gemm_programs": G, "programs": N}."""
+    out = {}
+    for op in plan["nano_ops"]:
+        f = op.get("fused")
+        if f is not None:
+            pair = {"gemm": (op["op"], op["batch"]), **f}
+            out[(op["op"], op["batch"])] = out[("attention", f["attention"])] = pair
+    return out
+
+
+def check_order(plan: dict) -> None:
+    """Each nano-op must come after the nano-ops that produce its inputs."""
+    nb = plan["nano_batches"]
+    producer = producers(plan_groups(plan))
+    done: set = set()
+    for op in plan["nano_ops"]:
+        g, k = op["op"], op["batch"]
+        a, b = nb[g][k]
+        if g in producer:
+            p = producer[g]
+            need = {(p, j) for j, (c, d) in enumerate(nb[p]) if c < b and a < d}
+            if not need <= done:
+                raise PlanError(f"nano-op {g}[{k}] is ordered before its inputs "
+                                f"{sorted(need - done)}")
+        done.add((g, k))
 
 
 def check_model(plan: dict, cfg: ModelConfig, tp: int = 1) -> None:
@@ -131,7 +225,7 @@ def load_plan(path_or_name: str | Path) -> dict:
 
 def ablation(plan: dict, mode: str) -> dict:
     """non-overlap: one nano-batch per op, one stream; nanobatch-only: the plan's splits on
-    one stream; overlap: the plan as it is."""
+    one stream, no fused pairs; overlap: the plan as it is."""
     if mode not in MODES:
         raise PlanError(f"unknown mode {mode!r}; one of {MODES}")
     plan = copy.deepcopy(plan)
@@ -144,7 +238,8 @@ def ablation(plan: dict, mode: str) -> dict:
         plan["nano_ops"] = [{"op": g, "batch": 0, "stream": 0, "share": 1.0}
                             for g in groups]
         return plan
-    plan["nano_ops"] = [dict(op, stream=0, share=1.0) for op in plan["nano_ops"]]
+    plan["nano_ops"] = [{**{k: v for k, v in op.items() if k != "fused"}, "stream": 0,
+                         "share": 1.0} for op in plan["nano_ops"]]
     return plan
 
 

@@ -1,7 +1,9 @@
-"""What the two overlap-pair benches share, so they run the same shapes and one plot reads
+"""What the overlap-pair measurements share, so they run the same shapes and one plot reads
 both: their shape flags, the JSON record (header, per-GEMM entry, one row per GEMM share
-G), and the nvidia-smi SM clock / power sampler. fused_pair.py times nanojax's fused
-launch; green_context_pair.py times PyTorch's cuBLAS + SDPA on CUDA green contexts.
+G), and the nvidia-smi SM clock / power sampler. nanojax/profiling/fused_pair.py times
+nanojax's fused launch (for bench/kernels/fused_pair.py and `nanojax profile
+--pair-shares`); bench/kernels/green_context_pair.py times PyTorch's cuBLAS + SDPA on CUDA
+green contexts; search/pair.py reads the record.
 
 Record: {"impl", "command", "device", "programs", "tokens", "batch", "ctx", "heads",
 "head_dim", ..., "attention_full": case, "gemms": {name: entry}}; an entry is {"k", "n",
@@ -10,7 +12,8 @@ is {"G", "gemm_sms", "attention_sms", "gemm", "attention", "pair",
 "back_to_back_over_pair", "pair_over_slower_part"} or {"G", "error"}; a case is {"case",
 "ms", "power": PowerSampler.stop()'s summary or None}.
 
-Standard library only: the PyTorch bench imports it on a box without jax.
+Standard library only: the PyTorch bench imports it on a box without jax (nanojax's
+package imports no jax until asked).
 """
 from __future__ import annotations
 
@@ -67,9 +70,12 @@ def check_args(p, args):
 
 
 def header(impl: str, command: str, device: str, programs: int, args, **extra) -> dict:
+    """args: the shapes (tokens, batch, ctx; heads [Q, KV] and head_dim when not the 8B's)
+    and timing (iters, reps) measured."""
     return {"impl": impl, "command": command, "device": device, "programs": programs,
             "tokens": args.tokens, "batch": args.batch, "ctx": args.ctx,
-            "heads": [Q_HEADS, KV_HEADS], "head_dim": HEAD_DIM, "iters": args.iters,
+            "heads": list(getattr(args, "heads", (Q_HEADS, KV_HEADS))),
+            "head_dim": getattr(args, "head_dim", HEAD_DIM), "iters": args.iters,
             "reps": args.reps, **extra, "gemms": {}}
 
 
@@ -77,9 +83,10 @@ def case(name: str, ms: float, power: dict | None) -> dict:
     return {"case": name, "ms": ms, "power": power}
 
 
-def gemm_entry(name: str, back_to_back: dict, **full) -> dict:
-    """A GEMM's entry before its shares: full-grid cases (back to back and the parts)."""
-    k, n = GEMMS[name]
+def gemm_entry(name: str, back_to_back: dict, shape=None, **full) -> dict:
+    """A GEMM's entry before its shares: full-grid cases (back to back and the parts).
+    shape: its (K, N) (None: the 8B's, GEMMS)."""
+    k, n = shape or GEMMS[name]
     return {"k": k, "n": n, **full, "back_to_back": back_to_back, "shares": [],
             "best_G": None}
 
