@@ -53,7 +53,23 @@ def child(args) -> dict:
             "jax": jax.__version__}
 
 
-def main():
+def starts_in_one_cache(argv: list[str], starts) -> dict:
+    """Runs `python argv --child --cache DIR [--step-cache]` once per (name, step_cache) of
+    starts, in order, each its own process, all over one fresh cache directory; returns
+    name -> the JSON line each child printed last."""
+    runs = {}
+    with tempfile.TemporaryDirectory() as cache:
+        for name, step in starts:
+            cmd = [sys.executable, *argv, "--child", "--cache", cache]
+            out = subprocess.run(cmd + (["--step-cache"] if step else []), check=True,
+                                 capture_output=True, text=True).stdout
+            runs[name] = json.loads(out.strip().splitlines()[-1])
+            print(name, runs[name], file=sys.stderr, flush=True)
+    return runs
+
+
+def start_parser() -> argparse.ArgumentParser:
+    """The arguments of a start script: its own, and a child start's (--child ...)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--model", default="smollm2-135m")
@@ -61,20 +77,17 @@ def main():
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--cache")
     ap.add_argument("--step-cache", action="store_true")
-    args = ap.parse_args()
+    return ap
+
+
+def main():
+    args = start_parser().parse_args()
     if args.child:
         print(json.dumps(child(args)))
         return
-    runs = {}
-    with tempfile.TemporaryDirectory() as cache:
-        for name, step in (("jax_cold", False), ("jax_warm", False), ("step_cold", True),
-                           ("step_warm", True)):
-            cmd = [sys.executable, __file__, args.out, "--child", "--cache", cache,
-                   "--model", args.model, "--b-dense", str(args.b_dense)]
-            out = subprocess.run(cmd + (["--step-cache"] if step else []), check=True,
-                                 capture_output=True, text=True).stdout
-            runs[name] = json.loads(out.strip().splitlines()[-1])
-            print(name, runs[name], file=sys.stderr, flush=True)
+    runs = starts_in_one_cache(
+        [__file__, args.out, "--model", args.model, "--b-dense", str(args.b_dense)],
+        (("jax_cold", False), ("jax_warm", False), ("step_cold", True), ("step_warm", True)))
     with open(args.out, "w") as f:
         json.dump({"command": "python " + " ".join(sys.argv),
                    "measure": "engine construction and warmup (every step shape) per start, "

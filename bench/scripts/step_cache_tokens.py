@@ -7,12 +7,9 @@ which the cache covers); the JSON says whether the three agree token for token.
 
     python bench/scripts/step_cache_tokens.py OUT.json [--model smollm2-135m]
 """
-import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
 
 def child(args) -> dict:
@@ -45,27 +42,17 @@ def child(args) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out")
-    ap.add_argument("--model", default="smollm2-135m")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from step_cache_start import start_parser, starts_in_one_cache
+    ap = start_parser()
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--b-dense", type=int, default=256)
-    ap.add_argument("--child", action="store_true")
-    ap.add_argument("--cache")
-    ap.add_argument("--step-cache", action="store_true")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args)))
         return
-    runs = {}
-    with tempfile.TemporaryDirectory() as cache:
-        for name, step in (("fresh", False), ("store", True), ("load", True)):
-            cmd = [sys.executable, __file__, args.out, "--child", "--cache", cache,
-                   "--model", args.model, "--dtype", args.dtype, "--b-dense",
-                   str(args.b_dense)] + (["--step-cache"] if step else [])
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            runs[name] = json.loads(out.strip().splitlines()[-1])
-            print(name, "loaded", runs[name]["shapes_loaded"], file=sys.stderr, flush=True)
+    runs = starts_in_one_cache(
+        [__file__, args.out, "--model", args.model, "--dtype", args.dtype, "--b-dense",
+         str(args.b_dense)], (("fresh", False), ("store", True), ("load", True)))
     same = {name: r["tokens"] == runs["fresh"]["tokens"] for name, r in runs.items()}
     result = {"command": "python " + " ".join(sys.argv), "model": f"random:{args.model}",
               "dtype": args.dtype, "b_dense": args.b_dense, "runs": runs,
