@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Callable
 
 import jax
@@ -17,6 +18,9 @@ class ModelBundle:
     config: ModelConfig
     params: dict            # {"params": {...}} as LlamaForCausalLM expects
     tokenizer: Tokenizer | None
+    # the GGUF file the weights were imported from: a CPU engine may keep its quantized
+    # blocks (checkpoints/loader.py: cpu_params)
+    gguf: Path | None = None
 
 
 # Our tree path -> HF tensor name. Torch Linear weights are [out, in]; we store [in, out].

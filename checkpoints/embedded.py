@@ -88,6 +88,12 @@ def smollm2_gguf(root: Path) -> Path:
     return gguf_path
 
 
+def imported_gguf(override: str | os.PathLike | None = None) -> Path | None:
+    """The GGUF file the cached checkpoint was imported from (checked then), if still there."""
+    path = cache_dir(override) / "downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
 def ensure_smollm2(override: str | os.PathLike | None = None) -> Path:
     """The orbax checkpoint of the default model, imported once and cached."""
     from checkpoints.gguf_import import load_gguf

@@ -202,7 +202,64 @@ def load_gguf(path: Path, dtype: str = "bfloat16", with_tokenizer: bool = True,
     with tqdm(total=n, desc="dequantizing GGUF", unit="tensor", disable=not progress) as bar:
         params = assemble_params(cfg, get, bar)
     tok = tokenizer_from_gguf(reader) if with_tokenizer else None
-    return ModelBundle(cfg, params, tok)
+    return ModelBundle(cfg, params, tok, gguf=Path(path))
+
+
+# Block layouts kept as stored (nanojax/layers/quant.py): bytes per block of 32 weights
+_KEPT_QUANTS = {"Q4_1": 20, "Q8_0": 34}
+
+
+def _unpack_blocks(t, rows: int) -> dict | None:
+    """A Q4_1 / Q8_0 tensor's blocks as {"q" int8 [rows, in/32, 32], "d", ("m") f32
+    [rows, in/32]}: the same f32 values gguf's dequantize computes d * q + m from; None for
+    other types."""
+    qname = t.tensor_type.name
+    if qname not in _KEPT_QUANTS:
+        return None
+    data = np.asarray(t.data, dtype=np.uint8)
+    if data.shape[0] != rows or data.shape[-1] % _KEPT_QUANTS[qname]:
+        raise CheckpointError(f"GGUF tensor {t.name} ({qname}) has byte shape {data.shape}, "
+                              f"not {rows} rows of whole blocks")
+    blocks = data.reshape(rows, -1, _KEPT_QUANTS[qname])
+    half = lambda a: np.ascontiguousarray(a).view(np.float16)[..., 0].astype(np.float32)
+    if qname == "Q8_0":
+        return {"q": np.ascontiguousarray(blocks[..., 2:]).view(np.int8), "d": half(blocks[..., :2])}
+    qs = blocks[..., 4:]  # element j in the low nibble of byte j, element j + 16 in the high
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8)
+    return {"q": q, "d": half(blocks[..., :2]), "m": half(blocks[..., 2:4])}
+
+
+def load_quantized(path: Path, cfg: ModelConfig) -> dict:
+    """The projections (and a tied embedding, the LM head) of a GGUF file whose blocks are
+    Q4_1 or Q8_0, kept quantized: a tree {"layers_i": {"q_proj": blocks, ...},
+    "tied_embed": blocks} beside the f32 parameters' (`quant` variables of the model);
+    tensors of other types are left out (they run from f32). Dense models only."""
+    reader = _open(path)
+    by_hf = {name: t for t in reader.tensors
+             for name, expert in _hf_names(t.name, cfg.num_experts) if expert is None}
+    permute = cfg.architecture in PERMUTED_ARCHS
+    tree: dict = {}
+    for tree_path, (hf, transposed) in hf_tensor_names(cfg).items():
+        if not isinstance(hf, str) or hf not in by_hf:
+            continue
+        if tree_path == ("embed", "embedding") and cfg.tie_word_embeddings:
+            key, rows = ("tied_embed",), cfg.vocab_size
+        elif transposed and tree_path[-1] == "kernel" and "moe" not in tree_path:
+            key, rows = tree_path[:-1], int(by_hf[hf].shape[-1])
+        else:
+            continue
+        blocks = _unpack_blocks(by_hf[hf], rows)
+        if blocks is None:
+            continue
+        if permute and ".q_proj.weight" in hf:
+            blocks = {k: _unpermute(a, cfg.num_heads) for k, a in blocks.items()}
+        elif permute and ".k_proj.weight" in hf:
+            blocks = {k: _unpermute(a, cfg.num_kv_heads) for k, a in blocks.items()}
+        node = tree
+        for k in key[:-1]:
+            node = node.setdefault(k, {})
+        node[key[-1]] = blocks
+    return tree
 
 
 def tokenizer_from_gguf(reader) -> Tokenizer:

@@ -46,7 +46,10 @@ def load_model(model: str, dtype: str | None = None, cache_dir=None,
     if num_layers is not None and not model.startswith(RANDOM_PREFIX):
         raise CheckpointError("num_layers applies to random:<shape> models only")
     if model in REGISTERED:
-        return load_source(ensure_smollm2(cache_dir), dtype, tensor_parallel_size)
+        from checkpoints.embedded import imported_gguf
+        bundle = load_source(ensure_smollm2(cache_dir), dtype, tensor_parallel_size)
+        bundle.gguf = imported_gguf(cache_dir)
+        return bundle
     if model.startswith(RANDOM_PREFIX):
         from nanojax.config import named_shape
         from nanojax.models import init_params
@@ -69,3 +72,17 @@ def load_model(model: str, dtype: str | None = None, cache_dir=None,
 def convert(src: Path, dst: Path, dtype: str = "float32", overwrite: bool = False) -> Path:
     from checkpoints.orbax_store import save_orbax
     return save_orbax(load_source(Path(src), dtype), Path(dst), overwrite=overwrite)
+
+
+def cpu_params(bundle: ModelBundle, kernels, on_gpu: bool, tensor_parallel_size: int = 1):
+    """The parameters a CPU engine runs: with KernelConfig.cpu_weights "q4" and a float32
+    model imported from a GGUF file, its Q4_1 / Q8_0 blocks are added as the `quant`
+    collection (nanojax/layers/quant.py) beside the f32 tree; otherwise bundle.params."""
+    cfg = bundle.config
+    if (on_gpu or kernels.cpu_weights != "q4" or bundle.gguf is None or cfg.is_moe
+            or tensor_parallel_size != 1 or cfg.dtype != "float32"
+            or not Path(bundle.gguf).is_file()):
+        return bundle.params
+    from checkpoints.gguf_import import load_quantized
+    quant = load_quantized(Path(bundle.gguf), cfg)
+    return {**bundle.params, "quant": quant} if quant else bundle.params

@@ -296,6 +296,7 @@ def named_shape(name: str, dtype: str | None = None) -> ModelConfig:
 DECODE_KERNELS = ("auto", "triton", "mosaic", "mosaic-rows")
 GROUPED_GEMMS = ("auto", "xla")
 CPU_GEMMS = ("eigen", "ynnpack")
+CPU_WEIGHTS = ("q4", "f32")
 
 
 def _opt(help: str, **kw) -> dict:
@@ -337,6 +338,14 @@ class KernelConfig:
         "serves 1 row): eigen (8 rows: 1.3x YNNPACK's speed on a 2-core EPYC) or ynnpack "
         "(XLA's default, kept for 2 rows and from 17 up, where it is the faster)",
         choices=CPU_GEMMS))
+    cpu_weights: str = dataclasses.field(default="q4", metadata=_opt(
+        "CPU, a model loaded from a GGUF file: q4 keeps its Q4_1 / Q8_0 blocks beside the "
+        "f32 weights and runs steps of up to cpu_quant_max_rows rows from them (one fused "
+        "GEMV reading 1 byte a weight, layers/quant.py), f32 runs every step from the "
+        "dequantized weights", choices=CPU_WEIGHTS))
+    cpu_quant_max_rows: int = dataclasses.field(default=1, metadata=_opt(
+        "with cpu_weights q4: most tokens (and logits rows) a step may have to run from the "
+        "quantized weights (2 rows and up recompute them per row: slower than f32)"))
     gemm_shares: bool = dataclasses.field(default=False, metadata=_opt(
         "plan GEMM nano-ops with a share below 1 run on that share of the SMs "
         "(Mosaic GPU matmul, Hopper)"))
@@ -355,7 +364,10 @@ class KernelConfig:
         if self.cpu_small_gemms not in CPU_GEMMS:
             raise ConfigError(f"unknown CPU GEMM library {self.cpu_small_gemms!r}; known: "
                               f"{', '.join(CPU_GEMMS)}")
-        for name in ("prefill_block_q", "prefill_max_seqs"):
+        if self.cpu_weights not in CPU_WEIGHTS:
+            raise ConfigError(f"unknown CPU weights {self.cpu_weights!r}; known: "
+                              f"{', '.join(CPU_WEIGHTS)}")
+        for name in ("prefill_block_q", "prefill_max_seqs", "cpu_quant_max_rows"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
 

@@ -214,12 +214,18 @@ def decode_breakdown(llm, prompt: list[int], steps: int = 20) -> dict:
 
 def _engine_state(llm) -> dict:
     """The shapes our engine actually ran with (CPU defaults differ from the GPU's)."""
+    import jax
     r = llm.engine.runner
     return {"b_dense": r.b_dense, "min_token_bucket": r.min_token_bucket,
             "token_bucket_step": r.token_bucket_step, "min_row_bucket": r.min_row_bucket,
             "fixed_shapes": r.fixed_shapes, "num_pages": llm.engine.sizing.num_pages,
             "forward": type(r.forward).__name__,
-            "compiler_options": r.forward.compiler_options, "step_compiles": r.num_compiles}
+            "compiler_options": r.forward.compiler_options, "step_compiles": r.num_compiles,
+            # GGUF blocks the engine kept (--cpu-weights q4): quantized tensors, steps of
+            # up to quant_max_rows rows run from them
+            "quantized_tensors": len(jax.tree_util.tree_leaves(
+                r.params.get("quant", {}), is_leaf=lambda n: isinstance(n, dict) and "q" in n)),
+            "quant_max_rows": getattr(r.forward, "quant_max_rows", None)}
 
 
 def cmd_latency(args) -> int:

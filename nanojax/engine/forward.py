@@ -71,8 +71,9 @@ class UnrolledForward:
                             grouped_gemm=self.grouped_gemm)
 
     def layout(self, params, stack=jnp.stack):
-        """The parameter tree restructured as prepare() places it."""
-        return params
+        """The parameter tree restructured as prepare() places it (without the CPU's
+        quantized blocks, which only LayerwiseForward runs)."""
+        return {k: v for k, v in params.items() if k != "quant"}
 
     def for_shard(self, cfg: ModelConfig, tp_axis: str):
         """This forward for one tensor-parallel shard of shape cfg (inside shard_map)."""
@@ -165,6 +166,7 @@ class LayerwiseForward(UnrolledForward):
                  tp_axis: str | None = None, small_gemms: str = "eigen"):
         super().__init__(cfg, attention, tp_axis)
         self.small_gemms = small_gemms  # KernelConfig.cpu_small_gemms
+        self.quant_max_rows = 1  # KernelConfig.cpu_quant_max_rows
         self.num_traces = 0  # layer compilations (the runner's compile count)
         self._jits = {}
 
@@ -174,6 +176,20 @@ class LayerwiseForward(UnrolledForward):
         shard = ScanForward(cfg, self.attention, tp_axis)
         shard.grouped_gemm, shard.compiler_options = self.grouped_gemm, self.compiler_options
         return shard
+
+    def layout(self, params, stack=jnp.stack):
+        return params  # with a `quant` collection where the engine kept GGUF blocks
+
+    def _variables(self, params, rows: int, layer: str | None = None) -> dict:
+        """Flax variables for a call of `rows` rows: the quantized blocks too where there
+        are some and the rows are few (layers/quant.py)."""
+        quant = params.get("quant") if rows <= self.quant_max_rows else None
+        if layer is None:  # the embedding and LM head: the blocks outside the layers
+            v = {"params": params["params"]}
+            top = {k: q for k, q in (quant or {}).items() if not k.startswith("layers_")}
+            return {**v, "quant": top} if top else v
+        v = {"params": params["params"][layer]}
+        return {**v, "quant": quant[layer]} if quant and layer in quant else v
 
     def _jit(self, name: str, fn, rows: int, **kw):
         """fn jitted, with Eigen's GEMMs where the step's GEMMs have few rows (a jit's
@@ -187,10 +203,9 @@ class LayerwiseForward(UnrolledForward):
     def __call__(self, params, tokens, kv, meta, logit_idx):
         model, layer, inv_freq = self.model, self.layer(), self.model.inv_freq
 
-        def run_layer(layer_params, x, kv_layer, meta):
+        def run_layer(variables, x, kv_layer, meta):
             self.num_traces += 1  # once per trace, i.e. per compiled shape
-            return layer.apply({"params": layer_params}, x, kv_layer, meta, self.attention,
-                               inv_freq)
+            return layer.apply(variables, x, kv_layer, meta, self.attention, inv_freq)
 
         t, r = tokens.shape[0], logit_idx.shape[0]
         embed = self._jit("embed", lambda p, t: model.apply(
@@ -198,11 +213,11 @@ class LayerwiseForward(UnrolledForward):
         one = self._jit("layer", run_layer, t, donate_argnums=(2,))
         logits = self._jit("logits", lambda p, x, i: model.apply(
             p, x[i], method=LlamaForCausalLM.logits), r)
-        x = embed(params, tokens)
+        x = embed({"params": params["params"]}, tokens)
         kv = list(kv)
         for i in range(self.cfg.num_layers):
-            x, kv[i] = one(params["params"][f"layers_{i}"], x, kv[i], meta)
-        return logits(params, x, logit_idx), kv
+            x, kv[i] = one(self._variables(params, t, f"layers_{i}"), x, kv[i], meta)
+        return logits(self._variables(params, r), x, logit_idx), kv
 
 
 def default_forward(cfg: ModelConfig, kernels: KernelConfig = KernelConfig()) -> Forward:
@@ -212,4 +227,5 @@ def default_forward(cfg: ModelConfig, kernels: KernelConfig = KernelConfig()) ->
            if jax.default_backend() == "gpu"
            else LayerwiseForward(cfg, small_gemms=kernels.cpu_small_gemms))
     fwd.grouped_gemm = kernels.grouped_gemm
+    fwd.quant_max_rows = kernels.cpu_quant_max_rows
     return fwd

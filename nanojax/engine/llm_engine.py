@@ -125,7 +125,9 @@ class LLMEngine:
                 "model": describe(self.model_config), "engine": describe(cfg),
                 "forward": describe(forward), "kv_dtype": str(self.kv_dtype)},
                 jax.devices()[:1])  # where prepare() puts the parameters
-        self.runner = ModelRunner(self.model_config, bundle.params, self.sizing.num_pages,
+        from checkpoints.loader import cpu_params  # GGUF blocks kept (--cpu-weights q4)
+        params = cpu_params(bundle, cfg.kernels, on_gpu, cfg.tensor_parallel_size)
+        self.runner = ModelRunner(self.model_config, params, self.sizing.num_pages,
                                   cfg.page_size, self.scheduler.max_num_seqs, cfg.b_dense,
                                   forward=forward, constant_batch=cfg.constant_batch,
                                   max_pages_per_seq=-(-self.max_model_len // cfg.page_size),

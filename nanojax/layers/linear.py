@@ -8,6 +8,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from nanojax.layers.quant import quantized_dot
+
 
 class RMSNorm(nn.Module):
     eps: float
@@ -34,7 +36,14 @@ class Linear(nn.Module):
         # output in the model dtype (GPUs accumulate bf16 GEMMs in f32 anyway): an f32
         # output plus a convert costs a separate kernel inside stream regions, where XLA
         # does not fold the convert into the GEMM (H200 timeline: ~28 us per GEMM)
-        y = (self.matmul or jnp.dot)(x.astype(self.dtype), kernel)
+        if self.has_variable("quant", "q"):
+            # the same weight block-quantized (layers/quant.py): the forward passes it
+            # for steps of few rows on the CPU; the f32 kernel goes unread there
+            w = {k: self.get_variable("quant", k) for k in ("q", "d", "m")
+                 if self.has_variable("quant", k)}
+            y = quantized_dot(x, w).astype(self.dtype)
+        else:
+            y = (self.matmul or jnp.dot)(x.astype(self.dtype), kernel)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y

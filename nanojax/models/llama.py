@@ -18,6 +18,7 @@ import numpy as np
 
 from nanojax.config import ModelConfig
 from nanojax.layers.linear import Linear, RMSNorm
+from nanojax.layers.quant import quantized_dot
 from nanojax.layers.rotary import inverse_frequencies
 from nanojax.models.moe import MoEBlock
 
@@ -122,6 +123,9 @@ class LlamaForCausalLM(nn.Module):
     def logits(self, x):
         """Final norm and LM head; logits are f32."""
         x = self.norm(x)
+        if self.cfg.tie_word_embeddings and self.has_variable("quant", "tied_embed"):
+            # the tied embedding block-quantized (layers/quant.py), passed for few rows
+            return quantized_dot(x, self.get_variable("quant", "tied_embed"))
         if self.cfg.tie_word_embeddings:
             w = self.embed.embedding
             return jnp.dot(x, w.T, preferred_element_type=jnp.float32)
