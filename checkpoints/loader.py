@@ -83,6 +83,54 @@ def cpu_params(bundle: ModelBundle, kernels, on_gpu: bool, tensor_parallel_size:
             or tensor_parallel_size != 1 or cfg.dtype != "float32"
             or not Path(bundle.gguf).is_file()):
         return bundle.params
-    from checkpoints.gguf_import import load_quantized
-    quant = load_quantized(Path(bundle.gguf), cfg)
+    quant = cached_quantized(Path(bundle.gguf), cfg)
     return {**bundle.params, "quant": quant} if quant else bundle.params
+
+
+def cached_quantized(gguf: Path, cfg, root: Path | None = None) -> dict:
+    """load_quantized's tree, kept as one .npz under <cache dir>/quant/ keyed by the file
+    (path, size, mtime) and the model config: gguf's reader parses the whole metadata
+    (the vocabulary) to find the blocks, ~5 s a start for the embedded default, while
+    the .npz loads in a fraction of a second. A cache that cannot be read or written is
+    skipped (the blocks come from the GGUF)."""
+    import dataclasses
+    import hashlib
+    import os
+
+    import numpy as np
+
+    from checkpoints.embedded import cache_dir
+    from checkpoints.gguf_import import load_quantized
+    st = gguf.stat()
+    key = hashlib.sha256(repr((str(gguf.resolve()), st.st_size, st.st_mtime_ns,
+                               dataclasses.asdict(cfg), 1)).encode()).hexdigest()[:32]
+    path = (root or cache_dir()) / "quant" / f"{key}.npz"
+    try:
+        with np.load(path) as z:
+            flat = {k: z[k] for k in z.files}
+        tree: dict = {}
+        for name, a in flat.items():
+            *parents, leaf = name.split("/")
+            node = tree
+            for k in parents:
+                node = node.setdefault(k, {})
+            node[leaf] = a
+        return tree
+    except (OSError, ValueError, KeyError):
+        pass
+    tree = load_quantized(gguf, cfg)
+
+    def flatten(node, prefix=""):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                yield from flatten(v, f"{prefix}{k}/")
+            else:
+                yield f"{prefix}{k}", np.asarray(v)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
+        np.savez(tmp, **dict(flatten(tree)))
+        os.replace(tmp, path)  # whole or not at all, also against a parallel start
+    except OSError:
+        pass
+    return tree

@@ -106,3 +106,27 @@ def test_cpu_weights_config_is_checked():
         KernelConfig(cpu_weights="q8")
     with pytest.raises(ConfigError, match="cpu_quant_max_rows"):
         KernelConfig(cpu_quant_max_rows=0)
+
+
+def test_the_unpacked_blocks_are_cached_and_reread_identically(tmp_path):
+    """cached_quantized: the first call reads the GGUF and stores one .npz; the second
+    reads the .npz (the GGUF reader is not called) and gives the same arrays; a changed
+    file is a new key."""
+    from unittest import mock
+    from checkpoints import loader
+    bundle = _gguf(tmp_path, "Q4_1")
+    path = tmp_path / "tiny-Q4_1-False.gguf"
+    first = loader.cached_quantized(path, bundle.config, root=tmp_path / "c")
+    assert len(list((tmp_path / "c" / "quant").glob("*.npz"))) == 1
+    with mock.patch("checkpoints.gguf_import.load_quantized",
+                    side_effect=AssertionError("read the GGUF again")):
+        again = loader.cached_quantized(path, bundle.config, root=tmp_path / "c")
+    flat = lambda t: dict(jax.tree_util.tree_leaves_with_path(t))  # noqa: E731
+    a, b = flat(first), flat(again)
+    assert a.keys() == b.keys() and len(a) > 0
+    assert all(np.array_equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    path.touch()
+    import os
+    os.utime(path, ns=(1, 1))  # another mtime: another key, read from the file again
+    loader.cached_quantized(path, bundle.config, root=tmp_path / "c")
+    assert len(list((tmp_path / "c" / "quant").glob("*.npz"))) == 2
