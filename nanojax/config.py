@@ -375,6 +375,7 @@ class KernelConfig:
         return dataclasses.replace(self, **kw)
 
 
+INPUT_STAGINGS = ("numpy", "put", "pinned")
 ADMISSION = ("greedy", "predicted")
 # the default dense batch: a GPU's; the CPU's holds a whole prompt of the default
 # max_model_len, so a long prompt prefills in one step of big GEMMs rather than in chunks
@@ -445,9 +446,20 @@ class EngineConfig:
         "--no-compile-cache), so a warm start loads them without tracing the step "
         "(H200: a second serve of the 8B listens in 23.5 s instead of 46.7 s; a loaded "
         "step gives a fresh compile's tokens; bench/results/README.md §33)"))
+    input_staging: str = dataclasses.field(default="numpy", metadata=_opt(
+        "how a step's host arrays reach the device: numpy (passed to the jitted step as "
+        "they are), put (one device_put of the input tree first), pinned (through pinned "
+        "host memory); an A/B for the H200's idle gap between steps (bench/results §34); "
+        "one device only", choices=INPUT_STAGINGS))
     kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
 
     def __post_init__(self):
+        if self.input_staging not in INPUT_STAGINGS:
+            raise ConfigError(f"input_staging must be one of {INPUT_STAGINGS}, got "
+                              f"{self.input_staging!r}")
+        if self.input_staging != "numpy" and self.tensor_parallel_size != 1:
+            raise ConfigError("input_staging put/pinned places inputs on one device: it "
+                              "needs tensor_parallel_size 1")
         for name in ("page_size", "max_model_len", "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

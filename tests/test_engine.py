@@ -277,3 +277,25 @@ def test_fixed_shapes_compile_every_step_at_warmup_and_none_while_serving(tiny_b
     fixed_tokens, compiles = serve(True)
     assert compiles == 0
     assert fixed_tokens == serve(False)[0]
+
+
+@pytest.mark.parametrize("staging", ["put", "pinned"])
+def test_input_staging_gives_the_same_tokens(tiny_bundle, staging):
+    """EngineConfig.input_staging (an A/B for the GPU's gap between steps) only changes how
+    the step's host arrays reach the device: the same greedy and seeded tokens as numpy."""
+    from nanojax.config import EngineConfig
+    from nanojax.engine.llm_engine import LLMEngine
+    from nanojax.engine.sampling import SamplingParams
+    from nanojax.errors import ConfigError
+
+    def run(mode):
+        eng = LLMEngine(tiny_bundle, EngineConfig(b_dense=32, num_pages=32, max_model_len=64,
+                                                  input_staging=mode))
+        for i, (p, t) in enumerate([([1, 2, 3], 0.0), ([4, 5, 6, 7], 0.9), ([8], 0.0)]):
+            eng.add_request(p, SamplingParams(max_tokens=6, temperature=t, seed=i),
+                            request_id=str(i))
+        return {k: o.outputs[0].token_ids for k, o in eng.run_to_completion().items()}
+
+    assert run(staging) == run("numpy")
+    with pytest.raises(ConfigError, match="input_staging"):
+        EngineConfig(input_staging="zero-copy")

@@ -21,7 +21,9 @@
 # step left).
 # MAX_NUM_SEQS 1,152: rows of the fixed-shape step (logits and sampling per row); the
 # steady state runs ~1,030 (1,024 decodes + prefilling ones), more while cohorts even out.
-# Usage: OUT=dir [KERNEL=triton] [NUM_PROMPTS=3072] bash bench/scripts/steady_state_llama3_8b.sh
+# STAGING=put|pinned: the engine's --input-staging (how a step's host arrays reach the
+# device; bench/results §34), default numpy.
+# Usage: OUT=dir [KERNEL=triton] [NUM_PROMPTS=3072] [STAGING=pinned] bash bench/scripts/steady_state_llama3_8b.sh
 # CPU dry run (tiny shapes, a plan for them): MODEL=random:tiny PLAN=plan.json B_DENSE=64
 #   INPUT_LEN=32 OUTPUT_LEN=32 MAX_MODEL_LEN=64 NUM_PROMPTS=150 MAX_NUM_SEQS=64
 #   NUM_PAGES=480 PAGE_SIZE=4 OUT=dir bash bench/scripts/steady_state_llama3_8b.sh
@@ -68,7 +70,7 @@ timeout "$left" python3 -m nanojax bench --model "$MODEL" --quiet "${kernel[@]}"
   --min-token-bucket "${MIN_TOKEN_BUCKET:-128}" --max-num-seqs "${MAX_NUM_SEQS:-1152}" \
   --page-size "${PAGE_SIZE:-16}" "${pages[@]}" --num-prompts "${NUM_PROMPTS:-3072}" \
   --input-len "$IN" --output-len "$OUTLEN" --max-model-len "${MAX_MODEL_LEN:-1024}" \
-  "${timeline[@]}" --json "$OUT/engine.json" 2>&1 | quiet 8
+  --input-staging "${STAGING:-numpy}" "${timeline[@]}" --json "$OUT/engine.json" 2>&1 | quiet 8
 
 python3 bench/scripts/merge_steady_state.py "$OUT/step.json" "$OUT/engine.json" \
   --out "$OUT/steady_state_summary.json"

@@ -134,7 +134,7 @@ class LLMEngine:
                                   fixed_shapes=fixed, broadcast=broadcast,
                                   kv_cache_dtype=self.kv_dtype, min_token_bucket=min_tokens,
                                   min_row_bucket=min_rows, token_bucket_step=token_step,
-                                  step_cache=step_cache)
+                                  step_cache=step_cache, input_staging=cfg.input_staging)
         self.prefix_cache = self.offloader = None
         if cfg.enable_prefix_caching:
             self._start_prefix_cache()

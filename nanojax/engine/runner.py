@@ -78,9 +78,11 @@ class ModelRunner:
                  constant_batch: bool = False, min_token_bucket: int = 16,
                  max_pages_per_seq: int | None = None, fixed_shapes: bool = False,
                  broadcast=None, kv_cache_dtype=None, min_row_bucket: int = 4,
-                 token_bucket_step: int | None = None, step_cache=None):
+                 token_bucket_step: int | None = None, step_cache=None,
+                 input_staging: str = "numpy"):
         """step_cache: a nanojax.step_cache.StepCache the traced step's executables are
-        loaded from and stored to (skips tracing on a warm start); None: jit only."""
+        loaded from and stored to (skips tracing on a warm start); None: jit only.
+        input_staging: EngineConfig.input_staging (numpy, put, pinned)."""
         self.cfg = cfg
         self.page_size = page_size
         self.min_row_bucket = min_row_bucket
@@ -104,6 +106,12 @@ class ModelRunner:
         self._lock = threading.Lock()
         # across processes every step's inputs are global arrays: plain jit there
         self.step_cache = step_cache if broadcast is None else None
+        self._staging = None  # (pinned_host or None, device) shardings the inputs go via
+        if input_staging != "numpy" and broadcast is None:
+            dev = jax.devices()[0]  # where prepare() puts the parameters
+            self._staging = (jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+                             if input_staging == "pinned" else None,
+                             jax.sharding.SingleDeviceSharding(dev))
         # Two executables a step: the forward (tokens in, logits and the cache out) and the
         # sampler, whose variants (greedy or sampling: `sample`'s static flag, chosen on
         # the host) are small to compile; neither holds a device-side conditional
@@ -273,6 +281,10 @@ class ModelRunner:
         sampling, logprobs = any_sampling(inputs[4]), any_logprobs(inputs[10])
         if self.broadcast is not None:
             inputs = self.broadcast.place(inputs)
+        elif self._staging is not None:
+            pinned, device = self._staging
+            arrays = inputs[:10] if pinned is None else jax.device_put(inputs[:10], pinned)
+            inputs = jax.device_put(arrays, device) + inputs[10:]
         (host_tokens, token_src, meta, logit_idx, temperature, top_p, top_k, seeds, steps,
          penalties, _) = inputs
         with self._lock:
