@@ -8,6 +8,7 @@ import types
 import numpy as np
 import pytest
 
+from checkpoints.bundle import ModelBundle
 from nanojax.bench.multi_round import run_conversations_offline
 from nanojax.bench.workload import Conversation, make_conversations
 from nanojax.engine.kv_cache import OutOfPages, PageAllocator
@@ -232,8 +233,7 @@ def test_disk_tier_survives_restart_and_rejects_bad_entries(tiny_bundle, recompu
     assert got == ref.run_to_completion()[ref_id].token_ids
     ahead.offloader.close()
     # another model's engine on the same directory sees none of it
-    other = types.SimpleNamespace(config=tiny_bundle.config, tokenizer=None,
-                                  params=_perturbed(tiny_bundle.params))
+    other = ModelBundle(tiny_bundle.config, _perturbed(tiny_bundle.params), None)
     stranger = _engine(other, kv_offload_dir=str(tmp_path), kv_offload_disk_bytes=1 << 20)
     assert stranger.offloader.disk.dir != disk.dir and len(stranger.offloader.disk) == 0
     stranger.offloader.close()
