@@ -161,3 +161,10 @@ def test_engine_timeline_window_profiles_iterations_mid_run(tiny_bundle, tmp_pat
     assert tl["first_iteration"] == 3 and tl["iterations"] == 2
     events = json.loads(path.read_text())["engine"]
     assert events and tl["span_us"] > 0 and 0 < tl["busy_fraction_any"] <= 1
+    # the raw trace is kept, with the engine's host phases for
+    # bench/scripts/engine_host_timeline.py (and no per-call Python events)
+    import gzip
+    raw = json.load(gzip.open(tl["raw_trace"]))["traceEvents"]
+    names = [e["name"] for e in raw if e.get("ph") == "X"]
+    assert names.count("nanojax.launch") == 2 and names.count("nanojax.to_host") == 2
+    assert not any(n.startswith("$") for n in names)

@@ -33,11 +33,13 @@ def _run(engine: LLMEngine, bar, window: TimelineWindow | None) -> tuple[dict, d
     start, done = engine.stats.steps, {}
     engine.run_to_completion(bar, window.at, done)
     first = engine.stats.steps - start
-    events = (timeline.capture(lambda: engine.run_to_completion(bar, window.iterations, done))
+    raw = str(Path(window.path).with_suffix(".trace.json.gz"))
+    events = (timeline.capture(lambda: engine.run_to_completion(bar, window.iterations, done),
+                               keep_trace=raw)
               if not engine.is_idle else [])
     engine.run_to_completion(bar, done=done)
     Path(window.path).write_text(json.dumps({"engine": events}))
-    report = {"path": window.path, "first_iteration": first,
+    report = {"path": window.path, "raw_trace": raw, "first_iteration": first,
               "iterations": window.iterations, **timeline.summarize(events)}
     return done, report
 

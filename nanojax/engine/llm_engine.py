@@ -12,6 +12,7 @@ import itertools
 import time
 
 import numpy as np
+from jax.profiler import TraceAnnotation
 
 from checkpoints.bundle import ModelBundle
 from nanojax.config import EngineConfig
@@ -240,14 +241,17 @@ class LLMEngine:
             prev_rows = {id(e.seq): r for r, e in enumerate(self._in_flight[0].entries)}
         if self.offloader is not None:  # pages of requests aborted since the last step
             self.offloader.flush()
-        batch = self.scheduler.schedule(prev_rows)
+        with TraceAnnotation("nanojax.schedule"):  # phases, for the engine's timelines
+            batch = self.scheduler.schedule(prev_rows)
         if not batch and self._in_flight is None:  # nothing to run but tier pages on the
             self.scheduler.wait_for_loads(0.01)    # way: wait for them, not spin
         t_launch = time.perf_counter()
         loads = self.scheduler.take_loads()
         if loads:  # offloaded pages into fresh ones, ordered before this step
             self.offloader.load(loads)
-        launched = (batch, self.runner.launch(batch), self._record(batch)) if batch else None
+        with TraceAnnotation("nanojax.launch"):
+            launched = ((batch, self.runner.launch(batch), self._record(batch)) if batch
+                        else None)
         if launched and launched[2] is not None:
             launched[2].launch_s = time.perf_counter() - t_launch
             launched[2].inputs_s = self.runner.last_inputs_s
@@ -260,7 +264,8 @@ class LLMEngine:
         self._aborted = []
         if self.config.async_scheduling:
             if self._in_flight is not None:
-                results += self._process(*self._in_flight)
+                with TraceAnnotation("nanojax.process"):
+                    results += self._process(*self._in_flight)
             self._in_flight = launched
         elif launched:
             results += self._process(*launched)
@@ -285,7 +290,8 @@ class LLMEngine:
     def _process(self, batch: ScheduledBatch, out, record: IterationRecord | None = None
                  ) -> list[RequestOutput]:
         t = time.perf_counter()
-        tokens, chosen, top_ids, top_lp = out.to_host()
+        with TraceAnnotation("nanojax.to_host"):
+            tokens, chosen, top_ids, top_lp = out.to_host()
         done = time.perf_counter()
         self.stats.wait_s += done - t
         if record is not None:

@@ -252,7 +252,8 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch) -> StepOutput:
         """Builds the step's inputs on the host and dispatches it; does not block."""
         t = time.perf_counter()
-        inputs = self._host_inputs(batch, *self.shapes_for(batch))
+        with jax.profiler.TraceAnnotation("nanojax.inputs"):
+            inputs = self._host_inputs(batch, *self.shapes_for(batch))
         self.last_inputs_s = time.perf_counter() - t  # CPU work, for the engine's records
         if self.broadcast is not None:
             self.broadcast.send(inputs)
@@ -289,11 +290,13 @@ class ModelRunner:
          penalties, _) = inputs
         with self._lock:
             prev = self._prev
-            self.kv, logits = self._forward(self.params, self.kv, prev, host_tokens,
-                                            token_src, meta, logit_idx)
-            out = self._sample(logits, prev, host_tokens, token_src, logit_idx, temperature,
-                               top_p, top_k, seeds, steps, penalties, sampling=sampling,
-                               logprobs=logprobs)
+            with jax.profiler.TraceAnnotation("nanojax.dispatch_forward"):
+                self.kv, logits = self._forward(self.params, self.kv, prev, host_tokens,
+                                                token_src, meta, logit_idx)
+            with jax.profiler.TraceAnnotation("nanojax.dispatch_sample"):
+                out = self._sample(logits, prev, host_tokens, token_src, logit_idx,
+                                   temperature, top_p, top_k, seeds, steps, penalties,
+                                   sampling=sampling, logprobs=logprobs)
             self._prev = out[0]
         return StepOutput(*out)
 

@@ -9,6 +9,7 @@ import glob
 import gzip
 import json
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -67,16 +68,22 @@ def reclassify(timelines: dict[str, list[dict]]) -> dict[str, list[dict]]:
             for mode, ev in timelines.items()}
 
 
-def capture(fn, log_dir: str | None = None) -> list[dict]:
-    """Runs fn() (which must block on its result) under the profiler; its kernel events."""
+def capture(fn, log_dir: str | None = None, keep_trace: str | None = None) -> list[dict]:
+    """Runs fn() (which must block on its result) under the profiler; its kernel events.
+    keep_trace: a path to copy the raw trace.json.gz to (host threads included: the
+    engine's phases are TraceAnnotations, on the device events' clock)."""
     log_dir = log_dir or tempfile.mkdtemp(prefix="nanojax-trace-")
-    jax.profiler.start_trace(log_dir)
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # a traced Python call costs the host several times it
+    jax.profiler.start_trace(log_dir, profiler_options=options)
     try:
         fn()
     finally:
         jax.profiler.stop_trace()
     newest = max(glob.glob(f"{log_dir}/plugins/profile/*/*.trace.json.gz"),
                  key=lambda p: Path(p).stat().st_mtime)
+    if keep_trace:
+        shutil.copyfile(newest, keep_trace)
     return parse_trace(newest)
 
 
