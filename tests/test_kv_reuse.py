@@ -286,6 +286,43 @@ def test_host_tier_byte_limit_is_lru():
     assert t.contains(b"\x00") and not t.contains(b"\x01") and t.bytes == 3 * 64
 
 
+def test_host_tier_charges_a_split_block_once():
+    """A split's pages are views of one block: charged once while any page is held,
+    released with the last, and the blocks held never exceed max_bytes."""
+    blocks = {name: np.zeros((4, 64), np.uint8) for name in "ab"}
+    owners = {}
+    t = HostTier(5 * 64)
+
+    def put(h, e):
+        t.put(h, e)
+        if e.base is None:
+            owners[h] = e
+        held = {n for n in blocks for i in range(4) if t.contains(f"{n}{i}".encode())}
+        real = sum(blocks[n].nbytes for n in held) + sum(
+            e.nbytes for h, e in owners.items() if t.contains(h))
+        assert t.bytes == real <= t.max_bytes  # charged == the memory the pages keep alive
+
+    for i, e in enumerate(blocks["a"]):  # rows: views, as PageCopier.split returns them
+        put(f"a{i}".encode(), e)
+    assert len(t) == 4 and t.bytes == 4 * 64  # one block, charged once
+    put(b"own", np.zeros(64, np.uint8))  # owns its memory: charged for itself
+    t.get(b"a2"), t.get(b"a3")  # LRU order: a0 a1 own a2 a3
+    put(b"n1", np.zeros(64, np.uint8))  # evicts a0, a1, then `own` frees the room
+    assert [t.contains(h) for h in (b"a0", b"a1", b"own", b"a2", b"a3")] == [
+        False, False, False, True, True]
+    assert t.bytes == 5 * 64 and t.num_evictions == 3  # a's block: still whole, charged
+    put(b"n2", np.zeros(64, np.uint8))  # a2, a3 go: the block goes with its last page
+    assert len(t) == 2 and t.bytes == 2 * 64 and t.num_evictions == 5
+    for i, e in enumerate(blocks["b"]):
+        put(f"b{i}".encode(), e)  # b0 evicts n1 for the block; b1..b3 cost nothing
+    assert len(t) == 5 and t.bytes == 5 * 64 and t.num_evictions == 6
+    put(b"a1", blocks["a"][1])  # a page again: its whole block is charged again
+    assert not t.contains(b"n2") and not t.contains(b"b0") and t.contains(b"a1")
+    big = np.zeros((8, 64), np.uint8)  # a backing beyond the limit: not stored
+    put(b"big", big[0])
+    assert not t.contains(b"big")
+
+
 def test_disk_tier_limit_and_restart_order(tmp_path):
     page = np.arange(70, dtype=np.uint8)
     d = DiskTier(tmp_path, b"fp", 1 << 20)
@@ -305,6 +342,7 @@ def test_disk_tier_limit_and_restart_order(tmp_path):
 
 def test_page_copier_is_generic_over_the_cache_tree(monkeypatch):
     """Per-layer (k, v, scale) with the page axis first, and a leaf without pages."""
+    import jax
     import jax.numpy as jnp
 
     from nanojax.engine import kv_offload
@@ -325,10 +363,22 @@ def test_page_copier_is_generic_over_the_cache_tree(monkeypatch):
     assert cp.warmup() == 4  # compiles the copies, writes nothing
     np.testing.assert_array_equal(np.asarray(runner.kv[1][0]), old[1][0])
     assert cp.paged == [True, True, True, False] * 2
-    entries = cp.split(cp.start_gather([4, 1]), 2)
+    gathered = cp.start_gather([4, 1])
+    entries = cp.split(gathered, 2)
     page = (2 * 4 * 3) * (4 + 2) + 2 * 4  # f32 k, bf16 v, f32 scales: one byte row a page
     assert cp.page_bytes == 2 * page and [e.shape for e in entries] == [(2 * page,)] * 2
     assert entries[0][page + 96:page + 144].tobytes() == old[1][1][4].tobytes()
+    # one host block for the chunk, aliasing neither the gather nor the cache
+    assert entries[0].base is entries[1].base and entries[0].base.flags.owndata
+    assert not any(np.shares_memory(e, x) for e in entries
+                   for x in [np.asarray(gathered)] + [np.asarray(y) for y in
+                                                      jax.tree_util.tree_leaves(runner.kv)])
+    saved = [e.copy() for e in entries]
+    cp.scatter(cp.stage([4, 1], entries[::-1]))  # overwrites the split's own pages
+    assert np.asarray(runner.kv[1][1][4]).tobytes() == old[1][1][1].tobytes()
+    assert all(np.array_equal(e, s) for e, s in zip(entries, saved))
+    cp.scatter(cp.stage([4, 1], entries))  # back as they were
+    entries = cp.split(cp.start_gather([4, 1]), 2)
     cp.scatter(cp.stage([0, 5], entries))  # staged on the device, then copied in
     new = runner.kv
     for layer in range(2):

@@ -8,8 +8,8 @@ offers its pages again (those dropped earlier):
 
 - device -> host: one jitted gather packs the pages into one [pages, page bytes] uint8
   array (every paged leaf of the cache, bit-cast, side by side), dispatched between steps;
-  a background thread copies it to the host (through pinned memory on a GPU, see `split`)
-  and keeps one contiguous row per page, and another writes the disk tier (pages beyond a
+  a background thread copies it to the host in one copy (through pinned memory on a GPU,
+  see `split`) and keeps one row per page, a view of that block, and another writes the disk tier (pages beyond a
   backlog limit are skipped, not waited for). The engine thread only dispatches.
   Gathers not yet copied out hold device memory: past MAX_PENDING_BYTES a save is dropped
   (the pages cost a recompute later), never a stall now.
@@ -158,21 +158,22 @@ class PageCopier:
         return 2 * len(sizes)
 
     def split(self, gathered: jax.Array, n: int) -> list[Entry]:
-        """Copies a gather to the host; one contiguous row per page, owning its memory (a
-        view would keep the whole gather alive in the host tier). On a GPU the copy goes
-        through pinned host memory: jaxlib starts a copy into numpy's pageable memory with
-        the GIL held, and XLA's stream executor may run that copy on the calling thread,
-        blocking until the device gets there, which would stall the engine thread for the
-        GIL. A device_put to pinned_host releases the GIL and returns at once, and numpy
-        reads the pinned buffer in place. Each page is one memcpy with the GIL held
-        (`tobytes`): numpy's copy releases the GIL around every page and must win it back
-        from the engine thread each time, which cut the worker's pace several times over
-        (bench/results/kv_reuse/host_split_cpu.json)."""
+        """Copies a gather to the host; one row per page, each a view of one block that
+        this copy owns (never the cache's memory: on the CPU `np.asarray` may alias it).
+        On a GPU the copy goes through pinned host memory: jaxlib starts a copy into
+        numpy's pageable memory with the GIL held, and XLA's stream executor may run that
+        copy on the calling thread, blocking until the device gets there, which would
+        stall the engine thread for the GIL. A device_put to pinned_host releases the GIL
+        and returns at once, and numpy reads the pinned buffer in place. The chunk is ONE
+        numpy copy, which runs without the GIL: one GIL round trip per chunk, not per page
+        (a copy per page must win the GIL back from the busy engine thread each time; a
+        memcpy per page with the GIL held stalls the engine thread for all of it:
+        bench/results/kv_reuse/host_split_cpu_chunk.json). HostTier charges the block once."""
         if self.pinned:
             gathered = jax.device_put(gathered,
                                       gathered.sharding.with_memory_kind("pinned_host"))
-        host = np.asarray(gathered)
-        return [np.frombuffer(host[i].tobytes(), np.uint8) for i in range(n)]
+        block = np.array(np.asarray(gathered)[:n])
+        return list(block)
 
     def _to_device(self, rows: np.ndarray):
         """Host rows onto the cache's device (through pinned memory where there is some:
@@ -206,13 +207,31 @@ class PageCopier:
             self.runner.update_kv(lambda kv: self._scatter(kv, idx, rows))
 
 
+def _backing(entry: Entry) -> np.ndarray:
+    """The array whose memory an entry holds: the block it is a view of (a split's pages),
+    else the entry itself."""
+    root = entry
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    return root
+
+
 class HostTier:
-    """Pages in host memory by prefix hash, least recently used dropped beyond max_bytes."""
+    """Pages in host memory by prefix hash, least recently used dropped beyond max_bytes.
+
+    A split's pages are views of one block: the tier charges that block once, its whole
+    nbytes, while any of its pages is held, and releases it with the last one (evicting
+    until the charges fit). A chunk's pages are saved together and usually age together,
+    so evicting by page frees whole blocks soon enough, and the memory held is never more
+    than charged. An entry that owns its memory (a disk read) is charged for itself."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self.bytes = 0
-        self._pages: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()
+        self.bytes = 0  # charged: the host memory the held entries keep alive
+        # hash -> (entry, id of its shared backing, or None: it owns its memory)
+        self._pages: collections.OrderedDict[bytes, tuple[Entry, int | None]] = (
+            collections.OrderedDict())
+        self._shared: dict[int, list] = {}  # id -> [backing, pages held]; keeps id valid
         self._lock = threading.Lock()
         self.num_evictions = 0
 
@@ -224,25 +243,42 @@ class HostTier:
 
     def get(self, h: bytes) -> Entry | None:
         with self._lock:
-            e = self._pages.get(h)
-            if e is not None:
-                self._pages.move_to_end(h)
-            return e
+            got = self._pages.get(h)
+            if got is None:
+                return None
+            self._pages.move_to_end(h)
+            return got[0]
 
     def put(self, h: bytes, entry: Entry) -> None:
-        size = entry_bytes(entry)
-        if size > self.max_bytes:
+        backing = _backing(entry)
+        key = None if backing is entry else id(backing)
+        if backing.nbytes > self.max_bytes:
             return
         with self._lock:
             if h in self._pages:
                 self._pages.move_to_end(h)
                 return
-            while self.bytes + size > self.max_bytes:
-                _, old = self._pages.popitem(last=False)
-                self.bytes -= entry_bytes(old)
-                self.num_evictions += 1
-            self._pages[h] = entry
-            self.bytes += size
+            if key is not None and key in self._shared:  # already charged: no eviction
+                self._shared[key][1] += 1
+            else:
+                while self.bytes + backing.nbytes > self.max_bytes:
+                    self._evict_oldest()
+                self.bytes += backing.nbytes
+                if key is not None:
+                    self._shared[key] = [backing, 1]
+            self._pages[h] = (entry, key)
+
+    def _evict_oldest(self) -> None:
+        _, (entry, key) = self._pages.popitem(last=False)
+        self.num_evictions += 1
+        if key is None:
+            self.bytes -= entry.nbytes
+            return
+        held = self._shared[key]
+        held[1] -= 1
+        if held[1] == 0:
+            del self._shared[key]
+            self.bytes -= held[0].nbytes
 
 
 MAGIC = b"NJKV2\n"  # 2: a page is one byte row (1 held an array per leaf)
