@@ -9,15 +9,17 @@ offers its pages again (those dropped earlier):
 - device -> host: one jitted gather packs the pages into one [pages, page bytes] uint8
   array (every paged leaf of the cache, bit-cast, side by side), dispatched between steps;
   a background thread copies it to the host in one copy (through pinned memory on a GPU,
-  see `split`) and keeps one row per page, a view of that block, and another writes the disk tier (pages beyond a
-  backlog limit are skipped, not waited for). The engine thread only dispatches.
+  see `split`) and keeps one row per page, a view of that block, and another writes the
+  disk tier (pages beyond a backlog limit are skipped, not waited for). The engine thread
+  only dispatches.
   Gathers not yet copied out hold device memory: past MAX_PENDING_BYTES a save is dropped
   (the pages cost a recompute later), never a stall now.
 - host -> device: a request whose prefix continues in a tier gets fresh pages; a loader
   thread stacks the rows and puts them on the device (through pinned memory on a GPU),
   while the request waits out of the batch, so the engine thread never copies host
-  memory; then one scatter of the staged rows is dispatched before its first step. When a request arrives, the pages of its
-  prefix that only the disk holds are read into host memory in the background
+  memory; then one scatter of the staged rows is dispatched before its first step. When
+  a request arrives, the pages of its prefix that only the disk holds are read into host
+  memory in the background
   (`prefetch`); a page still on disk at admission is read there, synchronously.
 
 Both tiers are LRU with byte limits. The disk tier lives in DIR/<model fingerprint>/ so a
