@@ -4,6 +4,7 @@ Every engine test runs multi-round conversations (each turn repeats the history)
 share a system prompt, and checks greedy tokens against an engine that recomputes
 everything, that reuse really happened, and that no page leaked."""
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -426,8 +427,12 @@ def test_multi_round_bench_compares_reuse_modes(tmp_path):
                  "--num-pages", "16", "--page-size", "8", "--input-len", "24",
                  "--output-len", "8", "--num-prompts", "4", "--multi-round", "3",
                  "--reuse-modes", "recompute,prefix,offload", "--kv-offload-host-bytes", "1M",
-                 "--json", str(out)]) == 0
+                 "--timeline", str(tmp_path / "tl.json"), "--timeline-at", "2",
+                 "--timeline-iterations", "2", "--json", str(out)]) == 0
     res = json.loads(out.read_text())["results"]
+    for mode, r in res.items():  # the profiled iterations change no token (checked below)
+        assert r["timeline"]["first_iteration"] == 2
+        assert Path(r["timeline"]["raw_trace"]).exists()
     computed = {m: r["prompt_tokens_computed"] for m, r in res.items()}
     assert computed["offload"] < computed["prefix"] < computed["recompute"]
     assert res["prefix"]["same_outputs_as_recompute"] == 1.0

@@ -157,6 +157,7 @@ def test_engine_timeline_window_profiles_iterations_mid_run(tiny_bundle, tmp_pat
                     timeline=TimelineWindow(str(path), at=3, iterations=2))
     assert r["output_digests"] == plain["output_digests"]
     assert r["iterations"] == plain["iterations"]
+    assert len(r["gc"]["runs_by_generation"]) == 3 and r["gc"]["max_pause_ms"] >= 0
     tl = r["timeline"]
     assert tl["first_iteration"] == 3 and tl["iterations"] == 2
     events = json.loads(path.read_text())["engine"]

@@ -48,6 +48,11 @@ MODEL=${MODEL:-random:llama3-8b}; B_DENSE=${B_DENSE:-2048}
 common=(--model "$MODEL" --quiet --b-dense "$B_DENSE" --admission predicted --fixed-shapes
         --max-model-len "$MAX_LEN" --max-num-seqs "${SEQS:-512}")
 quiet() { grep -v "^[WI]1" | tail -n "$1"; }
+# TIMELINE_AT=N (multi, cost): profile 6 iterations of each mode from its N-th; the raw
+# traces (engine phases included) for bench/scripts/engine_host_timeline.py
+if [ -n "${TIMELINE_AT:-}" ]; then
+  common+=(--timeline "$OUT/kv_${PART}_timeline.json" --timeline-at "$TIMELINE_AT")
+fi
 case "$PART" in
 multi)
   timeout "${LIMIT1:-580}" python3 -m nanojax bench "${common[@]}" "${lens[@]}" \

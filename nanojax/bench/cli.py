@@ -54,12 +54,9 @@ def _run_modes(args, bundle, reqs, config, modes: list[str], partial: dict) -> d
             if not is_leader():  # process 0 schedules; this one runs its steps
                 eng.runner.follow()
                 continue
-            window = None
-            if args.timeline:  # one file per mode
-                from nanojax.bench.offline import TimelineWindow
-                path = args.timeline if len(modes) == 1 else f"{args.timeline}.{mode}.json"
-                window = TimelineWindow(path, args.timeline_at, args.timeline_iterations)
-            results[mode] = run_offline(eng, reqs, progress=not args.quiet, timeline=window)
+            from nanojax.bench.offline import timeline_window
+            results[mode] = run_offline(eng, reqs, progress=not args.quiet,
+                                        timeline=timeline_window(args, mode, modes))
             eng.runner.stop_followers()
         except Exception as e:  # record the failure of one mode, measure the others
             if not args.plan:

@@ -56,9 +56,13 @@ def summarize_turns(turns: list[TurnResult], wall: float) -> dict:
 
 
 def run_conversations_offline(engine, convs: list[Conversation], progress: bool = False,
-                              warmup: bool = True) -> dict:
-    """All first turns arrive at once; each later turn arrives when its previous finishes."""
+                              warmup: bool = True, timeline=None) -> dict:
+    """All first turns arrive at once; each later turn arrives when its previous finishes.
+    timeline: a nanojax.bench.offline.TimelineWindow of iterations to profile."""
     from tqdm.auto import tqdm
+
+    from nanojax.bench.offline import run_with_window
+    from nanojax.engine.gc_freeze import frozen_startup_objects
     if warmup and engine.runner.fixed_shapes:
         engine.runner.warmup()
     convs = [c for c in convs if c.turns]
@@ -84,21 +88,26 @@ def run_conversations_offline(engine, convs: list[Conversation], progress: bool 
     for c in range(len(convs)):
         send(c, 0)
     total = sum(len(c.turns) for c in convs)
-    with tqdm(total=total, desc="turns", unit="turn", disable=not progress) as bar:
-        while not engine.is_idle:
-            for out in engine.step():
-                if not out.finished:
-                    continue
-                c, k = owner.pop(out.request_id)
-                results.append(TurnResult(c, k, len(out.prompt_token_ids),
-                                          len(out.outputs[0].token_ids),
-                                          out.first_token_latency or 0.0))
-                digests.append(f"{c}.{k}:" + hashlib.sha1(
-                    str(out.outputs[0].token_ids).encode()).hexdigest()[:12])
-                history[c] = history[c] + list(out.outputs[0].token_ids)
-                bar.update(1)
-                if k + 1 < len(convs[c].turns):
-                    send(c, k + 1)
+    with (tqdm(total=total, desc="turns", unit="turn", disable=not progress) as bar,
+          frozen_startup_objects()):  # as run_to_completion: nanojax/engine/gc_freeze.py
+        def advance(max_steps: int | None) -> None:
+            while not engine.is_idle and (max_steps is None or max_steps > 0):
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    c, k = owner.pop(out.request_id)
+                    results.append(TurnResult(c, k, len(out.prompt_token_ids),
+                                              len(out.outputs[0].token_ids),
+                                              out.first_token_latency or 0.0))
+                    digests.append(f"{c}.{k}:" + hashlib.sha1(
+                        str(out.outputs[0].token_ids).encode()).hexdigest()[:12])
+                    history[c] = history[c] + list(out.outputs[0].token_ids)
+                    bar.update(1)
+                    if k + 1 < len(convs[c].turns):
+                        send(c, k + 1)
+                max_steps = None if max_steps is None else max_steps - 1
+
+        window = run_with_window(engine, advance, timeline)
     wall = time.perf_counter() - t0
     out = summarize_turns(results, wall)
     out.update({
@@ -106,6 +115,7 @@ def run_conversations_offline(engine, convs: list[Conversation], progress: bool 
         "iterations": engine.stats.steps - s0.steps,
         "preemptions": engine.scheduler.num_preemptions,
         "output_digests": sorted(digests),
+        **({"timeline": window} if window else {}),
     })
     if pc is not None:
         out["prefix_cache"] = {"queries": pc.stats.queries - q0, "hits": pc.stats.hits - h0,
@@ -266,7 +276,9 @@ def cmd_multi_round(args, bundle) -> int:
     for mode in modes:
         eng = LLMEngine(bundle, config.replace(**mode_config(mode, args)))
         _warm(eng, bundle.config.vocab_size, eng.scheduler.max_num_seqs, args.seed)
-        results[mode] = r = run_conversations_offline(eng, convs, progress=not args.quiet)
+        from nanojax.bench.offline import timeline_window
+        results[mode] = r = run_conversations_offline(
+            eng, convs, progress=not args.quiet, timeline=timeline_window(args, mode, modes))
         if eng.offloader is not None:
             eng.offloader.close()
         eng = None

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from nanojax.bench.steady import steady_state
 from nanojax.bench.workload import BenchRequest
+from nanojax.engine.gc_freeze import GcPauses
 from nanojax.engine.llm_engine import LLMEngine
 from nanojax.engine.sampling import SamplingParams
 
@@ -23,24 +24,40 @@ class TimelineWindow:
     iterations: int = 6
 
 
-def _run(engine: LLMEngine, bar, window: TimelineWindow | None) -> tuple[dict, dict | None]:
-    """engine.run_to_completion, with the window's iterations under the profiler: is the
-    device busy through them (the step itself is slower than the step benchmark's) or idle
-    between steps (the host holds the next launch back)?"""
+def timeline_window(args, mode: str, modes: list[str]) -> TimelineWindow | None:
+    """The --timeline window of one mode's run (one file per mode when there are several)."""
+    if not args.timeline:
+        return None
+    path = args.timeline if len(modes) == 1 else f"{args.timeline}.{mode}.json"
+    return TimelineWindow(path, args.timeline_at, args.timeline_iterations)
+
+
+def run_with_window(engine: LLMEngine, advance, window: TimelineWindow | None) -> dict | None:
+    """Runs advance(max_steps) (steps the engine until idle, or max_steps steps; None:
+    no limit) to the end, with the window's iterations under the profiler: is the device
+    busy through them (the step itself is slower than the step benchmark's) or idle
+    between steps (the host holds the next launch back)? Returns the window's report.
+    The raw trace (host phases included) goes beside the events, as .trace.json.gz."""
     if window is None:
-        return engine.run_to_completion(bar), None
+        advance(None)
+        return None
     from nanojax.profiling import timeline
-    start, done = engine.stats.steps, {}
-    engine.run_to_completion(bar, window.at, done)
+    start = engine.stats.steps
+    advance(window.at)
     first = engine.stats.steps - start
     raw = str(Path(window.path).with_suffix(".trace.json.gz"))
-    events = (timeline.capture(lambda: engine.run_to_completion(bar, window.iterations, done),
-                               keep_trace=raw)
+    events = (timeline.capture(lambda: advance(window.iterations), keep_trace=raw)
               if not engine.is_idle else [])
-    engine.run_to_completion(bar, done=done)
+    advance(None)
     Path(window.path).write_text(json.dumps({"engine": events}))
-    report = {"path": window.path, "raw_trace": raw, "first_iteration": first,
-              "iterations": window.iterations, **timeline.summarize(events)}
+    return {"path": window.path, "raw_trace": raw, "first_iteration": first,
+            "iterations": window.iterations, **timeline.summarize(events)}
+
+
+def _run(engine: LLMEngine, bar, window: TimelineWindow | None) -> tuple[dict, dict | None]:
+    done = {}
+    report = run_with_window(
+        engine, lambda n: engine.run_to_completion(bar, n, done), window)
     return done, report
 
 
@@ -69,7 +86,8 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
                                                            ignore_eos=True, temperature=0))
            for r in requests]
     t0 = time.perf_counter()
-    with tqdm(total=len(ids), desc="requests", unit="req", disable=not progress) as bar:
+    with (tqdm(total=len(ids), desc="requests", unit="req", disable=not progress) as bar,
+          GcPauses() as gc_pauses):
         done, timeline_report = _run(engine, bar, timeline)
     wall = time.perf_counter() - t0
     trace, engine.stats.trace = engine.stats.trace, None
@@ -97,6 +115,8 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
         "preemptions": engine.scheduler.num_preemptions,
         "compiles_during_run": (engine.runner.num_compiles
                                 + engine.runner.num_sampler_compiles - compiles_before),
+        # the collector's pauses on the engine thread (the loop runs with gc.freeze)
+        "gc": gc_pauses.report(),
         "kv_pages": engine.sizing.num_pages,
         "max_num_seqs": engine.scheduler.max_num_seqs,
         "steady_state": steady_state(trace, engine.config.b_dense,

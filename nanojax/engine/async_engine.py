@@ -19,6 +19,7 @@ import time
 import traceback
 from typing import AsyncIterator
 
+from nanojax.engine.gc_freeze import FrozenWhileBusy
 from nanojax.engine.llm_engine import LLMEngine, RequestError
 from nanojax.engine.outputs import RequestOutput
 from nanojax.engine.sampling import SamplingParams
@@ -115,24 +116,32 @@ class AsyncLLMEngine:
     # ---- engine thread -------------------------------------------------------------------
     def _run(self) -> None:
         eng = self.engine
+        frozen = FrozenWhileBusy()
         try:
-            while not self._stop:
-                self._drain_commands()
-                if eng.is_idle:
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-                    continue
-                outputs = eng.step()
-                if self.on_step is not None:
-                    self.on_step(outputs, eng)
-                for out in outputs:
-                    self._deliver(out.request_id, out)
+            self._loop(eng, frozen)
         except BaseException as e:  # the engine is dead: fail every open stream
             self._error = e
             traceback.print_exc()
             err = EngineDeadError(f"engine failed: {type(e).__name__}: {e}")
             for rid in list(self._streams):
                 self._deliver(rid, err)
+        finally:
+            frozen.release()
+
+    def _loop(self, eng, frozen: FrozenWhileBusy) -> None:
+        while not self._stop:
+            self._drain_commands()
+            if eng.is_idle:
+                frozen.release()
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            frozen.hold()  # gc: see nanojax/engine/gc_freeze.py
+            outputs = eng.step()
+            if self.on_step is not None:
+                self.on_step(outputs, eng)
+            for out in outputs:
+                self._deliver(out.request_id, out)
 
     def _drain_commands(self) -> None:
         while self._commands:

@@ -17,6 +17,7 @@ from jax.profiler import TraceAnnotation
 from checkpoints.bundle import ModelBundle
 from nanojax.config import EngineConfig
 from nanojax.engine.forward import Forward, default_forward
+from nanojax.engine.gc_freeze import frozen_startup_objects
 from nanojax.engine.kv_cache import PageAllocator, size_cache
 from nanojax.engine.outputs import CompletionOutput, RequestOutput
 from nanojax.engine.runner import ModelRunner, default_min_row_bucket
@@ -378,11 +379,12 @@ class LLMEngine:
                           done: dict | None = None) -> dict[str, RequestOutput]:
         """Steps until idle (or max_steps steps); finished outputs added to done."""
         done = {} if done is None else done
-        while not self.is_idle and (max_steps is None or max_steps > 0):
-            for out in self.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    if progress is not None:
-                        progress.update(1)
-            max_steps = None if max_steps is None else max_steps - 1
+        with frozen_startup_objects():
+            while not self.is_idle and (max_steps is None or max_steps > 0):
+                for out in self.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if progress is not None:
+                            progress.update(1)
+                max_steps = None if max_steps is None else max_steps - 1
         return done
