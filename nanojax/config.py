@@ -451,6 +451,10 @@ class EngineConfig:
         "they are), put (one device_put of the input tree first), pinned (through pinned "
         "host memory); an A/B for the H200's idle gap between steps (bench/results §34); "
         "one device only", choices=INPUT_STAGINGS))
+    gc_freeze: bool = dataclasses.field(default=True, metadata=_opt(
+        "run the engine loop with the objects that exist when it starts frozen out of "
+        "Python's garbage collector (gc.freeze), so a full collection does not scan jax's "
+        "and the model's objects between steps (nanojax/engine/gc_freeze.py)"))
     kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
 
     def __post_init__(self):

@@ -89,7 +89,7 @@ def run_conversations_offline(engine, convs: list[Conversation], progress: bool 
         send(c, 0)
     total = sum(len(c.turns) for c in convs)
     with (tqdm(total=total, desc="turns", unit="turn", disable=not progress) as bar,
-          frozen_startup_objects()):  # as run_to_completion: nanojax/engine/gc_freeze.py
+          frozen_startup_objects(engine.config.gc_freeze)):  # as run_to_completion: nanojax/engine/gc_freeze.py
         def advance(max_steps: int | None) -> None:
             while not engine.is_idle and (max_steps is None or max_steps > 0):
                 for out in engine.step():

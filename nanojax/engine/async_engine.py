@@ -116,7 +116,7 @@ class AsyncLLMEngine:
     # ---- engine thread -------------------------------------------------------------------
     def _run(self) -> None:
         eng = self.engine
-        frozen = FrozenWhileBusy()
+        frozen = FrozenWhileBusy(eng.config.gc_freeze)
         try:
             self._loop(eng, frozen)
         except BaseException as e:  # the engine is dead: fail every open stream

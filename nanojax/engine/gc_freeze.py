@@ -26,12 +26,13 @@ class FrozenWhileBusy:
     idle or ends (a server idles for hours: its garbage must not wait for the next
     request). Both are idempotent."""
 
-    def __init__(self):
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled  # False: holds nothing (EngineConfig.gc_freeze)
         self._held = False
 
     def hold(self) -> None:
         global _holders
-        if self._held:
+        if self._held or not self.enabled:
             return
         with _lock:
             if _holders == 0:
@@ -51,8 +52,8 @@ class FrozenWhileBusy:
 
 
 @contextlib.contextmanager
-def frozen_startup_objects():
-    hold = FrozenWhileBusy()
+def frozen_startup_objects(enabled: bool = True):
+    hold = FrozenWhileBusy(enabled)
     hold.hold()
     try:
         yield

@@ -379,7 +379,7 @@ class LLMEngine:
                           done: dict | None = None) -> dict[str, RequestOutput]:
         """Steps until idle (or max_steps steps); finished outputs added to done."""
         done = {} if done is None else done
-        with frozen_startup_objects():
+        with frozen_startup_objects(self.config.gc_freeze):
             while not self.is_idle and (max_steps is None or max_steps > 0):
                 for out in self.step():
                     if out.finished:
