@@ -98,6 +98,13 @@ def test_steady_window_is_between_ramp_up_and_drain():
     assert st["mean_fill"] == pytest.approx(36 / 50)
     assert st["window_s"] == pytest.approx(8.0 - 3.0)  # iteration 7 read minus iteration 2
     assert st["full_iteration_share"] == pytest.approx(2 / 5)
+    assert st["iteration_ms"]["p50"] == 1000 and st["iteration_ms"]["stalls"] == 0
+    recs = _records(fills, waiting)
+    for r in recs[5:]:        # iteration 5 took 3 s: one stall of 2 s over 5 iterations
+        r.done_t += 2.0
+    spread = steady_state(recs, 10, mean_stay=3.2)["iteration_ms"]
+    assert spread["max"] == 3000 and spread["stalls"] == 1
+    assert spread["stall_ms_per_iteration"] == pytest.approx(2000 / 5)
     none = steady_state(_records([1.0] * 4, [2, 0, 0, 0]), 10, mean_stay=3)
     assert none["window"] is None and "never saturated" in none["why_no_window"]
 

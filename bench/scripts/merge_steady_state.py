@@ -15,7 +15,8 @@ from pathlib import Path
 
 STEADY_KEYS = ("window", "window_iterations", "mean_fill", "full_iteration_share",
                "tokens_per_s", "tokens_per_s_at_full_fill", "s_per_iteration",
-               "host_ms_per_iteration", "launch_ms_per_iteration", "device_wait_share", "preemptions", "mean_decodes",
+               "host_ms_per_iteration", "launch_ms_per_iteration", "inputs_ms_per_iteration",
+               "device_wait_share", "preemptions", "mean_decodes", "iteration_ms",
                "mean_running", "max_running", "ramp_iterations", "ramp_mean_fill",
                "drain_iterations", "drain_mean_fill", "why_no_window")
 RUN_KEYS = ("requests", "total_tokens_per_s", "mean_batch_fill", "iterations", "wall_s",
@@ -63,6 +64,9 @@ def merge(step: dict, engine: dict) -> dict:
         "preemptions": st["preemptions"],
         # of the host's time, dispatching the step: large means a dispatch blocked
         "launch_ms_per_iteration": st.get("launch_ms_per_iteration"),
+        # evenly slower iterations, or a few stalls (median and the time above 1.25x it)
+        "iteration_ms": st.get("iteration_ms"),
+        "gc": run.get("gc"),
     }
     tl = run.get("timeline")
     if tl:  # a few profiled iterations: busy ~1 means the device's step itself is slower

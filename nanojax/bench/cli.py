@@ -87,7 +87,9 @@ def _steady_line(st: dict) -> str:
             f"{st['inputs_ms_per_iteration']:.1f})")
     if "tokens_per_s" in st:
         line += (f", {st['tokens_per_s']:.1f} tok/s ({1e3 * st['s_per_iteration']:.1f} "
-                 f"ms/iteration, device wait {100 * st['device_wait_share']:.0f}%)")
+                 f"ms/iteration, median {st['iteration_ms']['p50']:.1f}, stalls "
+                 f"{st['iteration_ms']['stall_ms_per_iteration']:.1f}; device wait "
+                 f"{100 * st['device_wait_share']:.0f}%)")
     return line
 
 

@@ -70,8 +70,23 @@ def steady_state(records: list, b_dense: int, mean_stay: float) -> dict:
             # tokens_per_s is the fill's, the gap to the step benchmark the iteration's
             "tokens_per_s_at_full_fill": b_dense * len(win) / secs,
             "device_wait_share": sum(r.wait_s for r in win) / secs,
+            "iteration_ms": _intervals([records[ramp - 1].done_t] + [r.done_t for r in win]),
         })
     return out
+
+
+def _intervals(done: list) -> dict:
+    """The spread of the window's iteration times (between successive token reads): does
+    the window lose its time evenly, or in a few stalls? stall_ms_per_iteration: the time
+    above 1.25x the median, summed and spread over the window."""
+    ms = sorted(1e3 * (b - a) for a, b in zip(done, done[1:]))
+    if not ms:
+        return {}
+    med = ms[len(ms) // 2]
+    pick = lambda q: ms[min(len(ms) - 1, int(q * len(ms)))]  # noqa: E731
+    return {"p50": med, "p90": pick(0.9), "p99": pick(0.99), "max": ms[-1],
+            "stalls": sum(x > 1.25 * med for x in ms),
+            "stall_ms_per_iteration": sum(x - med for x in ms if x > 1.25 * med) / len(ms)}
 
 
 def _fill(records: list, b_dense: int) -> float | None:
