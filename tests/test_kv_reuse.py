@@ -41,7 +41,7 @@ def _assert_no_leaks(eng):
     a = eng.allocator
     a.check_consistent()
     assert a.num_used == 0 and a.num_free == a.num_pages
-    assert all(c == 0 for c in a.refcount)
+    assert all(c == 0 for c in a.refcount) and a.num_held == 0  # no offload hold left
     assert eng.kv_usage == 0.0
 
 
@@ -96,14 +96,93 @@ def test_aborts_keep_counts(tiny_bundle, recompute):
     _assert_no_leaks(eng)
 
 
+def _count_reclaims(eng) -> list:
+    """Counts the allocator's reclaims (held pages it needed: a forced flush each)."""
+    calls, real = [], eng.allocator.reclaim
+    eng.allocator.reclaim = lambda: (calls.append(eng.allocator.num_held), real())
+    return calls
+
+
 def test_host_tier_loads_instead_of_recomputing(tiny_bundle, recompute):
     eng = _engine(tiny_bundle, kv_offload_host_bytes=1 << 20)
+    reclaims = _count_reclaims(eng)
     r = run_conversations_offline(eng, _conversations())
     assert r["output_digests"] == recompute[1]
     assert r["offload"]["saved_pages"] > 0 and r["offload"]["loaded_host_pages"] > 0
     assert r["prefix_cache"]["tier_hits"] == r["offload"]["loaded_host_pages"] * PAGE
+    assert reclaims and all(reclaims)  # 16 pages: the allocator needed held pages back
     _assert_no_leaks(eng)
     eng.offloader.close()
+
+
+def test_offload_batches_its_gathers(tiny_bundle, recompute):
+    """Saved pages wait for a whole chunk (or MAX_SAVE_WAIT iterations) before one gather
+    copies them out: far fewer gathers than iterations that save, the same pages saved
+    and the same tokens as a flush forced every iteration (the engine before batching)."""
+    runs = {}
+    for eager in (False, True):
+        # room for every conversation: nothing evicted, so the two runs save the same
+        eng = _engine(tiny_bundle, kv_offload_host_bytes=1 << 20, num_pages=64)
+        off, saving = eng.offloader, set()
+        save, flush = off.save, off.flush
+
+        def spy_save(pages, hashes, off=off, save=save, saving=saving, eng=eng):
+            queued = len(off._to_save)
+            save(pages, hashes)
+            if len(off._to_save) > queued:
+                saving.add(eng.stats.steps)
+        off.save = spy_save
+        if eager:
+            off.flush = lambda force=False, flush=flush: flush(force=True)
+        r = run_conversations_offline(eng, _conversations())
+        assert r["output_digests"] == recompute[1]
+        _assert_no_leaks(eng)
+        off.close()
+        runs[eager] = r["offload"], len(saving)
+    (batched, saving), (eager, eager_saving) = runs[False], runs[True]
+    assert saving > 20 and eager["gathers"] >= eager_saving  # one gather an iteration
+    assert batched["gathers"] <= saving / 4
+    assert batched["saved_pages"] == eager["saved_pages"] > 0
+    assert batched["saves_dropped"] == batched["save_errors"] == 0
+
+
+def test_held_pages_through_preemption_and_abort(tiny_bundle, recompute):
+    """Pages queued for the tier are held, not used: a tight cache preempts no more than
+    without offload, a preempted or aborted request's held pages go back after their
+    copy, and the survivors' tokens are the recompute's."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(10, 500, size=20).tolist() for _ in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    got = {}
+    for offload in (0, 1 << 20):
+        eng = _engine(tiny_bundle, kv_offload_host_bytes=offload)
+        held_at_preemption, preempt = [], eng.scheduler._preempt
+
+        def spy(seq, eng=eng, preempt=preempt, held=held_at_preemption):
+            held.append(sum(p in eng.allocator._holds for p in seq.pages))
+            preempt(seq)
+        eng.scheduler._preempt = spy
+        ids = [eng.add_request(p, params) for p in prompts]
+        for _ in range(12):
+            eng.step()
+        aborted = next(i for i in ids if eng.requests[i] in eng.scheduler.running)
+        if offload:
+            assert eng.allocator.num_held > 0  # saves wait for a chunk, held meanwhile
+        assert eng.abort_request(aborted)
+        done = eng.run_to_completion()
+        _assert_no_leaks(eng)
+        got[offload] = ({i: done[i].token_ids for i in ids if i != aborted},
+                        len(held_at_preemption), held_at_preemption)
+        if offload:
+            assert eng.offloader.stats.saved_pages > 0
+            eng.offloader.close()
+    (plain, n_plain, _), (offl, n_offl, held) = got[0], got[1 << 20]
+    assert offl == plain and n_offl == n_plain > 0
+    assert any(held)  # a victim had pages waiting for their copy out
+    ref = recompute[0]
+    ref_ids = {i: ref.add_request(p, params) for i, p in zip(ids, prompts) if i != aborted}
+    ref_done = ref.run_to_completion()
+    assert all(offl[i] == ref_done[r].token_ids for i, r in ref_ids.items())
 
 
 def test_pages_reach_the_host_tier_as_they_fill(tiny_bundle):
@@ -271,6 +350,86 @@ def test_allocator_refcounts_and_lru_eviction():
     assert a.num_free == 4
 
 
+def test_allocator_holds_count_as_free_until_handed_out():
+    """A held page stays off the free lists only while a sequence uses it; allocate()
+    reclaims (releases every hold) before it hands out a held page, never earlier."""
+    a = PageAllocator(4)
+    p = a.allocate(2)  # pages 0, 1
+    assert a.register(p[0], b"x")
+    with pytest.raises(RuntimeError):
+        a.hold(3)  # not in use: nothing to hold
+    a.hold(p[0])
+    a.free([p[1], p[0]])
+    assert a.num_free == 4 and a.num_used == 0 and a.num_held == 1 and a.is_free(p[0])
+    assert a.refcount[p[0]] == 1
+    with pytest.raises(RuntimeError):
+        a.free([p[0]])  # only the hold keeps it: no sequence may drop it again
+    a.ref(p[0])  # a prefix hit takes a held cached page
+    assert a.num_free == 3 and not a.is_free(p[0])
+    a.free([p[0]])
+    a.check_consistent()
+    calls = []
+    a.reclaim = lambda: (calls.append(1), a.release([p[0]]))
+    assert sorted(a.allocate(3)) == [1, 2, 3] and calls == []  # plain pages first
+    assert a.allocate(1) == [p[0]] and calls == [1]  # the held page: reclaimed first
+    assert a.num_evictions == 1 and a.num_held == 0 and a.lookup(b"x") is None
+    with pytest.raises(RuntimeError):
+        a.release([p[0]])  # not held
+    a.hold(2)
+    a.hold(2)  # two holds, released one at a time
+    a.release([2])
+    a.free([0, 1, 2, 3])
+    assert a.num_free == 4 and a.num_held == 1
+    a.release([2])
+    a.check_consistent()
+    assert a.num_held == 0 and all(c == 0 for c in a.refcount)
+
+
+def test_offloader_flushes_whole_chunks_and_never_leaks_holds(monkeypatch):
+    """flush() gathers whole chunks; a part chunk waits MAX_SAVE_WAIT flushes (or a
+    forced flush); a dropped save and a gather that raises release their holds too."""
+    import jax.numpy as jnp
+
+    from nanojax.engine import kv_offload
+    monkeypatch.setattr(kv_offload, "MAX_COPY_PAGES", 4)  # chunks of 4 pages
+    kv = [jnp.arange(16 * 8, dtype=jnp.float32).reshape(16, 8)]
+    runner = types.SimpleNamespace(kv=kv, with_kv=lambda fn: fn(kv))
+    a = PageAllocator(16)
+    off = kv_offload.KVOffloader(runner, 16, 0, b"fp", host_bytes=1 << 20, allocator=a)
+    pages = a.allocate(10)
+    hashes = [bytes([i]) * 4 for i in range(10)]
+    off.save(pages[:6], hashes[:6])
+    off.flush()  # one whole chunk goes; two pages wait, held
+    assert off.stats.gathers == 1 and a.num_held == 2
+    for _ in range(kv_offload.MAX_SAVE_WAIT - 2):
+        off.flush()
+    assert off.stats.gathers == 1 and a.num_held == 2
+    off.flush()  # the oldest has waited MAX_SAVE_WAIT flushes
+    assert off.stats.gathers == 2 and a.num_held == 0
+    off.save(pages[6:8], hashes[6:8])
+    off.save(pages[:2], hashes[:2])  # saved (or on the way) already: not queued again
+    assert a.num_held == 2
+    monkeypatch.setattr(kv_offload, "MAX_PENDING_BYTES", 0)  # every gather dropped
+    off.flush(force=True)
+    assert off.stats.saves_dropped == 2 and a.num_held == 0
+    monkeypatch.setattr(kv_offload, "MAX_PENDING_BYTES", 1 << 30)
+
+    def broken(pages):
+        raise RuntimeError("no gather")
+    monkeypatch.setattr(off.copier, "start_gather", broken)
+    off.save(pages[6:10], hashes[6:10])  # dropped ones may be queued again
+    off.flush()
+    assert off.stats.save_errors == 1 and a.num_held == 0
+    monkeypatch.undo()
+    a.free(pages)
+    a.check_consistent()
+    assert a.num_free == 16 and all(c == 0 for c in a.refcount)
+    off.drain()
+    assert off.stats.saved_pages == 6 and off._pending == 0  # the failed gather's bytes too
+    assert len(off.fetch(hashes[:6])) == 6 and not off.contains(hashes[6])
+    off.close()
+
+
 def test_hash_chain_names_prefix_and_model():
     a, b = block_hash(b"m1", [1, 2, 3]), block_hash(b"m1", [1, 2, 3])
     assert a == b and block_hash(b"m2", [1, 2, 3]) != a
@@ -322,6 +481,10 @@ def test_host_tier_charges_a_split_block_once():
     big = np.zeros((8, 64), np.uint8)  # a backing beyond the limit: not stored
     put(b"big", big[0])
     assert not t.contains(b"big")
+    many = HostTier(5 * 64)  # a chunk at once (the offload worker's way): the same charge
+    many.put_many([b"c0", b"own", b"c1"], [blocks["a"][0], np.zeros(64, np.uint8),
+                                           blocks["a"][1]])
+    assert len(many) == 3 and many.bytes == blocks["a"].nbytes + 64
 
 
 def test_disk_tier_limit_and_restart_order(tmp_path):

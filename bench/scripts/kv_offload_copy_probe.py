@@ -10,7 +10,8 @@ copies it to the host by one METHOD:
             offloader before 2026-12-01 evening)
   worker    np.asarray in the worker only
   pinned    jax.device_put to pinned_host in the worker, then np.asarray (zero copy)
-  offloader the real KVOffloader (host tier) fed by the same gathers
+  offloader the real KVOffloader (host tier) fed by the same gathers (a forced flush
+            every iteration: one gather each, as the engine's before batching)
 and, the other way, LOAD_PAGES host pages scattered into the pool each iteration before
 the next step (a returning conversation's pages), by one of:
   load_numpy    rows stacked in numpy on the loop thread, passed to the jitted scatter
@@ -74,7 +75,7 @@ def run(method: str, args, pool, step, gather, x0, pages_per_iter: int, rng,
                                 host_bytes=int(args.host_gb * (1 << 30)))
         offloader.save(list(range(pages_per_iter)),  # its gather compiled before the clock
                        [b"warm" + i.to_bytes(12, "little") for i in range(pages_per_iter)])
-        offloader.flush()
+        offloader.flush(force=True)
         offloader.drain()
 
     def worker():
@@ -130,7 +131,7 @@ def run(method: str, args, pool, step, gather, x0, pages_per_iter: int, rng,
                           range(serial, serial + pages_per_iter)]
                 serial += pages_per_iter
                 offloader.save(list(idx), hashes)
-                offloader.flush()
+                offloader.flush(force=True)
             else:
                 g = gather(pool, idx)
                 if method == "async":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,16 @@ class PageAllocator:
     a later request with that prefix takes it back (`ref`) instead of recomputing it. New
     pages come from plain free pages first, then from cached-free pages least recently
     freed first, which drops their hash (eviction). With no page ever registered this is
-    a plain free list."""
+    a plain free list.
+
+    A hold (`hold`, `release`) is a reference the KV offload takes on a page queued for
+    its copy out, so that the page is not handed out, and overwritten, before that copy is
+    dispatched. Holds are not uses: a page that only holds keep is free (it joins the free
+    lists when its last sequence lets go, in the same order as without holds, and counts
+    in num_free, so the scheduler admits and preempts as if no page were held); only
+    handing it out must wait, so `allocate` first calls `reclaim` (the offloader's forced
+    flush: it dispatches the copies and releases every hold) when it would take a held
+    page."""
 
     def __init__(self, num_pages: int):
         if num_pages < 1:
@@ -37,14 +47,16 @@ class PageAllocator:
         self.num_pages = num_pages
         self._plain = list(range(num_pages - 1, -1, -1))   # free, no hash; pop() = lowest
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self.refcount = [0] * num_pages
+        self.refcount = [0] * num_pages  # references: sequences' and holds
         self._hash_of: dict[int, bytes] = {}    # page -> its prefix hash (cached pages)
         self._page_of: dict[bytes, int] = {}    # prefix hash -> page
+        self._holds: dict[int, int] = {}        # page -> holds among its references
+        self.reclaim = None  # releases every hold: set by whoever takes them
         self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
-        """Pages allocate() can hand out: plain free and cached-free ones."""
+        """Pages allocate() can hand out: plain free and cached-free ones (held or not)."""
         return len(self._plain) + len(self._evictable)
 
     @property
@@ -56,9 +68,24 @@ class PageAllocator:
     def num_cached(self) -> int:
         return len(self._page_of)
 
+    @property
+    def num_held(self) -> int:
+        """Pages with a hold on them (queued for the KV offload's copy out)."""
+        return len(self._holds)
+
+    def is_free(self, page: int) -> bool:
+        """Whether no sequence references the page (it counts in num_free)."""
+        return self.refcount[page] == self._holds.get(page, 0)
+
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free:
             raise OutOfPages(f"need {n} pages, {self.num_free} free")
+        if self._holds and self._takes_held(n):
+            if self.reclaim is None:
+                raise RuntimeError("a held page is needed and nothing can release it")
+            self.reclaim()
+            if self._holds and self._takes_held(n):
+                raise RuntimeError(f"reclaim left {self.num_held} pages held")
         pages = []
         for _ in range(n):
             if self._plain:
@@ -71,18 +98,48 @@ class PageAllocator:
             pages.append(p)
         return pages
 
+    def _takes_held(self, n: int) -> bool:
+        """Whether the next n pages allocate() hands out include a held one."""
+        held = self._holds
+        plain = self._plain[max(0, len(self._plain) - n):]
+        return (any(p in held for p in plain) or
+                any(p in held for p in itertools.islice(self._evictable, n - len(plain))))
+
     def free(self, pages: list[int]) -> None:
         """Drops one reference to each page. Give a sequence's pages tail first: cached
         pages are evicted in the order they are freed, so a prefix outlives its tail."""
         for p in pages:
-            if self.refcount[p] <= 0:
+            held = self._holds.get(p, 0)
+            if self.refcount[p] <= held:
                 raise RuntimeError(f"page {p} freed twice or never allocated")
             self.refcount[p] -= 1
-            if self.refcount[p] == 0:
+            if self.refcount[p] == held:  # free now (if held: handed out after a reclaim)
                 if p in self._hash_of:
                     self._evictable[p] = None
                 else:
                     self._plain.append(p)
+
+    # ---- holds (the KV offload's copies out) ----------------------------------------------
+    def hold(self, page: int) -> None:
+        """One more reference to an in-use page, kept until `release`: allocate() does not
+        hand the page out while it has one (see the class docstring)."""
+        if self.refcount[page] <= 0:
+            raise RuntimeError(f"page {page} is not in use: nothing to hold")
+        self.refcount[page] += 1
+        self._holds[page] = self._holds.get(page, 0) + 1
+
+    def release(self, pages: list[int]) -> None:
+        """Drops one hold on each page (its copy out is dispatched, or given up); a page
+        that is free stays where it is in the free lists."""
+        for p in pages:
+            held = self._holds.get(p, 0)
+            if held <= 0:
+                raise RuntimeError(f"page {p} released but not held")
+            self.refcount[p] -= 1
+            if held == 1:
+                del self._holds[p]
+            else:
+                self._holds[p] = held - 1
 
     # ---- the prefix cache's index ----------------------------------------------------------
     def lookup(self, block_hash: bytes) -> int | None:
@@ -92,14 +149,14 @@ class PageAllocator:
         """Shares a cached page with one more sequence (takes it off the free list)."""
         if page not in self._hash_of:
             raise RuntimeError(f"page {page} is not a cached page")
-        if self.refcount[page] == 0:
+        if self.is_free(page):
             del self._evictable[page]
         self.refcount[page] += 1
 
     def register(self, page: int, block_hash: bytes) -> bool:
         """Marks an in-use page as holding the full page `block_hash`. False where another
         page already holds it (this one then stays private and is not cached)."""
-        if self.refcount[page] <= 0:
+        if self.is_free(page):
             raise RuntimeError(f"page {page} is not in use")
         if block_hash in self._page_of or page in self._hash_of:
             return False
@@ -108,13 +165,15 @@ class PageAllocator:
         return True
 
     def check_consistent(self) -> None:
-        """Every page exactly once: in use, plain free or cached-free (tests call this)."""
+        """Every page exactly once: in use, plain free or cached-free (held or not);
+        holds among the references (tests call this)."""
         plain, evictable = set(self._plain), set(self._evictable)
-        used = {p for p in range(self.num_pages) if self.refcount[p] > 0}
+        used = {p for p in range(self.num_pages) if not self.is_free(p)}
         assert len(plain) == len(self._plain), "a page is twice on the free list"
         assert not (plain & evictable) and not (used & (plain | evictable)), "page overlap"
         assert len(plain | evictable | used) == self.num_pages, "a page went missing"
         assert all(c >= 0 for c in self.refcount)
+        assert all(0 < n <= self.refcount[p] for p, n in self._holds.items())
         assert evictable <= set(self._hash_of) and not (plain & set(self._hash_of))
         assert all(self._page_of[h] == p for p, h in self._hash_of.items())
 

@@ -161,7 +161,7 @@ class LLMEngine:
             from nanojax.engine.kv_offload import KVOffloader
             self.offloader = KVOffloader(self.runner, self.sizing.num_pages, axis, fp,
                                          cfg.kv_offload_host_bytes, cfg.kv_offload_dir,
-                                         cfg.kv_offload_disk_bytes)
+                                         cfg.kv_offload_disk_bytes, self.allocator)
         self.prefix_cache = PrefixCache(self.allocator, cfg.page_size, fp, self.offloader)
         self.scheduler.prefix_cache = self.prefix_cache
 
@@ -240,8 +240,6 @@ class LLMEngine:
         prev_rows = {}
         if self._in_flight is not None:
             prev_rows = {id(e.seq): r for r, e in enumerate(self._in_flight[0].entries)}
-        if self.offloader is not None:  # pages of requests aborted since the last step
-            self.offloader.flush()
         with TraceAnnotation("nanojax.schedule"):  # phases, for the engine's timelines
             batch = self.scheduler.schedule(prev_rows)
         if not batch and self._in_flight is None:  # nothing to run but tier pages on the
@@ -270,8 +268,11 @@ class LLMEngine:
             self._in_flight = launched
         elif launched:
             results += self._process(*launched)
-        if self.offloader is not None:  # pages saved this iteration: copied out before reuse
-            self.offloader.flush()
+        if self.offloader is not None:
+            # saved pages are held until their copy out is dispatched, in whole chunks
+            # (a gather's dispatch costs the same for 5 pages as for 128); with nothing
+            # launched or left to run, the rest goes now (kv_offload.py's docstring)
+            self.offloader.flush(force=launched is None or not self.requests)
         waited = self.stats.wait_s - wait_before
         host = time.perf_counter() - start - waited
         self.stats.host_s += host

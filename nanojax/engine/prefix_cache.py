@@ -77,8 +77,9 @@ class OffloadTier(Protocol):
 
     def save(self, pages: list[int], hashes: list[bytes]) -> None:
         """Queues copies of these GPU pages, full and written (or being written) by a
-        launched step; best effort (a page may be dropped), copied out before the next
-        schedule can hand the pages to anyone else."""
+        launched step; best effort (a page may be dropped). The tier holds each page in
+        the allocator (PageAllocator.hold) until its copy out is dispatched, so nobody
+        gets it to overwrite before then."""
 
 
 @dataclasses.dataclass

@@ -326,7 +326,7 @@ class Scheduler:
         peak of everyone's pages (`predicted_peak`)."""
         shared = match.gpu_pages
         need = pages_needed(seq.num_known + 1, self.page_size) - len(shared)
-        need += sum(self.allocator.refcount[p] == 0 for p in shared)  # leave the free list
+        need += sum(map(self.allocator.is_free, shared))  # these leave the free count
         if need + room.owed + len(self.running) > self.allocator.num_free:
             return False
         if self.admission == "predicted" and self.running:
