@@ -1,0 +1,99 @@
+"""Where the CPU prefill's time-to-first-token gap is (issue 20 item 4): the engine's CPU
+prefill attention (`_blocked_attention` over the paged cache, nanojax/layers/attention.py)
+against torch's SDPA (causal, grouped-query) on the same shapes, in one process: one
+layer of SmolLM2-135M (9 query heads, 3 KV heads, head dim 64) over one ~1,500-token
+prompt, float32, as `nanojax bench latency`'s prefill case runs it (1,536 token rows,
+pages of 16, a 128-page table). Best of REPEATS per variant, alternating.
+Usage: python bench/scripts/cpu_prefill_attention_probe.py OUT.json [--tokens 1500]
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from nanojax.layers.attention import PagedMetadata, _blocked_attention  # noqa: E402
+from nanojax.profiling.record import run_record, write_json  # noqa: E402
+
+H, KVH, D, PS, WIDTH, NUM_PAGES = 9, 3, 64, 16, 128, 1024
+VARIANTS = {"query 256 / keys 16 pages (the engine's)": (256, 16),
+            "query 512 / keys 16 pages": (512, 16), "query 256 / keys 32 pages": (256, 32),
+            "query 512 / keys 32 pages": (512, 32), "query 128 / keys 8 pages": (128, 8)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--tokens", type=int, default=1500)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    import torch
+    threads = len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    n = args.tokens
+    t = -(-n // 128) * 128  # the engine's token bucket (steps of 128)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((t, H, D), np.float32)
+    k = rng.standard_normal((n, KVH, D), np.float32)
+    v = rng.standard_normal((n, KVH, D), np.float32)
+    first = 5  # the prompt's pages: 5, 6, ... (a table that does not start at page 0)
+    pages = np.zeros((NUM_PAGES, KVH, PS, D), np.float32)
+    vpages = np.zeros_like(pages)
+    for i in range(n):
+        pages[first + i // PS, :, i % PS] = k[i]
+        vpages[first + i // PS, :, i % PS] = v[i]
+    pos = np.zeros(t, np.int32)
+    pos[:n] = np.arange(n)
+    slot = np.full(t, -1, np.int32)
+    slot[:n] = np.arange(n) + first * PS
+    table = (first + np.arange(WIDTH, dtype=np.int32))[None]
+    meta = PagedMetadata(jnp.asarray(pos), jnp.asarray(slot), jnp.zeros(t, jnp.int32),
+                         jnp.asarray(table), jnp.asarray([n], jnp.int32),
+                         jnp.asarray(0, jnp.int32))
+    qj, kp, vp = jnp.asarray(q), jnp.asarray(pages), jnp.asarray(vpages)
+    fns = {name: jax.jit(lambda q, kp, vp, m, bq=bq, bp=bp: _blocked_attention(
+        q, kp, vp, m, per_token=False, block_pages=bp, block_q=bq))
+        for name, (bq, bp) in VARIANTS.items()}
+    qt = torch.from_numpy(q[:n].transpose(1, 0, 2).copy())[None]
+    kt = torch.from_numpy(k.transpose(1, 0, 2).copy())[None]
+    vt = torch.from_numpy(v.transpose(1, 0, 2).copy())[None]
+
+    def sdpa():
+        return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True,
+                                                                enable_gqa=True)
+    ref = sdpa()[0].transpose(0, 1).numpy()
+    times = {name: [] for name in [*fns, "torch sdpa"]}
+    errors = {}
+    for name, f in fns.items():  # compile and check against torch once
+        out = np.asarray(f(qj, kp, vp, meta))[:n]
+        errors[name] = float(np.max(np.abs(out - ref)))
+    sdpa()
+    for _ in range(args.repeats):
+        for name, f in fns.items():
+            s = time.perf_counter()
+            jax.block_until_ready(f(qj, kp, vp, meta))
+            times[name].append(time.perf_counter() - s)
+        s = time.perf_counter()
+        sdpa()
+        times["torch sdpa"].append(time.perf_counter() - s)
+    best = {name: 1e3 * min(ts) for name, ts in times.items()}
+    ours = best["query 256 / keys 16 pages (the engine's)"]
+    out = {**run_record(), "command": " ".join(["python", *sys.argv]),
+           "what": __doc__.split("\n\n")[0], "tokens": n, "token_rows": t,
+           "threads": threads, "torch": torch.__version__, "load_average_before": os.getloadavg(),
+           "ms_per_layer_best": best, "max_abs_error_vs_torch": errors,
+           "ours_over_torch": ours / best["torch sdpa"],
+           "ms_per_prefill_30_layers": {k: 30 * v for k, v in best.items()}}
+    for name, ms in best.items():
+        print(f"{name:45s} {ms:8.2f} ms/layer", file=sys.stderr)
+    print(json.dumps({"ours_over_torch": out["ours_over_torch"]}))
+    write_json(args.out, out)
+
+
+if __name__ == "__main__":
+    main()
