@@ -1,9 +1,10 @@
 """Where the CPU prefill's time-to-first-token gap is (issue 20 item 4): the engine's CPU
-prefill attention (`_blocked_attention` over the paged cache, nanojax/layers/attention.py)
+attention (`attend_cpu`, its prefill branch: blocked over the paged cache,
+nanojax/layers/attention.py; RoPE on the queries included)
 against torch's SDPA (causal, grouped-query) on the same shapes, in one process: one
 layer of SmolLM2-135M (9 query heads, 3 KV heads, head dim 64) over one ~1,500-token
 prompt, float32, as `nanojax bench latency`'s prefill case runs it (1,536 token rows,
-pages of 16, a 128-page table). Best of REPEATS per variant, alternating.
+pages of 16, a 128-page table). Best of REPEATS, the two alternating.
 Usage: python bench/scripts/cpu_prefill_attention_probe.py OUT.json [--tokens 1500]
 """
 import argparse
@@ -17,13 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from nanojax.layers.attention import PagedMetadata, _blocked_attention  # noqa: E402
+from nanojax.layers.attention import PagedMetadata, attend_cpu  # noqa: E402
+from nanojax.layers.rotary import apply_rope, inverse_frequencies  # noqa: E402
 from nanojax.profiling.record import run_record, write_json  # noqa: E402
 
 H, KVH, D, PS, WIDTH, NUM_PAGES = 9, 3, 64, 16, 128, 1024
-VARIANTS = {"query 256 / keys 16 pages (the engine's)": (256, 16),
-            "query 512 / keys 16 pages": (512, 16), "query 256 / keys 32 pages": (256, 32),
-            "query 512 / keys 32 pages": (512, 32), "query 128 / keys 8 pages": (128, 8)}
+OURS = "nanojax attend_cpu"
 
 
 def main():
@@ -56,10 +56,10 @@ def main():
                          jnp.asarray(table), jnp.asarray([n], jnp.int32),
                          jnp.asarray(0, jnp.int32))
     qj, kp, vp = jnp.asarray(q), jnp.asarray(pages), jnp.asarray(vpages)
-    fns = {name: jax.jit(lambda q, kp, vp, m, bq=bq, bp=bp: _blocked_attention(
-        q, kp, vp, m, per_token=False, block_pages=bp, block_q=bq))
-        for name, (bq, bp) in VARIANTS.items()}
-    qt = torch.from_numpy(q[:n].transpose(1, 0, 2).copy())[None]
+    inv_freq = inverse_frequencies(D, 100000.0)  # SmolLM2's rope theta
+    fns = {OURS: jax.jit(lambda q, kp, vp, m: attend_cpu(q, (kp, vp), m, inv_freq))}
+    roped = np.asarray(apply_rope(qj, meta.positions, inv_freq))  # torch gets the same q
+    qt = torch.from_numpy(roped[:n].transpose(1, 0, 2).copy())[None]
     kt = torch.from_numpy(k.transpose(1, 0, 2).copy())[None]
     vt = torch.from_numpy(v.transpose(1, 0, 2).copy())[None]
 
@@ -82,7 +82,7 @@ def main():
         sdpa()
         times["torch sdpa"].append(time.perf_counter() - s)
     best = {name: 1e3 * min(ts) for name, ts in times.items()}
-    ours = best["query 256 / keys 16 pages (the engine's)"]
+    ours = best[OURS]
     out = {**run_record(), "command": " ".join(["python", *sys.argv]),
            "what": __doc__.split("\n\n")[0], "tokens": n, "token_rows": t,
            "threads": threads, "torch": torch.__version__, "load_average_before": os.getloadavg(),
@@ -90,7 +90,7 @@ def main():
            "ours_over_torch": ours / best["torch sdpa"],
            "ms_per_prefill_30_layers": {k: 30 * v for k, v in best.items()}}
     for name, ms in best.items():
-        print(f"{name:45s} {ms:8.2f} ms/layer", file=sys.stderr)
+        print(f"{name:25s} {ms:8.2f} ms/layer", file=sys.stderr)
     print(json.dumps({"ours_over_torch": out["ours_over_torch"]}))
     write_json(args.out, out)
 
