@@ -13,7 +13,7 @@ def _fake_server(latency_per_rate=0.05, fail_at=None):
         failed = int(fail_at is not None and rate >= fail_at)
         mean = latency_per_rate * rate
         return {"request_rate": rate, "failed_requests": failed, "total_token_throughput":
-                100.0 * rate, "normalized_latency_s_per_token": {"mean": mean, "p99": 2 * mean},
+                100.0 * rate, "request_throughput": min(rate, 6.0), "normalized_latency_s_per_token": {"mean": mean, "p99": 2 * mean},
                 "per_request": [{}] * len(reqs)}
     return run, calls
 
@@ -55,3 +55,28 @@ def test_rates_and_plot_inputs_are_checked(tmp_path):
     (tmp_path / "one.json").write_text('{"successful_requests": 3}')
     with pytest.raises(SystemExit, match="no sweep"):
         serve_sweep.main([str(tmp_path / "one.json"), "--out", str(tmp_path / "x.png")])
+
+
+def test_a_rate_the_server_did_not_keep_up_with_is_out_of_the_slo():
+    """A short run past saturation ends before its queue pushes the latency past the SLO:
+    the finished-over-arrived ratio keeps such a rate out; several files of one trace
+    (rate ranges run apart) merge into one sweep."""
+    from nanojax.bench.serve import RequestResult, completion_ratio_late
+    kept = [RequestResult(1, 4, True, start=t, e2e=0.5) for t in range(20)]
+    assert completion_ratio_late(kept) == 1.0
+    # finishing one request a second while two arrive: half the late arrivals are served
+    behind = [RequestResult(1, 4, True, start=t / 2, e2e=t / 2 + 0.1) for t in range(20)]
+    assert completion_ratio_late(behind) < 0.6
+    assert completion_ratio_late(kept[:1]) is None
+    lat = {"mean": 0.05, "p99": 0.1}
+    low = {"sweep": [{"request_rate": 2.0, "failed_requests": 0, "completion_ratio_late": 1.0,
+                      "normalized_latency_s_per_token": lat}], "rates_planned": [2.0],
+           "saturated": False}
+    high = {"sweep": [{"request_rate": 64.0, "failed_requests": 0, "completion_ratio_late": 0.4,
+                       "normalized_latency_s_per_token": lat},
+                      {"request_rate": 8.0, "failed_requests": 0,
+                       "normalized_latency_s_per_token": lat}],
+            "rates_planned": [8.0, 64.0], "saturated": True}
+    merged = serve_sweep.merge_sweeps([low, high])
+    assert [p["request_rate"] for p in merged["sweep"]] == [2.0, 8.0, 64.0]
+    assert merged["max_rate_within_slo"] == 8.0 and merged["saturated"]

@@ -106,6 +106,19 @@ def _stats(xs, scale=1000.0) -> dict:
             "p99": float(np.percentile(a, 99))}
 
 
+def completion_ratio_late(results: list[RequestResult]) -> float | None:
+    """Requests finished over requests arrived in the second half of the arrivals: ~1 when
+    the server keeps up with the rate, its capacity over the rate when a queue grows (a
+    short run past saturation ends before the queue pushes the latency past the SLO)."""
+    if len(results) < 2:
+        return None
+    starts = [r.start for r in results]
+    lo, hi = (min(starts) + max(starts)) / 2, max(starts)
+    arrived = sum(lo <= t <= hi for t in starts)
+    done = sum(lo <= r.start + r.e2e <= hi for r in results if r.ok)
+    return done / arrived if arrived else None
+
+
 def summarize(results: list[RequestResult], duration: float, request_rate: float) -> dict:
     ok = [r for r in results if r.ok]
     inp = sum(r.prompt_len for r in ok)
@@ -124,6 +137,7 @@ def summarize(results: list[RequestResult], duration: float, request_rate: float
                                            _stats(norm).items() if k != "median"},
         "slo_200ms_per_token_share": (sum(x <= SLO_S_PER_TOKEN for x in norm) / len(ok)
                                       if ok else 0.0),
+        "completion_ratio_late": completion_ratio_late(results),
         "errors": sorted({r.error for r in results if r.error})[:10],
         "per_request": [dataclasses.asdict(r) for r in results],
     }
