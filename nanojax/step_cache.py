@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -102,6 +103,21 @@ def describe(obj, depth: int = 6):
     return type(obj).__qualname__
 
 
+
+@functools.cache
+def load_kernel_runtimes() -> None:
+    """A stored program with Mosaic GPU kernels finds their host runtime (the TMA
+    descriptor and launch symbols) through the library path that jax's Mosaic GPU module
+    sets when imported; tracing a kernel imports it, loading a stored step does not (H200,
+    2026-12-02: "Symbols not found: [ mosaic_gpu_init_tma_desc, mosaic_gpu_launch_kernel ]"
+    for the step shape holding the Mosaic decode kernel, recompiled on every start)."""
+    if jax.default_backend() != "gpu":
+        return
+    try:
+        importlib.import_module("jax.experimental.mosaic.gpu")
+    except ImportError:  # a jaxlib without Mosaic GPU has no such kernels to load
+        pass
+
 class StepCache:
     """Serialized executables of one program (description) by argument signature, run on
     devices (the program's, in order)."""
@@ -146,6 +162,7 @@ class StepCache:
             if hashlib.sha256(payload).hexdigest() != header["sha256"]:
                 raise ValueError("checksum mismatch")
             from jax.experimental.serialize_executable import deserialize_and_load
+            load_kernel_runtimes()
             serialized, in_tree, out_tree = pickle.loads(payload)
             compiled = deserialize_and_load(serialized, in_tree, out_tree,
                                             execution_devices=self.devices)
