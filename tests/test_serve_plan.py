@@ -59,9 +59,10 @@ def test_server_with_a_plan_gives_the_plain_forwards_tokens(tok_bundle, tmp_path
     path.write_text(json.dumps(_plan_for(tok_bundle.config, 32)))
     answers = {}
     for name, extra in (("plain", []), ("plan", ["--plan", str(path)])):
-        engine = build_engine(_serve_args(*extra), tok_bundle)
+        engine, chosen = build_engine(_serve_args(*extra), tok_bundle)
         warm_up(engine)
         assert isinstance(engine.runner.forward, PipelineForward) == (name == "plan")
+        assert (chosen["plan_json"] is not None) == (name == "plan") and chosen["plan"]
         server = ServerThread(tok_bundle, engine=engine)
         try:
             answers[name] = _answers(server)

@@ -153,7 +153,8 @@ def test_logprobs(client):
         assert e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-5)
 
 
-def test_models_health_and_auth(server, smollm2):
+def test_models_health_and_auth(server, smollm2, tmp_path):
+    import urllib.error
     import urllib.request
     with urllib.request.urlopen(server.url + "/v1/models") as r:
         assert json.load(r)["data"][0]["id"] == MODEL
@@ -167,6 +168,14 @@ def test_models_health_and_auth(server, smollm2):
             bad.models.list()
         good = openai.OpenAI(base_url=locked.url + "/v1", api_key="sekret", max_retries=0)
         assert good.models.list().data[0].id == MODEL
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(locked.url + "/server_info")
+        from nanojax.cli import main  # the benchmark passes its key to every endpoint
+        out = tmp_path / "locked.json"
+        assert main(["bench", "serve", "--base-url", locked.url, "--api-key", "sekret",
+                     "--num-prompts", "2", "--input-len", "8", "--output-len", "2",
+                     "--vocab-size", "40000", "--quiet", "--json", str(out)]) == 0
+        assert json.loads(out.read_text())["server"]["model"] == MODEL
     finally:
         locked.stop()
 
@@ -333,6 +342,12 @@ def test_sigterm_exits_cleanly(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_until_healthy(port, 180)
+        import urllib.request
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info") as r:
+            info = json.load(r)  # what a benchmark records of the server it measured
+        assert info["config"]["b_dense"] == 32 and info["config"]["fixed_shapes"] is True
+        assert "--b-dense 32" in info["command"] and "xla_flags" in info["env"]
+        assert info["plan"] == "no plan: the plain forward" and info["plan_json"] is None
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         assert "compiled 2 step shapes" in proc.stdout.read()  # token buckets 16 and 32
@@ -352,6 +367,7 @@ def test_bench_serve_against_the_server(server, tmp_path):
     assert s["successful_requests"] == 12 and s["failed_requests"] == 0
     assert s["total_input_tokens"] == 12 * 20 and s["total_output_tokens"] == 12 * 6
     assert len(s["per_request"]) == 12
+    assert s["server"]["model"] == MODEL and s["server"]["max_waiting"] == 256
     assert all(len(r["itl"]) == 5 for r in s["per_request"])
     assert 0 < s["ttft_ms"]["median"] <= s["e2e_ms"]["median"]
     # the SLO share is the share of requests whose e2e / output tokens is within 200 ms

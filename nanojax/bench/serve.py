@@ -169,13 +169,29 @@ def print_report(s: dict, out=sys.stdout) -> None:
     print(line, file=out)
 
 
-def cmd_bench_serve(args) -> int:
+def _get_json(url: str, api_key: str | None):
     import urllib.request
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30) as r:
+        return json.load(r)
 
+
+def server_record(url: str, api_key: str | None) -> dict | None:
+    """What the server says it runs (nanojax's GET /server_info: its command, XLA flags,
+    engine config, plan), recorded beside the figures; None from a server without it."""
+    import urllib.error
+    try:
+        return _get_json(url + "/server_info", api_key)
+    except (urllib.error.URLError, ValueError):
+        return None
+
+
+def cmd_bench_serve(args) -> int:
     url = args.base_url.rstrip("/")
-    with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
-        info = json.load(r)["data"][0]
+    info = _get_json(url + "/v1/models", args.api_key)["data"][0]
     model = args.served_model or info["id"]
+    record = {"command": " ".join(["nanojax"] + sys.argv[1:]), "base_url": url,
+              "model": model, "server": server_record(url, args.api_key)}
     vocab = args.vocab_size
     if args.multi_round:  # conversations: turns of one conversation in order
         from nanojax.bench.multi_round import run_conversations_online
@@ -186,9 +202,7 @@ def cmd_bench_serve(args) -> int:
         s = asyncio.run(run_conversations_online(url, model, convs, args.request_rate,
                                                  args.seed, args.api_key, not args.quiet))
         print(json.dumps({k: v for k, v in s.items() if k != "errors"}, indent=1))
-        write_json(args.json, {"command": " ".join(["nanojax"] + sys.argv[1:]),
-                               "base_url": url, "model": model,
-                               "multi_round": args.multi_round, **s})
+        write_json(args.json, {**record, "multi_round": args.multi_round, **s})
         return 0 if s["failed_turns"] == 0 else 1
     if args.request_rates:  # the latency sweep over rates (bench/serve_sweep.py)
         rates = parse_rates(args.request_rates)
@@ -201,8 +215,7 @@ def cmd_bench_serve(args) -> int:
         print(json.dumps({"max_rate_within_slo": s["max_rate_within_slo"],
                           "saturated": s["saturated"], "rates_run": [
                               p["request_rate"] for p in s["sweep"]]}))
-        write_json(args.json, {"command": " ".join(["nanojax"] + sys.argv[1:]),
-                               "base_url": url, "model": model, "trace": args.trace, **s})
+        write_json(args.json, {**record, "trace": args.trace, **s})
         if args.png:
             plot_sweeps({args.trace or "fixed lengths": s}, args.png)
         return 0
@@ -212,8 +225,7 @@ def cmd_bench_serve(args) -> int:
                                     args.api_key, args.max_concurrency, not args.quiet))
     print_report(s)
     if args.json:
-        write_json(args.json, {"command": " ".join(["nanojax"] + sys.argv[1:]),
-                               "base_url": url, "model": model, **s})
+        write_json(args.json, {**record, **s})
     return 0 if s["failed_requests"] == 0 else 1
 
 

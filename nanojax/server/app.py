@@ -79,7 +79,7 @@ async def error_middleware(request: web.Request, handler):
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     key = request.app[STATE_KEY]["api_key"]
-    if key and request.path.startswith("/v1/"):
+    if key and (request.path.startswith("/v1/") or request.path == "/server_info"):
         if request.headers.get("Authorization", "") != f"Bearer {key}":
             raise ApiError(401, "invalid or missing API key", "authentication_error",
                            code="invalid_api_key")
@@ -418,6 +418,16 @@ async def models(request: web.Request) -> web.Response:
         "owned_by": "nanojax", "max_model_len": request.app[ENGINE_KEY].engine.max_model_len}]})
 
 
+async def get_server_info(request: web.Request) -> web.Response:
+    """What this server runs (as SGLang's /get_server_info): the model, the waiting limit,
+    and the run record `nanojax serve` passed in (its command, environment with XLA flags,
+    engine config with the kernels, plan), so a benchmark's result names what it measured."""
+    state = request.app[STATE_KEY]
+    return _json({"model": state["model_name"], "max_waiting": state["max_waiting"],
+                  "max_model_len": request.app[ENGINE_KEY].engine.max_model_len,
+                  **state["server_info"]})
+
+
 async def health(request: web.Request) -> web.Response:
     if request.app[ENGINE_KEY].is_alive:
         return _json({"status": "ok"})
@@ -453,21 +463,23 @@ ENGINE_WATCH_S = 0.2
 
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
               max_body: int = 1 << 20, max_waiting: int | None = 256,
-              on_engine_death: Callable[[BaseException], None] | None = None
-              ) -> web.Application:
+              on_engine_death: Callable[[BaseException], None] | None = None,
+              server_info: dict | None = None) -> web.Application:
     """max_waiting: engine requests (prompts x n per HTTP request) allowed to wait; None:
-    no limit. on_engine_death: called once, on the event loop, if the engine dies."""
+    no limit. on_engine_death: called once, on the event loop, if the engine dies.
+    server_info: what GET /server_info adds to the model's name and limits."""
     app = web.Application(middlewares=[error_middleware, auth_middleware],
                           client_max_size=max_body)
     app[ENGINE_KEY] = engine
     app[STATE_KEY] = {"model_name": model_name, "api_key": api_key, "max_body": max_body,
                       "max_waiting": max_waiting, "created": int(time.time()),
                       "metrics": ServerMetrics(engine, model_name), "admitted": 0,
-                      "on_engine_death": on_engine_death}
+                      "on_engine_death": on_engine_death, "server_info": server_info or {}}
     app.cleanup_ctx.append(_watch_engine)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/server_info", get_server_info)
     app.router.add_get("/metrics", metrics)
     return app

@@ -11,7 +11,8 @@ from nanojax.config_flags import add_engine_args, add_model_args, engine_config_
 
 
 def build_engine(args, bundle):
-    """The LLMEngine `nanojax serve` runs, with its forward from --plan."""
+    """The LLMEngine `nanojax serve` runs, with its forward from --plan, and the record of
+    that choice (for /server_info)."""
     from nanojax.engine.llm_engine import LLMEngine
     from nanojax.pipeline.choose import choose_plan
 
@@ -24,7 +25,9 @@ def build_engine(args, bundle):
         from nanojax.pipeline.executor import PipelineForward
         forward = PipelineForward(bundle.config, plan, args.plan_mode, kernels=config.kernels,
                                   tp=config.tensor_parallel_size)
-    return LLMEngine(bundle, config, forward=forward)
+    chosen = {"plan": why, "plan_mode": args.plan_mode if plan is not None else None,
+              "plan_json": plan}
+    return LLMEngine(bundle, config, forward=forward), chosen
 
 
 def warm_up(engine) -> None:
@@ -47,6 +50,7 @@ def cmd_serve(args) -> int:
 
     from checkpoints.loader import load_model
     from nanojax.engine.async_engine import AsyncLLMEngine
+    from nanojax.profiling.record import run_record
     from nanojax.server.app import build_app
 
     from nanojax.parallel.multihost import init_distributed, is_leader
@@ -54,7 +58,7 @@ def cmd_serve(args) -> int:
     init_distributed(args)
     bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
                         tensor_parallel_size=engine_config_from_args(args).tensor_parallel_size)
-    engine = build_engine(args, bundle)
+    engine, chosen = build_engine(args, bundle)
     if not is_leader():  # process 0 serves; this one runs its steps until it stops
         n = engine.runner.follow()
         print(f"nanojax: process 0 stopped after {n} steps", file=sys.stderr)
@@ -73,7 +77,8 @@ def cmd_serve(args) -> int:
         signal.raise_signal(signal.SIGTERM)
 
     app = build_app(aeng, name, api_key=args.api_key, max_body=args.max_body,
-                    max_waiting=args.max_waiting, on_engine_death=engine_died)
+                    max_waiting=args.max_waiting, on_engine_death=engine_died,
+                    server_info={**run_record(engine.config), **chosen})
 
     async def drain(_app):
         """SIGTERM: let in-flight requests finish for a while, then abort the rest."""
