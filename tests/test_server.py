@@ -338,13 +338,16 @@ def test_sigterm_exits_cleanly(tmp_path):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "nanojax", "serve", "--port", str(port),
                              "--max-model-len", "256", "--num-pages", "32", "--b-dense", "32",
-                             "--fixed-shapes"],
+                             "--fixed-shapes", "--api-key", "sekret-42"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_until_healthy(port, 180)
         import urllib.request
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info") as r:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/server_info",
+                                     headers={"Authorization": "Bearer sekret-42"})
+        with urllib.request.urlopen(req) as r:
             info = json.load(r)  # what a benchmark records of the server it measured
+        assert "sekret-42" not in json.dumps(info)  # results are shared: never the key
         assert info["config"]["b_dense"] == 32 and info["config"]["fixed_shapes"] is True
         assert "--b-dense 32" in info["command"] and "xla_flags" in info["env"]
         assert info["plan"] == "no plan: the plain forward" and info["plan_json"] is None

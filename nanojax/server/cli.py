@@ -76,9 +76,12 @@ def cmd_serve(args) -> int:
         status["exit"] = 1
         signal.raise_signal(signal.SIGTERM)
 
+    record = run_record(engine.config)
+    if args.api_key:  # the record lands in benchmark results: never the key
+        record["command"] = record["command"].replace(args.api_key, "<api-key>")
     app = build_app(aeng, name, api_key=args.api_key, max_body=args.max_body,
                     max_waiting=args.max_waiting, on_engine_death=engine_died,
-                    server_info={**run_record(engine.config), **chosen})
+                    server_info={**record, **chosen})
 
     async def drain(_app):
         """SIGTERM: let in-flight requests finish for a while, then abort the rest."""
