@@ -446,6 +446,10 @@ class EngineConfig:
         "--no-compile-cache), so a warm start loads them without tracing the step "
         "(H200: a second serve of the 8B listens in 23.5 s instead of 46.7 s; a loaded "
         "step gives a fresh compile's tokens; bench/results/README.md §33)"))
+    compile_threads: int | None = dataclasses.field(default=None, metadata=_opt(
+        "with fixed shapes: step shapes compiled at once while warming up (the B_dense "
+        "shape first, alone, so its GEMMs are autotuned on an idle GPU); default: half "
+        "the host's cores, at most 8, on a GPU; 1 on the CPU"))
     input_staging: str = dataclasses.field(default="numpy", metadata=_opt(
         "how a step's host arrays reach the device: numpy (passed to the jitted step as "
         "they are), put (one device_put of the input tree first), pinned (through pinned "
@@ -468,7 +472,7 @@ class EngineConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("b_dense", "num_pages", "max_num_seqs", "min_token_bucket",
-                     "min_row_bucket", "token_bucket_step"):
+                     "min_row_bucket", "token_bucket_step", "compile_threads"):
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ConfigError(f"{name} must be positive, got {v}")

@@ -16,6 +16,7 @@ dropped and the step compiles as usual.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -25,6 +26,7 @@ import logging
 import os
 import pickle
 import tempfile
+import threading
 import types
 from pathlib import Path
 
@@ -38,7 +40,8 @@ SUBDIR = "nanojax-steps"
 # makes new keys (a GPU serve start stores one entry per token bucket, 8 at B_dense 2048)
 MAX_ENTRIES = 128
 # counters a forward keeps while it runs: not part of its program
-RUNTIME = ("num_traces",)
+# attributes that do not change the compiled program (counters, how warm-up compiles)
+RUNTIME = ("num_traces", "compile_threads")
 
 
 @functools.lru_cache(maxsize=1)
@@ -96,10 +99,12 @@ def describe(obj, depth: int = 6):
         return f"array{tuple(obj.shape)}:{obj.dtype}"
     if dataclasses.is_dataclass(obj):
         return {"type": type(obj).__qualname__,
-                **{f.name: d(getattr(obj, f.name, None)) for f in dataclasses.fields(obj)}}
+                **{f.name: d(getattr(obj, f.name, None)) for f in dataclasses.fields(obj)
+                   if f.name not in RUNTIME}}
     if hasattr(obj, "__dict__"):
         return {"type": type(obj).__qualname__,
-                **{k: d(v) for k, v in sorted(vars(obj).items()) if not k.startswith("_") and k not in RUNTIME}}
+                **{k: d(v) for k, v in sorted(vars(obj).items())
+                   if not k.startswith("_") and k not in RUNTIME}}
     return type(obj).__qualname__
 
 
@@ -128,6 +133,11 @@ class StepCache:
         self.base = json.dumps({"program": description, "env": environment(self.devices)},
                                sort_keys=True, default=repr)
         self.loaded = self.stored = self.dropped = 0
+        self._count_lock = threading.Lock()  # warm-up loads and stores from threads
+
+    def _count(self, name: str) -> None:
+        with self._count_lock:
+            setattr(self, name, getattr(self, name) + 1)
 
     @classmethod
     def from_jax_config(cls, description: dict, devices) -> "StepCache | None":
@@ -169,10 +179,10 @@ class StepCache:
         except Exception as e:  # noqa: BLE001 - any bad entry: compile instead
             log.warning("step cache entry %s unusable (%s: %s); compiling", path.name,
                         type(e).__name__, e)
-            self.dropped += 1
+            self._count("dropped")
             path.unlink(missing_ok=True)
             return None
-        self.loaded += 1
+        self._count("loaded")
         try:
             os.utime(path)  # recently used: kept by prune()
         except OSError:
@@ -202,7 +212,7 @@ class StepCache:
         except Exception as e:  # noqa: BLE001 - the step runs; only the next start pays
             log.warning("step executable not cached (%s: %s)", type(e).__name__, e)
             return
-        self.stored += 1
+        self._count("stored")
         self.prune()
 
     def prune(self, keep: int = MAX_ENTRIES) -> None:
@@ -234,19 +244,38 @@ def _count_jax_cache_hits() -> None:
     jax.monitoring.register_event_listener(listen)
 
 
+_fresh_lock = threading.Lock()
+_fresh_compiles = [0, None]  # compiles under way, jax's setting before the first
+
+
+@contextlib.contextmanager
+def _out_of_jax_cache():
+    """jax's persistent cache skips writes while any fresh compile runs (the setting is
+    process-wide: the first compile in sets it, the last out restores it, so compiles in
+    several threads cannot leave it set)."""
+    name = "jax_persistent_cache_min_compile_time_secs"
+    with _fresh_lock:
+        if _fresh_compiles[0] == 0:
+            _fresh_compiles[1] = getattr(jax.config, name)
+            jax.config.update(name, float("inf"))
+        _fresh_compiles[0] += 1
+    try:
+        yield
+    finally:
+        with _fresh_lock:
+            _fresh_compiles[0] -= 1
+            if _fresh_compiles[0] == 0:
+                jax.config.update(name, _fresh_compiles[1])
+
+
 def compile_fresh(jitted, args):
-    """jitted compiled for args -> (compiled, fresh: not loaded from jax's cache)."""
+    """jitted compiled for args -> (compiled, fresh: not loaded from jax's cache).
+    Thread-safe (warm-up compiles step shapes in several threads)."""
     _count_jax_cache_hits()
     hits = _jax_cache_hits[0]
     lowered = jitted.lower(*args)
-    # process-wide for the compile's duration: another thread's compile meanwhile at
-    # worst goes unwritten to jax's cache
-    keep = jax.config.jax_persistent_cache_min_compile_time_secs
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
-    try:
+    with _out_of_jax_cache():  # another thread's compile meanwhile: unwritten there too
         compiled = lowered.compile(compiler_options=FRESH_COMPILE)
-    finally:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", keep)
     # another thread's hit meanwhile only skips a store
     return compiled, _jax_cache_hits[0] == hits
 
@@ -261,6 +290,11 @@ class CachedJit:
         self._compiled = {}
 
     def __call__(self, key, *args):
+        return self.prepare(key, *args)(*args)
+
+    def prepare(self, key, *args):
+        """The executable for key, loaded or compiled (and stored), without running it;
+        distinct keys may be prepared from several threads at once."""
         fn = self._compiled.get(key)
         if fn is None:
             fn = self.cache.load(args)
@@ -271,4 +305,4 @@ class CachedJit:
                 else:
                     log.warning("step executable not cached: jax's cache supplied it")
             self._compiled[key] = fn
-        return fn(*args)
+        return fn

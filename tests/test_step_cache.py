@@ -29,12 +29,12 @@ def cache_dir(tmp_path):
     jax.config.update("jax_compilation_cache_dir", saved[1])
 
 
-def start(bundle, kernels=KernelConfig(), requests=True, b_dense=32):
+def start(bundle, kernels=KernelConfig(), requests=True, b_dense=32, compile_threads=1):
     """An engine start as `serve` makes it (fixed shapes, every bucket at warmup), then a
     few greedy requests: (tokens, shapes traced, runner)."""
     eng = LLMEngine(bundle, EngineConfig(b_dense=b_dense, num_pages=64, max_model_len=64,
                                          max_num_seqs=4, fixed_shapes=True, kernels=kernels,
-                                         step_cache=True),
+                                         step_cache=True, compile_threads=compile_threads),
                     forward=ScanForward(bundle.config))
     traced = eng.runner.warmup()
     if not requests:
@@ -69,6 +69,21 @@ def test_second_start_loads_every_step_shape_and_runs_the_same_tokens(tiny_bundl
             assert part in key, part
     # the token bucket's shape: 16 in one entry, 32 in the other
     assert sorted("int32[16]" in k for k in keys) == [False, True]
+
+
+def test_warmup_in_threads_compiles_every_shape_once_and_runs_the_same_tokens(
+        tiny_bundle, cache_dir):
+    """B_dense 128: buckets 16-128, the largest first, the other three in three threads;
+    jax's cache setting that a fresh compile holds off is restored after."""
+    setting = jax.config.jax_persistent_cache_min_compile_time_secs
+    tokens, traced, runner = start(tiny_bundle, b_dense=128, compile_threads=3)
+    assert traced == 4 and runner.step_cache.stored == 4 and runner.num_loaded == 0
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == setting
+    tokens_seq, traced_seq, runner_seq = start(tiny_bundle, b_dense=128)
+    assert traced_seq == 0 and runner_seq.num_loaded == 4  # the threads' entries load
+    assert tokens_seq == tokens
+    # threads or not is not part of the program: both starts share the entries
+    assert len(list(cache_dir.iterdir())) == 4
 
 
 def test_corrupt_or_foreign_entries_compile_and_a_changed_config_misses(tiny_bundle,

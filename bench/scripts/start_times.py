@@ -76,15 +76,22 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=2, help="starts per trial, one cache")
     ap.add_argument("--trials", type=int, default=1, help="each with a fresh cache")
     ap.add_argument("--listen", action="store_true")
+    ap.add_argument("--cache-dir", help="this (empty) directory as the one trial's cache, "
+                    "kept after (e.g. for a benchmark that follows); default: a fresh "
+                    "temporary one per trial, removed")
     ap.add_argument("--timeout", type=float, default=600)
     argv = sys.argv[1:]
     if "--" not in argv:
         ap.error("give the nanojax command after --")
     split = argv.index("--")
     a, cmd = ap.parse_args(argv[:split]), argv[split + 1:]
+    if a.cache_dir and (a.trials != 1 or (os.path.isdir(a.cache_dir)
+                                          and os.listdir(a.cache_dir))):
+        ap.error("--cache-dir: one trial, and the directory empty (a first start is cold)")
     trials, load0 = [], os.getloadavg()
     for _ in range(a.trials):
-        cache = tempfile.mkdtemp(prefix="nanojax-compile-cache-")
+        cache = a.cache_dir or tempfile.mkdtemp(prefix="nanojax-compile-cache-")
+        os.makedirs(cache, exist_ok=True)
         try:
             runs = [run_once(cmd, cache, a.listen, a.timeout) for _ in range(a.runs)]
             files = [os.path.join(d, f) for d, _, fs in os.walk(cache) for f in fs]
@@ -95,7 +102,8 @@ def main() -> int:
                 "cache_entries": len(files),
                 "cache_bytes": sum(os.path.getsize(f) for f in files)})
         finally:
-            shutil.rmtree(cache, ignore_errors=True)
+            if not a.cache_dir:
+                shutil.rmtree(cache, ignore_errors=True)
         print(json.dumps(trials[-1]), file=sys.stderr)
     ratios = [t["second_over_first"] for t in trials if t["second_over_first"]]
     cpu_ratios = [t["second_over_first_cpu"] for t in trials if t["second_over_first_cpu"]]

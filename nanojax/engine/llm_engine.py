@@ -20,7 +20,8 @@ from nanojax.engine.forward import Forward, default_forward
 from nanojax.engine.gc_freeze import frozen_startup_objects
 from nanojax.engine.kv_cache import PageAllocator, size_cache
 from nanojax.engine.outputs import CompletionOutput, RequestOutput
-from nanojax.engine.runner import ModelRunner, default_min_row_bucket
+from nanojax.engine.runner import (ModelRunner, default_compile_threads,
+                                   default_min_row_bucket)
 from nanojax.engine.sampling import SamplingError, SamplingParams
 from nanojax.engine.scheduler import ScheduledBatch, Scheduler
 from nanojax.engine.sequence import Sequence
@@ -136,7 +137,9 @@ class LLMEngine:
                                   fixed_shapes=fixed, broadcast=broadcast,
                                   kv_cache_dtype=self.kv_dtype, min_token_bucket=min_tokens,
                                   min_row_bucket=min_rows, token_bucket_step=token_step,
-                                  step_cache=step_cache, input_staging=cfg.input_staging)
+                                  step_cache=step_cache, input_staging=cfg.input_staging,
+                                  compile_threads=cfg.compile_threads or
+                                  default_compile_threads(on_gpu))
         self.prefix_cache = self.offloader = None
         if cfg.enable_prefix_caching:
             self._start_prefix_cache()

@@ -7,7 +7,9 @@ The forward is a parameter: the plain one below, or a nano-batch pipeline execut
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 import sys
 import threading
 import time
@@ -40,6 +42,13 @@ def default_min_row_bucket(on_gpu: bool) -> int:
     return 4 if on_gpu else 1
 
 
+def default_compile_threads(on_gpu: bool) -> int:
+    """Step shapes warm-up compiles at once: XLA's GPU compile is mostly single-threaded
+    host work, so a GPU host's cores shorten a cold start; on the CPU the cores run the
+    model (and a 2-core machine has none to spare)."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2)) if on_gpu else 1
+
+
 def engine_rows(max_num_seqs: int, min_row_bucket: int, one_shape: bool) -> int:
     """The row count (sequences: page table, sampling, LM head) of an engine allowed
     max_num_seqs sequences: every step's with one row shape (fixed shapes, the GPU
@@ -50,6 +59,12 @@ def engine_rows(max_num_seqs: int, min_row_bucket: int, one_shape: bool) -> int:
     if one_shape:
         return max(min_row_bucket, -(-max_num_seqs // 64) * 64)
     return bucket(max_num_seqs, min_row_bucket)
+
+
+def _step_key(host_tokens, meta, logit_idx) -> tuple:
+    """The host arrays' shapes determine the step's (params, cache: the runner's)."""
+    return tuple(np.shape(x) for x in jax.tree_util.tree_leaves((host_tokens, meta,
+                                                                  logit_idx)))
 
 
 def _input_tokens(prev_tokens, host_tokens, token_src):
@@ -79,10 +94,12 @@ class ModelRunner:
                  max_pages_per_seq: int | None = None, fixed_shapes: bool = False,
                  broadcast=None, kv_cache_dtype=None, min_row_bucket: int = 4,
                  token_bucket_step: int | None = None, step_cache=None,
-                 input_staging: str = "numpy"):
+                 input_staging: str = "numpy", compile_threads: int = 1):
         """step_cache: a nanojax.step_cache.StepCache the traced step's executables are
         loaded from and stored to (skips tracing on a warm start); None: jit only.
-        input_staging: EngineConfig.input_staging (numpy, put, pinned)."""
+        input_staging: EngineConfig.input_staging (numpy, put, pinned). compile_threads:
+        warmup()'s step shapes compiled at once."""
+        self.compile_threads = compile_threads
         self.cfg = cfg
         self.page_size = page_size
         self.min_row_bucket = min_row_bucket
@@ -101,6 +118,7 @@ class ModelRunner:
         self.params = forward.prepare(params)
         self.kv = forward.init_kv(num_pages, page_size, kv_cache_dtype)  # None: the model's
         self._traces = 0
+        self._trace_lock = threading.Lock()
         self.num_sampler_compiles = 0
         self.last_inputs_s = 0.0
         self._lock = threading.Lock()
@@ -115,6 +133,7 @@ class ModelRunner:
         # Two executables a step: the forward (tokens in, logits and the cache out) and the
         # sampler, whose variants (greedy or sampling: `sample`'s static flag, chosen on
         # the host) are small to compile; neither holds a device-side conditional
+        self._cached_step = None  # the step's CachedJit, with a step cache
         self._forward = self._make_forward(forward)
         self._sample = jax.jit(self._make_sampler(forward),
                                static_argnames=("sampling", "logprobs"))
@@ -149,7 +168,8 @@ class ModelRunner:
             return layerwise
 
         def step(params, kv, prev_tokens, host_tokens, token_src, meta, logit_idx):
-            self._traces += 1  # runs once per trace, i.e. per compilation
+            with self._trace_lock:  # warm-up may trace shapes in several threads
+                self._traces += 1  # runs once per trace, i.e. per compilation
             tokens = _input_tokens(prev_tokens, host_tokens, token_src)
             logits, kv = forward(params, tokens, kv, meta, logit_idx)
             return kv, logits
@@ -158,14 +178,11 @@ class ModelRunner:
         if self.step_cache is None:
             return jitted
         from nanojax.step_cache import CachedJit
-        cached = CachedJit(jitted, self.step_cache)
+        cached = self._cached_step = CachedJit(jitted, self.step_cache)
 
         def from_cache(params, kv, prev_tokens, host_tokens, token_src, meta, logit_idx):
-            # the host arrays' shapes determine the step's (params, cache: the runner's)
-            key = tuple(np.shape(x) for x in jax.tree_util.tree_leaves(
-                (host_tokens, meta, logit_idx)))
-            return cached(key, params, kv, prev_tokens, host_tokens, token_src, meta,
-                          logit_idx)
+            return cached(_step_key(host_tokens, meta, logit_idx), params, kv, prev_tokens,
+                          host_tokens, token_src, meta, logit_idx)
 
         return from_cache
 
@@ -215,20 +232,37 @@ class ModelRunner:
     def _token_bucket(self, n: int) -> int:
         return bucket(n, self.min_token_bucket, self.b_dense, self.token_bucket_step)
 
-    def warmup(self, progress: bool = False) -> int:
+    def warmup(self, progress: bool = False, threads: int | None = None) -> int:
         """With fixed_shapes: compiles the step for every token bucket by launching an
         all-padding batch of each size (nothing is written to the cache: padding tokens
-        have no slot). progress: a bar, shape k of n, on stderr. Returns how many shapes
-        were compiled (traced: a persistent-cache hit counts, but loads in a moment)."""
+        have no slot). progress: a bar, shape k of n, on stderr. threads > 1 (with a step
+        cache; None: compile_threads): the shapes are loaded or compiled that many at a
+        time first, the B_dense one alone before the others (XLA autotunes its GEMMs on
+        the device: an idle GPU for the shape that carries the throughput). Returns how
+        many shapes were compiled (traced: a persistent-cache hit counts, but loads in a
+        moment)."""
         if not self.fixed_shapes:
             raise ValueError("warmup() needs fixed_shapes (one row count and page width)")
         from tqdm.auto import tqdm
         before = self.num_compiles
         buckets = self.token_buckets()
-        for t in tqdm(buckets, desc="compiling step shapes", unit="shape",
-                      disable=not progress, file=sys.stderr):
+        bar = tqdm(total=len(buckets), desc="compiling step shapes", unit="shape",
+                   disable=not progress, file=sys.stderr)
+        threads = self.compile_threads if threads is None else threads
+        parallel = threads > 1 and self._cached_step is not None and len(buckets) > 2
+        if parallel:
+            self._prepare_step(buckets[-1])
+            bar.update()
+            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                for done in concurrent.futures.as_completed(
+                        [pool.submit(self._prepare_step, t) for t in buckets[:-1]]):
+                    done.result()
+                    bar.update()
+        for t in buckets:  # with parallel: prepared executables, run once each
             empty = types.SimpleNamespace(entries=[], num_decodes=0, num_tokens=t)
             jax.block_until_ready(self.launch(empty).tokens)
+            bar.update(0 if parallel else 1)
+        bar.close()
         # the sampler's other variants (one row shape): a padding row at temperature 1
         # and / or asking for logprobs; it samples a token nobody reads
         for temperature, logprobs in ((1.0, False), (0.0, True), (1.0, True)):
@@ -277,15 +311,29 @@ class ModelRunner:
         if self.broadcast is not None:
             self.broadcast.stop()
 
+    def _prepare_step(self, num_tokens: int) -> None:
+        """Loads or compiles the step for an all-padding batch of num_tokens, unrun."""
+        empty = types.SimpleNamespace(entries=[], num_decodes=0, num_tokens=num_tokens)
+        host_tokens, token_src, meta, logit_idx = self._place(
+            self._host_inputs(empty, *self.shapes_for(empty)))[:4]
+        self._cached_step.prepare(_step_key(host_tokens, meta, logit_idx), self.params,
+                                  self.kv, self._prev, host_tokens, token_src, meta,
+                                  logit_idx)
+
+    def _place(self, inputs):
+        """The step's host inputs where the step takes them (see input_staging)."""
+        if self.broadcast is not None:
+            return self.broadcast.place(inputs)
+        if self._staging is not None:
+            pinned, device = self._staging
+            arrays = inputs[:10] if pinned is None else jax.device_put(inputs[:10], pinned)
+            return jax.device_put(arrays, device) + inputs[10:]
+        return inputs
+
     def _run(self, inputs) -> StepOutput:
         # the sampler's variant, from the host arrays before placing them
         sampling, logprobs = any_sampling(inputs[4]), any_logprobs(inputs[10])
-        if self.broadcast is not None:
-            inputs = self.broadcast.place(inputs)
-        elif self._staging is not None:
-            pinned, device = self._staging
-            arrays = inputs[:10] if pinned is None else jax.device_put(inputs[:10], pinned)
-            inputs = jax.device_put(arrays, device) + inputs[10:]
+        inputs = self._place(inputs)
         (host_tokens, token_src, meta, logit_idx, temperature, top_p, top_k, seeds, steps,
          penalties, _) = inputs
         with self._lock:
