@@ -444,7 +444,7 @@ class EngineConfig:
     step_cache: bool = dataclasses.field(default=True, metadata=_opt(
         "keep the compiled step executables beside jax's compile cache (none with "
         "--no-compile-cache), so a warm start loads them without tracing the step "
-        "(H200: a second serve of the 8B listens in 23.5 s instead of 46.7 s; a loaded "
+        "(H200: a second serve of the 8B listens in 13.9 s instead of 46.7 s; a loaded "
         "step gives a fresh compile's tokens; bench/results/README.md §33)"))
     compile_threads: int | None = dataclasses.field(default=None, metadata=_opt(
         "with fixed shapes: step shapes compiled at once while warming up (the B_dense "
