@@ -47,6 +47,8 @@ def _batch(rng, decodes, chunks, num_tokens, width=32):
     ([], [(40, 60)], 64, 16, 4),                # a chunk late in its prompt
     ([3, 17], [(8, 20), (0, 50)], 128, 32, 3),  # decodes beside two chunks
     ([], [(0, 100)], 100, 32, 1),               # tokens not a multiple of the query block
+    ([], [(13, 45)], 64, 16, 2),                # one row: unmasked key blocks before each
+                                                # query block, a chunk off block borders
 ])
 def test_blocked_attention_matches_reference(decodes, chunks, num_tokens, block_q,
                                              block_pages):

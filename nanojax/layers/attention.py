@@ -237,7 +237,7 @@ PER_TOKEN_GATHER_PAGES = 32
 
 def _blocked_attention(q, k_pages, v_pages, meta: PagedMetadata, k_scale=None,
                        v_scale=None, per_token: bool = True, block_pages: int = 16,
-                       block_q: int = 256):
+                       block_q: int = 256, open_prefix: bool = True):
     """Flash-style attention over the paged cache in blocks of block_pages pages, looping
     only over the blocks the longest context reaches. per_token: each token reads its own
     row's keys (a decode batch: one token per row), in blocks of at most
@@ -245,7 +245,9 @@ def _blocked_attention(q, k_pages, v_pages, meta: PagedMetadata, k_scale=None,
     each block's keys are read once per row and every query of a query block is scored
     against all rows, masked to its own (prefill chunks: a 256-token chunk read per token
     re-read its context 256 times), up to the query block's own longest context (causal:
-    the first query block of a long chunk skips the keys only later blocks see)."""
+    the first query block of a long chunk skips the keys only later blocks see).
+    open_prefix: with one row, the key blocks wholly before a query block skip the mask
+    (False: every block masked, the A/B in bench/scripts/cpu_prefill_attention_probe.py)."""
     t, h, d = q.shape
     _, kvh, ps, _ = k_pages.shape
     g = h // kvh
@@ -296,19 +298,29 @@ def _blocked_attention(q, k_pages, v_pages, meta: PagedMetadata, k_scale=None,
     def query_block(xs):
         qj, pos_j, ids_j, valid_j = xs
 
-        def block(i, carry):
+        def block(i, carry, masked=True):
             pages = jax.lax.dynamic_slice_in_dim(table, i * block_pages, block_pages, axis=1)
             kb, vb = (x[pages].astype(jnp.float32) for x in (k_pages, v_pages))  # [R,bp,KVH,ps,D]
             kb, vb = (x.transpose(2, 0, 1, 3, 4).reshape(kvh, r * bl, d) for x in (kb, vb))
-            s = jnp.einsum("ktd,kld->ktl", qj, kb).reshape(kvh, bq, g, r * bl)
-            pos = i * bl + jnp.arange(bl, dtype=jnp.int32)
-            mask = ((key_row[None, :] == ids_j[:, None])
-                    & (jnp.tile(pos, r)[None, :] <= pos_j[:, None]))  # [bq, R*L]
-            s = jnp.where(mask[None, :, None, :], s, NEG_INF).reshape(kvh, bq * g, r * bl)
+            s = jnp.einsum("ktd,kld->ktl", qj, kb)
+            if masked:
+                pos = i * bl + jnp.arange(bl, dtype=jnp.int32)
+                mask = ((key_row[None, :] == ids_j[:, None])
+                        & (jnp.tile(pos, r)[None, :] <= pos_j[:, None]))  # [bq, R*L]
+                s = jnp.where(mask[None, :, None, :], s.reshape(kvh, bq, g, r * bl),
+                              NEG_INF).reshape(kvh, bq * g, r * bl)
             return _online_step(carry, s, vb, "ktl,kld->ktd")
 
         n_blocks = _blocks_needed(pos_j, valid_j, bl, n)
-        _, l, acc = jax.lax.fori_loop(0, n_blocks, block, init(qj.shape[:-1]))
+        n_open = 0
+        if r == 1 and open_prefix:  # one sequence (a lone prompt's prefill): the key blocks before the
+            # block's first query are seen whole by all of it, so skip their mask (~20%
+            # of this attention on the CPU; padding queries' outputs are discarded)
+            first = jnp.min(jnp.where(valid_j, pos_j, n * bl))
+            n_open = jnp.clip((first + 1) // bl, 0, n_blocks)
+        carry = jax.lax.fori_loop(0, n_open, functools.partial(block, masked=False),
+                                  init(qj.shape[:-1]))
+        _, l, acc = jax.lax.fori_loop(n_open, n_blocks, block, carry)
         return acc / l[..., None]                                  # [KVH, bq*G, D]
 
     out = jax.lax.map(query_block, (qb, pos_b, ids_b, valid_b))   # [nq, KVH, bq*G, D]
@@ -318,11 +330,12 @@ def _blocked_attention(q, k_pages, v_pages, meta: PagedMetadata, k_scale=None,
     return out[:t].astype(q.dtype)
 
 
-def attend_cpu(q, kv_layer, meta: PagedMetadata, inv_freq):
+def attend_cpu(q, kv_layer, meta: PagedMetadata, inv_freq, open_prefix: bool = True):
     """Pure-JAX attention for the CPU step (_blocked_attention): a decode-only batch reads
     each token's own context; a batch with prefill tokens reads each row's context once
     for all its tokens. Both branches compile; one runs. A one-token step is read per
-    token without the branch (its token is its row's only one)."""
+    token without the branch (its token is its row's only one). open_prefix: see
+    _blocked_attention (an A/B switch; the engine keeps the default)."""
     q = apply_rope(q, meta.positions, inv_freq)
     k_pages, v_pages, ks, vs = kv_parts(kv_layer)
     if q.shape[0] == 1:
@@ -331,7 +344,8 @@ def attend_cpu(q, kv_layer, meta: PagedMetadata, inv_freq):
     return jax.lax.cond(
         decode_only,
         lambda: _blocked_attention(q, k_pages, v_pages, meta, ks, vs, per_token=True),
-        lambda: _blocked_attention(q, k_pages, v_pages, meta, ks, vs, per_token=False))
+        lambda: _blocked_attention(q, k_pages, v_pages, meta, ks, vs, per_token=False,
+                                   open_prefix=open_prefix))
 
 
 def _decode_kernel(name: str):
