@@ -39,8 +39,8 @@ SUBDIR = "nanojax-steps"
 # entries kept, the least recently used dropped beyond it: every edit of nanojax's source
 # makes new keys (a GPU serve start stores one entry per token bucket, 8 at B_dense 2048)
 MAX_ENTRIES = 128
-# counters a forward keeps while it runs: not part of its program
-# attributes that do not change the compiled program (counters, how warm-up compiles)
+# attributes that are not part of the compiled program: counters a forward keeps while
+# it runs, how many shapes warm-up compiles at once
 RUNTIME = ("num_traces", "compile_threads")
 
 

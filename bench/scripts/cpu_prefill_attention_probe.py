@@ -4,8 +4,9 @@ nanojax/layers/attention.py; RoPE on the queries included)
 against torch's SDPA (causal, grouped-query) on the same shapes, in one process: one
 layer of SmolLM2-135M (9 query heads, 3 KV heads, head dim 64) over one ~1,500-token
 prompt, float32, as `nanojax bench latency`'s prefill case runs it (1,536 token rows,
-pages of 16, a 128-page table). Best and median of REPEATS, the variants and torch in a rotating order;
-ours with and without the unmasked key blocks before each query block (open_prefix).
+pages of 16, a 128-page table). Best and median of REPEATS, the variants and torch in a
+rotating order; ours with and without the unmasked key blocks before each query block
+(open_prefix).
 Usage: python bench/scripts/cpu_prefill_attention_probe.py OUT.json [--tokens 1500]
 """
 import argparse
@@ -94,7 +95,8 @@ def main():
            "what": __doc__.split("\n\n")[0], "tokens": n, "token_rows": t,
            "threads": threads, "torch": torch.__version__, "load_average_before": os.getloadavg(),
            "ms_per_layer_best": best,
-           "ms_per_layer_median": {k: 1e3 * float(np.median(v)) for k, v in times.items()}, "max_abs_error_vs_torch": errors,
+           "ms_per_layer_median": {k: 1e3 * float(np.median(v)) for k, v in times.items()},
+           "max_abs_error_vs_torch": errors,
            "ours_over_torch": ours / best["torch sdpa"],
            "open_prefix_speedup": best[OURS_MASKED] / ours,
            "ms_per_prefill_30_layers": {k: 30 * v for k, v in best.items()}}
