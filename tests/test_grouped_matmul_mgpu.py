@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from nanojax.models.moe import expert_matmul
-from pallas_kernels.grouped_matmul_mgpu import (grouped_matmul_mgpu, grouped_matmul_reference,
-                                                unsupported)
+from pallas_kernels.grouped_matmul_mgpu import (WIDE_TILING, GroupedTiling,
+                                                grouped_matmul_mgpu, grouped_matmul_reference,
+                                                tiling_for, unsupported)
 from pallas_kernels.mosaic_gpu_support import on_hopper
 
 
@@ -42,13 +43,21 @@ def test_shapes_it_cannot_tile_are_refused_and_expert_matmul_falls_back():
                                       np.asarray(jax.lax.ragged_dot(x, w, sizes)))
 
 
+@pytest.mark.parametrize("m", [4096, 128])
 @pytest.mark.parametrize("k,n", [(4096, 14336), (14336, 4096)])
-def test_mixtral_expert_shapes_lower_for_cuda(k, n):
-    """gate/up and down of B_dense 2048 at top-2 (4,096 rows, 8 experts)."""
+def test_mixtral_expert_shapes_lower_for_cuda(m, k, n):
+    """gate/up and down of B_dense 2048 at top-2 (4,096 rows, 8 experts: the wide tiling)
+    and of a decode batch of 64 (128 rows: the default)."""
+    assert tiling_for(m, n) == (WIDE_TILING if m > 128 else GroupedTiling())
     sd = jax.ShapeDtypeStruct
     exported = jax.export.export(grouped_matmul_mgpu, platforms=["cuda"])(
-        sd((4096, k), jnp.bfloat16), sd((8, k, n), jnp.bfloat16), sd((8,), jnp.int32))
+        sd((m, k), jnp.bfloat16), sd((8, k, n), jnp.bfloat16), sd((8,), jnp.int32))
     assert "mosaic_gpu" in exported.mlir_module()
+
+
+def test_the_wide_tiling_needs_n_in_its_column_blocks():
+    assert tiling_for(4096, 14336 // 8) == WIDE_TILING  # TP 8's gate/up shard: 7 blocks
+    assert tiling_for(4096, 1408) == GroupedTiling()  # 5.5 blocks of 256
 
 
 @pytest.mark.gpu

@@ -69,18 +69,37 @@ def test_predicted_peak_is_the_most_pages_held_at_once():
         assert predicted_peak(now, rem, ps) == brute
 
 
+def _queued(sched: Scheduler, n: int) -> None:
+    for i in range(n):
+        sched.add(Sequence(f"r{i}", [1] * 512, SamplingParams(max_tokens=512, ignore_eos=True)))
+
+
 def test_pace_is_what_the_cache_can_replace():
-    """512/512 requests in 57,600 pages of 16: ~1,180 fit at a mean of 776 tokens, each
-    stays 513 iterations: ~2.3 admissions per iteration; a row cap of 1,024 lowers it."""
+    """512/512 requests in 57,600 pages of 16: ~1,188 fit at a mean of 776 tokens, each
+    stays 513 iterations: ~2.3 admissions per iteration; a row cap of 1,024 lowers it.
+    1,200 requests queued: more than the cache holds at once, so admission paces."""
     from nanojax.engine.scheduler import _Room
     for cap, want in ((4096, 57600 * 16 / 776 / 513), (1024, 1024 / 513)):
         sched = Scheduler(PageAllocator(57600), 16, 2048, cap, 1024, admission="predicted")
-        for i in range(8):
-            seq = Sequence(f"r{i}", [1] * 512, SamplingParams(max_tokens=512, ignore_eos=True))
-            sched.add(seq)
+        _queued(sched, 1200)
+        assert _Room(sched).at_once(sched, sched.waiting[0]) < 1200
         sched.schedule()  # credit: 1 (idle) + the pace, not the 4 the budget holds
         assert len(sched.running) == int(1 + want) < 4
         assert _Room(sched).pace(sched, sched.waiting[0]) == pytest.approx(want, rel=1e-3)
+
+
+def test_a_burst_that_fits_at_once_is_not_paced():
+    """128 requests of 512/512 where the cache holds them all (Mixtral on the H200: 16,660
+    pages, 128 rows): each iteration admits what its token budget holds (4 prompts of 512
+    at B_dense 2048), so the run is 32 prefill iterations and the decodes, ~545 in all;
+    paced at 128 / 513 a iteration it took 1,020 (bench/results/moe/, §51)."""
+    sched = Scheduler(PageAllocator(16660), 16, 2048, 128, 1024, admission="predicted")
+    _queued(sched, 128)
+    sched.schedule()
+    assert len(sched.running) == 4
+    out = simulate_report([(512, 512)] * 128, 2048, num_pages=16660, page_size=16,
+                          max_num_seqs=128, max_model_len=1024, admission="predicted")
+    assert out["iterations"] <= 32 + 512 + 2 and out["preemptions"] == 0
 
 
 def _records(fills, waiting, b_dense=10):

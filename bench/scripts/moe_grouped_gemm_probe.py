@@ -2,7 +2,10 @@
 the Mosaic GPU grouped GEMM (pallas_kernels/grouped_matmul_mgpu.py) at a few tilings, and
 one dense GEMM of the same rows (the grouped GEMM's ideal), at the Mixtral-8x7B gate/up
 and down shapes for B_dense 512-2048 at top-2, with balanced groups; plus the kernel's
-error against the f32 reference on uneven groups with empty ones.
+error against the f32 reference on uneven groups with empty ones. Decode-sized batches
+(64-256 tokens: 16-64 rows per expert) are where the engine spends a small-batch run; there
+it also times gate and up as one GEMM of twice the width, and reading the experts' weights
+once (a reduction over them: the floor a memory-bound GEMM cannot beat).
 Usage: python bench/scripts/moe_grouped_gemm_probe.py OUT.json [--small]
 (--small: toy shapes, a smoke run of the script on a GPU)
 """
@@ -18,9 +21,11 @@ from pallas_kernels.grouped_matmul_mgpu import (GroupedTiling, grouped_matmul_mg
                                                 grouped_matmul_reference)
 
 TILINGS = {"128x128x64s4": GroupedTiling(),
-           "128x128x64s4n2": GroupedTiling(grid_block_n=2),
-           "128x128x64s5": GroupedTiling(max_concurrent_steps=5),
-           "64x128x64s6": GroupedTiling(block_m=64, max_concurrent_steps=6)}
+           "64x128x64s6": GroupedTiling(block_m=64, max_concurrent_steps=6),
+           "64x256x64s4": GroupedTiling(block_m=64, block_n=256),
+           "128x256x64s3": GroupedTiling(block_n=256, max_concurrent_steps=3)}
+TOKENS = (64, 128, 256, 512, 2048)  # B_dense or a decode batch; top-2: 2 rows each
+DECODE_TOKENS = 256  # up to here also the fused gate+up width and the weight-read floor
 
 
 def _timed(f, *args) -> float | str:
@@ -34,26 +39,32 @@ def main(out: str, small: bool = False) -> None:
     E, H, F = (8, 256, 512) if small else (8, 4096, 14336)
     key = jax.random.PRNGKey(0)
     rows = {}
-    for name, (k, n) in {"gate_up": (H, F), "down": (F, H)}.items():
+    for name, (k, n) in {"gate_up": (H, F), "down": (F, H), "gate_up_fused": (H, 2 * F)}.items():
         w = (jax.random.normal(key, (E, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
-        for b_dense in (512, 1024, 2048):
+        read_s = _timed(jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), w)
+        for b_dense in TOKENS:
+            if name == "gate_up_fused" and not 64 < b_dense <= DECODE_TOKENS:
+                continue
             m = b_dense * 2  # top-2: every token is two rows
             x = jax.random.normal(key, (m, k), jnp.bfloat16)
             sizes = jnp.full((E,), m // E, jnp.int32)
             flops = 2 * m * k * n
             r = {"rows": m, "k": k, "n": n, "tflop": flops / 1e12,
                  "xla_ragged_dot_s": _timed(jax.jit(jax.lax.ragged_dot), x, w, sizes),
-                 "dense_same_rows_s": _timed(jax.jit(jnp.dot), x, w[0])}
+                 "dense_same_rows_s": _timed(jax.jit(jnp.dot), x, w[0]),
+                 "weights_read_s": read_s, "weights_gb": w.size * 2 / 1e9}
             for t_name, tiling in TILINGS.items():
                 r[f"mosaic_{t_name}_s"] = _timed(
                     jax.jit(lambda a, b, s, t=tiling: grouped_matmul_mgpu(a, b, s, tiling=t)),
                     x, w, sizes)
             for key_ in list(r):
-                if key_.endswith("_s") and isinstance(r[key_], float):
+                if key_.endswith("_s") and key_ != "weights_read_s" and isinstance(r[key_], float):
                     r[key_[:-2] + "_tflops"] = flops / r[key_] / 1e12
             rows[f"{name}_{b_dense}"] = r
             print(name, b_dense, json.dumps({a: (round(b, 1) if isinstance(b, float) else b)
                                              for a, b in r.items() if a.endswith("tflops")}),
+                  "us:", {a[:-2]: round(1e6 * b) for a, b in r.items()
+                          if a.endswith("_s") and isinstance(b, float)},
                   flush=True)
     # correctness on uneven groups, some empty, against the f32 reference
     m, k, n = (512, 256, 512) if small else (4096, 4096, 2048)

@@ -15,17 +15,21 @@
 #                transformers' generate_batch on a MixtralForCausalLM of the same shape
 #                (built in bf16 on the GPU, run first in its own process), one run.
 #                Peer capped at PEER_LIMIT s (default 240); ~8-9 min in all.
+#   PART=decode  where a small batch's iteration goes: the probe (its decode-sized rows
+#                included), then the engine alone on PART=engine's requests with a
+#                device timeline of 4 decode-only iterations (--timeline-at 300).
+#                ~6-7 min.
 # MoE steps run the expert GEMMs through the Mosaic GPU grouped GEMM on Hopper
 # (models/moe.py); the step PART also runs non-overlap with XLA's ragged_dot (mode
 # non-overlap::xlagrouped) for the A/B. MODES overrides the step's modes.
-# Usage: OUT=dir PART=probe|step|engine [KERNEL=triton] bash bench/scripts/moe_mixtral.sh
+# Usage: OUT=dir PART=probe|step|engine|decode [KERNEL=triton] bash bench/scripts/moe_mixtral.sh
 set -u
 OUT=${OUT:?set OUT}
 mkdir -p "$OUT"
 # 93 GB of weights: XLA may take 0.95 of the GPU's memory (its default 0.75 leaves ~12 GB)
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95}
 quiet() { tee -a "$OUT/moe_${PART}.log" | grep -v "^[WI]1" | tail -n "$1"; }  # full log kept
-case "${PART:?set PART to probe, step or engine}" in
+case "${PART:?set PART to probe, step, engine or decode}" in
 probe)
   timeout "${LIMIT1:-400}" python3 bench/scripts/moe_grouped_gemm_probe.py \
     "$OUT/moe_grouped_gemm_probe_h200.json" 2>&1 | quiet 8
@@ -43,6 +47,16 @@ engine)
     --input-len 512 --output-len 512 --max-model-len 1024 --max-num-seqs "$n" \
     --peer --peer-timeout "${PEER_LIMIT:-240}" \
     --json "$OUT/engine_peer_mixtral-8x7b_512_512.json" 2>&1 | quiet 12
+  ;;
+decode)
+  timeout "${LIMIT1:-200}" python3 bench/scripts/moe_grouped_gemm_probe.py \
+    "$OUT/moe_grouped_gemm_probe_decode_h200.json" 2>&1 | quiet 30
+  n=${NUM_PROMPTS:-128}
+  timeout "${LIMIT2:-360}" python3 -m nanojax bench --model random:mixtral-8x7b --quiet \
+    --b-dense 2048 --admission predicted --fixed-shapes --num-prompts "$n" \
+    --input-len 512 --output-len 512 --max-model-len 1024 --max-num-seqs "$n" \
+    --timeline "$OUT/engine_timeline_mixtral-8x7b.json" --timeline-at 300 \
+    --timeline-iterations 4 --json "$OUT/engine_mixtral-8x7b_512_512.json" 2>&1 | quiet 12
   ;;
 esac
 ls -la "$OUT"

@@ -54,10 +54,12 @@ def expert_matmul(x, w, group_sizes, kernel: str = "auto"):
     """Rows of group e times w[e] (x sorted by expert): the Mosaic GPU grouped GEMM on
     Hopper where it takes the operands ("auto"), else XLA's ragged_dot."""
     if kernel == "auto":
-        from pallas_kernels.grouped_matmul_mgpu import grouped_matmul_mgpu, unsupported
+        from pallas_kernels.grouped_matmul_mgpu import (grouped_matmul_mgpu, tiling_for,
+                                                        unsupported)
         from pallas_kernels.mosaic_gpu_support import on_hopper
-        if on_hopper() and unsupported(x, w) is None:
-            return grouped_matmul_mgpu(x, w, group_sizes)
+        tiling = tiling_for(x.shape[0], w.shape[-1])
+        if on_hopper() and unsupported(x, w, tiling) is None:
+            return grouped_matmul_mgpu(x, w, group_sizes, tiling=tiling)
     return jax.lax.ragged_dot(x, w, group_sizes)
 
 
