@@ -53,8 +53,12 @@ def run_peer(shape: str, num_prompts: int, input_len: int | None, output_len: in
     # no_grad, not inference_mode: generate_batch runs its scheduler in a thread outside
     # this context, and transformers 5.17 fails there on in-place updates of inference
     # tensors (every request "failed during generation", zero tokens)
+    # the warm-up needs the kernels, not the length: 16 tokens (it decoded the workload's
+    # whole output before, and the Mixtral-8x7B peer ran past a 240 s limit, §51)
+    warm = GenerationConfig(max_new_tokens=min(max_new, 16), do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
-        model.generate_batch(inputs=prompts[:8], generation_config=gen, progress_bar=False,
+        model.generate_batch(inputs=prompts[:8], generation_config=warm, progress_bar=False,
                              **batching)
         _sync(torch)
         t0 = time.perf_counter()
