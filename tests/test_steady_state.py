@@ -77,12 +77,13 @@ def _queued(sched: Scheduler, n: int) -> None:
 def test_pace_is_what_the_cache_can_replace():
     """512/512 requests in 57,600 pages of 16: ~1,188 fit at a mean of 776 tokens, each
     stays 513 iterations: ~2.3 admissions per iteration; a row cap of 1,024 lowers it.
-    1,200 requests queued: more than the cache holds at once, so admission paces."""
+    1,000 requests queued: at their final 1,024 tokens they would need 64,000 pages at
+    once, so admission paces."""
     from nanojax.engine.scheduler import _Room
     for cap, want in ((4096, 57600 * 16 / 776 / 513), (1024, 1024 / 513)):
         sched = Scheduler(PageAllocator(57600), 16, 2048, cap, 1024, admission="predicted")
-        _queued(sched, 1200)
-        assert _Room(sched).at_once(sched, sched.waiting[0]) < 1200
+        _queued(sched, 1000)
+        assert not _Room(sched).all_fit(sched)
         sched.schedule()  # credit: 1 (idle) + the pace, not the 4 the budget holds
         assert len(sched.running) == int(1 + want) < 4
         assert _Room(sched).pace(sched, sched.waiting[0]) == pytest.approx(want, rel=1e-3)
@@ -93,10 +94,15 @@ def test_a_burst_that_fits_at_once_is_not_paced():
     pages, 128 rows): each iteration admits what its token budget holds (4 prompts of 512
     at B_dense 2048), so the run is 32 prefill iterations and the decodes, ~545 in all;
     paced at 128 / 513 a iteration it took 1,020 (bench/results/moe/, §51)."""
+    from nanojax.engine.scheduler import _Room
     sched = Scheduler(PageAllocator(16660), 16, 2048, 128, 1024, admission="predicted")
     _queued(sched, 128)
+    assert _Room(sched).all_fit(sched)
     sched.schedule()
     assert len(sched.running) == 4
+    small = Scheduler(PageAllocator(8000), 16, 2048, 128, 1024, admission="predicted")
+    _queued(small, 128)  # the same burst in 8,000 pages: 128 x 64 at the end do not fit
+    assert not _Room(small).all_fit(small)
     out = simulate_report([(512, 512)] * 128, 2048, num_pages=16660, page_size=16,
                           max_num_seqs=128, max_model_len=1024, admission="predicted")
     assert out["iterations"] <= 32 + 512 + 2 and out["preemptions"] == 0

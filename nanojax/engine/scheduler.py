@@ -27,12 +27,12 @@ prompts and then preempts decodes by the hundred (H200, 1,024 requests: 227 pree
 batches 43% full); predicted admission keeps them.
 
 Predicted admission also paces itself where there is a backlog (more requests running
-and waiting than the cache holds at once, `_Room.at_once`): no faster than the requests
-it can hold at once can be replaced (`_Room.pace`). Admitting a backlog as fast as
-prefill allows fills the cache with requests of nearly the same age; they finish
-together, and until their replacements have prefilled the batch is decodes only, about
-half full for 512/512, again each time that cohort comes round. A burst that fits at once
-has no replacements to wait for and goes in as fast as prefill allows.
+and waiting than the rows and the cache's predicted peak hold at once, `_Room.all_fit`):
+no faster than the requests it can hold at once can be replaced (`_Room.pace`). Admitting
+a backlog as fast as prefill allows fills the cache with requests of nearly the same age;
+they finish together, and until their replacements have prefilled the batch is decodes
+only, about half full for 512/512, again each time that cohort comes round. A burst that
+fits at once has no replacements to wait for and goes in as fast as prefill allows.
 """
 from __future__ import annotations
 
@@ -252,14 +252,13 @@ class Scheduler:
                 self._credit = 1.0
             else:
                 room = _Room(self)
-                head = self.waiting[0]
-                if len(self.running) + len(self.waiting) <= room.at_once(self, head):
+                if room.all_fit(self):
                     # every request there is fits at once: none waits for another to
                     # finish, so there are no turns to spread; pacing would only hold
                     # the burst back (128 Mixtral requests: 1,020 iterations, not 545)
                     self._credit = float(len(self.waiting))
                 else:
-                    pace = room.pace(self, head)
+                    pace = room.pace(self, self.waiting[0])
                     self._credit = min(self._credit + pace, _PACE_SAVED * pace + 1)
         while (budget > 0 and self.waiting and len(self.running) < self.max_num_seqs
                and len(entries) - num_decodes < self.max_prefill_seqs):
@@ -406,25 +405,27 @@ class _Room:
         a = np.asarray(self._lengths + [(0, now, max(final, now + 1))], np.int64)
         return a[:, 1], a[:, 2] - a[:, 1]
 
-    def _prompts_outputs(self, sched: Scheduler, head: Sequence) -> tuple[np.ndarray, np.ndarray]:
-        """Prompt and expected output lengths of the running requests (of the head of the
-        queue when none runs): what the pace and the requests held at once go by."""
-        lengths = self._lengths or [(len(head.prompt_ids), head.num_total,
-                                     sched.expected_length(head))]
-        a = np.asarray(lengths, np.float64)
-        return a[:, 0], a[:, 2] - a[:, 0]
-
-    def at_once(self, sched: Scheduler, head: Sequence) -> float:
-        """Requests the cache and the row cap hold at once in steady state: the cache over
-        the mean tokens a request holds during its stay (prompt + half its output, + half
-        a page), or max_num_seqs, the smaller."""
-        prompt, out = self._prompts_outputs(sched, head)
-        held = np.mean(prompt + out / 2) + sched.page_size / 2
-        return min(sched.allocator.num_pages * sched.page_size / held, sched.max_num_seqs)
+    def all_fit(self, sched: Scheduler) -> bool:
+        """Whether every waiting request, admitted now, fits beside the running ones: in
+        the row cap, and in the cache at the predicted peak of all of them."""
+        if len(sched.running) + len(sched.waiting) > sched.max_num_seqs:
+            return False
+        a = np.asarray(self._lengths + [(0, s.num_total, sched.expected_length(s))
+                                        for s in sched.waiting], np.int64)
+        return predicted_peak(a[:, 1], a[:, 2] - a[:, 1], sched.page_size) \
+            <= sched.allocator.num_pages
 
     def pace(self, sched: Scheduler, head: Sequence) -> float:
         """Requests per iteration the cache and the row cap can sustain (Little's law):
-        at_once of them, each staying its output length (+1: it is retired an iteration
-        late), are replaced at at_once x the mean of 1 / stay."""
-        _, out = self._prompts_outputs(sched, head)
-        return float(self.at_once(sched, head) * np.mean(1 / (out + 1)))
+        N of them at once, each staying its output length (+1: it is retired an iteration
+        late), are replaced at N x the mean of 1 / stay; N is the cache over the mean
+        tokens a request holds during its stay (prompt + half its output, + half a page)
+        or max_num_seqs, the smaller. Estimated from the running requests (the head of the
+        queue when none runs)."""
+        lengths = self._lengths or [(len(head.prompt_ids), head.num_total,
+                                     sched.expected_length(head))]
+        a = np.asarray(lengths, np.float64)
+        out = a[:, 2] - a[:, 0]
+        held = np.mean(a[:, 0] + out / 2) + sched.page_size / 2
+        at_once = min(sched.allocator.num_pages * sched.page_size / held, sched.max_num_seqs)
+        return float(at_once * np.mean(1 / (out + 1)))
