@@ -221,6 +221,7 @@ def decode_attention_mgpu(q, k_pages, v_pages, page_table, context_lens, *,
     out = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((b, kvh, _QROWS, d), dtype),
         scratch_types=scratch, grid=(nprog,), grid_names=("p",), **threads,
+        kernel_name="decode_attention_mgpu",  # in profiles: the kernel's name
         compiler_params=None if interpret else plgpu.CompilerParams(approx_math=approx_math),
         interpret=interpret_params() if interpret else None,
     )(qg, k_pages.reshape(n * kvh, ps, d), v_pages.reshape(n * kvh, ps, d),

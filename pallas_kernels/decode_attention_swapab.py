@@ -160,6 +160,7 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
     out = plgpu.kernel(
         lambda *refs: call.body(lax.axis_index("p"), *refs), out_type=call.out_type,
         scratch_types=call.scratch, grid=(call.programs,), grid_names=("p",), **threads,
+        kernel_name="decode_attention_swapab",  # in profiles: the kernel's name
         compiler_params=None if interpret else compiler_params(approx_math),
         interpret=interpret_params() if interpret else None,
     )(*call.operands)

@@ -192,6 +192,7 @@ def gemm_part(a, b, *, num_programs: int | None = None, config=None,
     return plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((a.shape[0], b.shape[1]), a.dtype),
         grid=(num_programs,), grid_names=("p",), num_threads=WARPGROUPS, thread_name="wg",
+        kernel_name="fused_pair_gemm",  # in profiles: the kernel's name
         compiler_params=None if interpret else swapab.compiler_params(),
         interpret=interpret_params() if interpret else None,
     )(a, b)
@@ -248,7 +249,7 @@ def fused_gemm_attention(a, b, q, k_pages, v_pages, page_table, context_lens, *,
         body, out_type=(jax.ShapeDtypeStruct((a.shape[0], b.shape[1]), a.dtype),
                         *att_types),
         grid=(g + call.programs,), grid_names=("p",), num_threads=WARPGROUPS,
-        thread_name="wg",
+        thread_name="wg", kernel_name="fused_gemm_attention",
         compiler_params=None if interpret else swapab.compiler_params(approx_math),
         interpret=interpret_params() if interpret else None,
     )(a, b, *call.operands)

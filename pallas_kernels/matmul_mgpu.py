@@ -74,7 +74,7 @@ def matmul_mgpu(a, b, *, num_programs: int | None = None, config=None,
         out_type=jax.ShapeDtypeStruct((m, n), a.dtype),
         grid=(max(1, min(num_programs, tiles)),), grid_names=("cluster_grid",),
         cluster=(1,), cluster_names=("cluster",), num_threads=3, thread_name="wg",
-        compiler_params=params, interpret=interpret_params() if interpret else None,
+        kernel_name="matmul_mgpu", compiler_params=params, interpret=interpret_params() if interpret else None,
     )(a, b, None)
 
 

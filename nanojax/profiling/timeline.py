@@ -17,12 +17,15 @@ import jax
 
 KINDS = ("gemm", "attention", "collective", "other")
 _PATTERNS = {
-    # Triton-lowered Pallas kernels carry the kernel's name; Mosaic GPU ones are all
-    # "kernel_mosaic_gpu_kernel" (the only Mosaic GPU kernel of a step is the decode one)
-    "attention": re.compile(r"paged_decode_attention|decode_attention|pallas|mosaic_gpu",
-                            re.I),
+    # Pallas kernels carry a name: a Triton-lowered one its call's, a Mosaic GPU one its
+    # kernel_name (or body function's) + "_mosaic_gpu_kernel". pallas_kernels/ names
+    # theirs (decode_attention_swapab, fused_gemm_attention, matmul_mgpu, ...); events saved
+    # before that call the swap-AB kernel "_lambda_" and the first Mosaic one "kernel".
+    "attention": re.compile(r"attention|pallas|^_lambda__mosaic_gpu|^kernel_mosaic_gpu", re.I),
     "collective": re.compile(r"nccl|all-reduce|all-gather|reduce-scatter", re.I),
-    "gemm": re.compile(r"gemm|cutlass|nvjet|xmma|cublas|matmul|^dot|triton_gemm", re.I),
+    # any other Mosaic GPU kernel is a GEMM: jax's grouped GEMM (the MoE experts) is "body"
+    "gemm": re.compile(r"gemm|cutlass|nvjet|xmma|cublas|matmul|^dot|triton_gemm|mosaic_gpu",
+                       re.I),
 }
 
 
