@@ -349,6 +349,10 @@ class KernelConfig:
     gemm_shares: bool = dataclasses.field(default=False, metadata=_opt(
         "plan GEMM nano-ops with a share below 1 run on that share of the SMs "
         "(Mosaic GPU matmul, Hopper)"))
+    merge_dots: bool = dataclasses.field(default=True, metadata=_opt(
+        "GPU: let XLA merge GEMMs that share an input (q, k and v: its dot merger, for "
+        "GEMMs under 32 MB) into one, which concatenates their weights on every step; off "
+        "keeps them apart (the A/B: bench step's mode option nodotmerge)"))
     streams: bool = dataclasses.field(default=True, metadata=_opt(
         "place the plan's side-stream nano-ops on XLA execution streams (GPU)"))
     interpret: bool = dataclasses.field(default=False, metadata=_opt(

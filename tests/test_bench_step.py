@@ -3,6 +3,7 @@ import gzip
 import json
 import types
 
+import jax
 import numpy as np
 import pytest
 
@@ -202,7 +203,7 @@ def test_step_modes_parse_into_their_options():
     m = parse_mode("overlap:0.25:nogroups:gemm0.5:keepinputs")
     assert m == {"base": "overlap", "attention_share": 0.25, "gemm_share": 0.5,
                  "scheduling_groups": False, "keep": "inputs", "xla_grouped": False,
-                 "shard_map": False, "logit_rows": "engine"}
+                 "shard_map": False, "logit_rows": "engine", "merge_dots": True}
     assert parse_mode("non-overlap::alllogits")["logit_rows"] == "all"
     assert parse_mode("overlap:0.5:seqlogits")["logit_rows"] == "seqs"
     assert parse_mode("overlap:1.0:keepall")["keep"] == "values"
@@ -210,6 +211,7 @@ def test_step_modes_parse_into_their_options():
     assert parse_mode("non-overlap")["attention_share"] is None
     assert parse_mode("non-overlap")["xla_grouped"] is False
     assert parse_mode("non-overlap::xlagrouped")["xla_grouped"] is True
+    assert parse_mode("non-overlap::nodotmerge")["merge_dots"] is False
     for bad in ("overlap:0", "overlap:0.5:foo", "overlap::gemm2", "sideways",
                 "overlap:1.0:keepinputs:keepall", "non-overlap::alllogits:seqlogits",
                 "non-overlap::somelogits"):
@@ -251,6 +253,25 @@ def test_trace_parser_reads_gpu_streams(tmp_path):
     ev = timeline.parse_trace(str(path))
     assert [(e["kind"], e["start_us"], e["stream"]) for e in ev] == [
         ("gemm", 0.0, "Stream #14(Compute)"), ("attention", 10.0, "Stream #14(Compute)")]
+
+
+def test_dot_merger_off_is_an_xla_option_of_the_gpu_step():
+    """KernelConfig.merge_dots=False: the GPU step compiles with XLA's dot merger off (an
+    8B step's timeline shows a ~28 us concatenate a layer, likely the merged q/k/v
+    weights); the option name is one XLA knows (an unknown one fails to compile); the
+    CPU step is untouched."""
+    from nanojax.config import KernelConfig
+    from nanojax.engine.forward import gpu_compiler_options
+    from nanojax.pipeline.executor import PipelineForward
+    off = KernelConfig(merge_dots=False)
+    assert gpu_compiler_options(KernelConfig(), "gpu") == {}
+    assert gpu_compiler_options(off, "cpu") == {}
+    options = gpu_compiler_options(off, "gpu")
+    assert options == {"xla_gpu_dot_merger_threshold_mb": 0}
+    f = jax.jit(lambda a, b, c: (a @ b, a @ c), compiler_options=options)
+    assert float(f(*[np.ones((4, 4), np.float32)] * 3)[1][0, 0]) == 4.0
+    cfg = named_shape("tiny")  # on the CPU: no GPU option in either forward
+    assert PipelineForward(cfg, _two_batch_plan(cfg), kernels=off).compiler_options == {}
 
 
 @pytest.mark.parametrize("name,kind", [

@@ -96,8 +96,9 @@ def _sampled(batch: SyntheticBatch, out):
 
 def parse_mode(mode: str) -> dict:
     """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs|keepall][:gemmSHARE]
-    [:xlagrouped][:alllogits|seqlogits] ('xlagrouped': an MoE step's expert GEMMs through
-    XLA's ragged_dot instead of the Mosaic GPU grouped GEMM, the A/B of models/moe.py;
+    [:xlagrouped][:nodotmerge][:alllogits|seqlogits] ('xlagrouped': an MoE step's expert
+    GEMMs through XLA's ragged_dot instead of the Mosaic GPU grouped GEMM, the A/B of
+    models/moe.py; 'nodotmerge': XLA's dot merger off (KernelConfig.merge_dots);
     'alllogits': the LM head on all B_dense tokens, 'seqlogits': on the batch's sequences
     padded to a multiple of 8, instead of the engine's rows, the A/B of LOGIT_ROWS; with
     'seqlogits' each workload's row count is its own shape, compiled at its first call):
@@ -113,7 +114,7 @@ def parse_mode(mode: str) -> dict:
     base, *opts = mode.split(":")
     out = {"base": base, "attention_share": None, "gemm_share": None,
            "scheduling_groups": True, "keep": "", "xla_grouped": False, "shard_map": False,
-           "logit_rows": "engine"}
+           "logit_rows": "engine", "merge_dots": True}
     try:
         if opts and opts[0]:
             out["attention_share"] = float(opts[0])
@@ -126,6 +127,8 @@ def parse_mode(mode: str) -> dict:
                 out["gemm_share"] = float(o[4:])
             elif o == "xlagrouped":
                 out["xla_grouped"] = True
+            elif o == "nodotmerge":
+                out["merge_dots"] = False
             elif o == "shardmap":  # the tensor-parallel path even at TP 1 (the A/B)
                 out["shard_map"] = True
             elif o in _LOGIT_OPTIONS and out["logit_rows"] == "engine":
@@ -152,6 +155,8 @@ def _variant(plan: dict, mode: str, kernels: KernelConfig):
         kernels = kernels.replace(gemm_shares=True)
     if m["xla_grouped"]:
         kernels = kernels.replace(grouped_gemm="xla")
+    if not m["merge_dots"]:
+        kernels = kernels.replace(merge_dots=False)
     return plan, m["base"], dict(scheduling_groups=m["scheduling_groups"], keep=m["keep"],
                                  kernels=kernels, shard_map=m["shard_map"],
                                  logit_rows=m["logit_rows"])

@@ -220,6 +220,14 @@ class LayerwiseForward(UnrolledForward):
         return logits(self._variables(params, r), x, logit_idx), kv
 
 
+def gpu_compiler_options(kernels: KernelConfig, backend: str | None = None) -> dict:
+    """XLA options of the step that the KernelConfig names (GPU only; backend: None, the
+    default one)."""
+    if (backend or jax.default_backend()) != "gpu" or kernels.merge_dots:
+        return {}
+    return {"xla_gpu_dot_merger_threshold_mb": 0}
+
+
 def default_forward(cfg: ModelConfig, kernels: KernelConfig = KernelConfig()) -> Forward:
     """GPU: straight-line layers with the Pallas kernels the KernelConfig names; CPU:
     per-layer calls, pure JAX."""
@@ -228,4 +236,5 @@ def default_forward(cfg: ModelConfig, kernels: KernelConfig = KernelConfig()) ->
            else LayerwiseForward(cfg, small_gemms=kernels.cpu_small_gemms))
     fwd.grouped_gemm = kernels.grouped_gemm
     fwd.quant_max_rows = kernels.cpu_quant_max_rows
+    fwd.compiler_options = {**fwd.compiler_options, **gpu_compiler_options(kernels)}
     return fwd

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from nanojax.config import KernelConfig, ModelConfig
-from nanojax.engine.forward import UnrolledForward, default_forward
+from nanojax.engine.forward import UnrolledForward, default_forward, gpu_compiler_options
 from nanojax.layers.attention import AttentionBackend, PagedMetadata, slice_metadata
 from nanojax.layers.matmul import matmul_at
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
@@ -138,6 +138,7 @@ class PipelineForward(UnrolledForward):
                 self.side_attention = default_forward(cfg, side_stream_kernels(kernels)).attention
         super().__init__(cfg, attention)
         self.grouped_gemm = kernels.grouped_gemm
+        self.compiler_options = gpu_compiler_options(kernels)
         self.num_sms, self.ctas_per_sm = num_sms, ctas_per_sm
         # a diagnostic for cross-stream buffer reuse: each side-stream region also returns
         # its inputs ("inputs") or every value it computes ("values"), so they stay alive
