@@ -180,13 +180,19 @@ def test_all_pipeline_modes_give_the_reference_tokens_on_an_moe_model():
     ref = ReferenceGenerator(cfg, params, max_len=128)
     want = [ref.generate(p, 5, ignore_eos=True) for p in prompts]
     for mode in MODES:
+        fwd = PipelineForward(cfg, plan, mode)
+        # which expert GEMMs each built layer asks for: mlp[1] on stream 2 (overlap
+        # mode) takes ragged_dot, as no Mosaic GPU kernel may sit on a side stream
+        asked, build = set(), fwd.layer
+        fwd.layer = lambda mm=None, grouped_gemm=None: (
+            asked.add(grouped_gemm), build(mm, grouped_gemm))[1]
         eng = LLMEngine(bundle, EngineConfig(b_dense=b, num_pages=32, max_model_len=128,
-                                             constant_batch=True),
-                        forward=PipelineForward(cfg, plan, mode))
+                                             constant_batch=True), forward=fwd)
         ids = [eng.add_request(p, SamplingParams(max_tokens=5, temperature=0,
                                                  ignore_eos=True)) for p in prompts]
         done = eng.run_to_completion()
         assert [done[i].token_ids for i in ids] == want, mode
+        assert asked == ({None, "xla"} if mode == "overlap" else {None}), (mode, asked)
 
 
 def test_moe_plan_signature_names_the_experts():

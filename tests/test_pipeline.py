@@ -246,13 +246,16 @@ def test_the_modes_compute_the_same_function_on_the_gpu(tmp_path):
     assert not bad, bad
 
 
-def test_side_stream_attention_takes_triton_unless_a_kernel_is_named():
+def test_side_streams_take_no_mosaic_kernel_unless_one_is_named():
     from nanojax.config import KernelConfig
     from nanojax.pipeline.executor import side_stream_kernels
     auto = KernelConfig()
-    assert side_stream_kernels(auto) == auto.replace(decode_kernel="triton")
+    assert side_stream_kernels(auto) == auto.replace(decode_kernel="triton",
+                                                     grouped_gemm="xla")
     named = KernelConfig(decode_kernel="mosaic", prefill_kernel=True)
-    assert side_stream_kernels(named) == named
+    assert side_stream_kernels(named) == named.replace(grouped_gemm="xla")
+    assert side_stream_kernels(named.replace(grouped_gemm="xla")) == named.replace(
+        grouped_gemm="xla")
 
 
 def _fused_plan(cfg, b_dense=32, **fused):

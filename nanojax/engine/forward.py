@@ -66,9 +66,11 @@ class UnrolledForward:
         self.compiler_options = {}
         self.grouped_gemm = "auto"  # an MoE FFN's expert GEMMs (KernelConfig.grouped_gemm)
 
-    def layer(self, matmul=None) -> DecoderLayer:
+    def layer(self, matmul=None, grouped_gemm: str | None = None) -> DecoderLayer:
+        """A decoder layer whose GEMMs are `matmul` and expert GEMMs `grouped_gemm` (None:
+        this forward's)."""
         return DecoderLayer(self.cfg, matmul=matmul, reduce=self.model.reduce,
-                            grouped_gemm=self.grouped_gemm)
+                            grouped_gemm=grouped_gemm or self.grouped_gemm)
 
     def layout(self, params, stack=jnp.stack):
         """The parameter tree restructured as prepare() places it (without the CPU's

@@ -103,9 +103,11 @@ KEEP_BYTES = 256 << 20  # keep="values" leaves out larger values (a layer's KV p
 
 
 def side_stream_kernels(kernels: KernelConfig) -> KernelConfig:
-    """The kernels of attention nano-ops on a side stream: "auto" means Triton there (the
-    Mosaic GPU kernels' compile inside async computations, see PipelineForward)."""
-    return kernels.replace(decode_kernel="triton") if kernels.decode_kernel == "auto" else kernels
+    """The kernels of nano-ops on a side stream: "auto" means no Mosaic GPU kernel there
+    (their compile inside async computations, see PipelineForward): Triton's decode
+    attention, XLA's ragged_dot for an MoE block's expert GEMMs."""
+    side = {"decode_kernel": "triton", "grouped_gemm": "xla"}
+    return kernels.replace(**{k: v for k, v in side.items() if getattr(kernels, k) == "auto"})
 
 
 class PipelineForward(UnrolledForward):
@@ -138,6 +140,8 @@ class PipelineForward(UnrolledForward):
                 self.side_attention = default_forward(cfg, side_stream_kernels(kernels)).attention
         super().__init__(cfg, attention)
         self.grouped_gemm = kernels.grouped_gemm
+        # an MoE block's GEMM nano-op on a side stream: the same rule as attention's
+        self.side_grouped_gemm = side_stream_kernels(kernels).grouped_gemm
         self.compiler_options = gpu_compiler_options(kernels)
         self.num_sms, self.ctas_per_sm = num_sms, ctas_per_sm
         # a diagnostic for cross-stream buffer reuse: each side-stream region also returns
@@ -227,19 +231,20 @@ class PipelineForward(UnrolledForward):
         A GEMM nano-op's share bounds its matmuls' grid where enabled (layers/matmul.py)."""
         g, k = op["op"], op["batch"]
         share = float(op.get("share", 1.0))
+        stream = op.get("stream", 0)
+        side = stream != 0 and self.kernels.streams
         layer = self.layer(None if g == "attention" else
-                           matmul_at(share, self.num_sms, self.kernels.gemm_shares))
+                           matmul_at(share, self.num_sms, self.kernels.gemm_shares),
+                           grouped_gemm=self.side_grouped_gemm if side else None)
         inv_freq = self.model.inv_freq
         a, b = ranges[g][k]
-        stream = op.get("stream", 0)
         if g in GEMM_GROUPS:
             f, args = self._gemm(g, layer, x, a, b, out, ranges)
             out[g][k] = placed(f, stream, lp, *args)
         elif g == "attention":
             q, kk, vv = _gather(out["qkv"], ranges["qkv"], a, b)
             m = slice_metadata(meta, a, b)
-            backend = (self.side_attention if stream != 0 and self.kernels.streams
-                       else self.attention)
+            backend = self.side_attention if side else self.attention
             attend = backend.attend_at(share, self.num_sms, self.ctas_per_sm)
 
             def f(q, kk, vv, kvl, m):
