@@ -353,6 +353,10 @@ class KernelConfig:
         "GPU: let XLA merge GEMMs that share an input (q, k and v: its dot merger, for "
         "GEMMs under 32 MB) into one, which concatenates their weights on every step; off "
         "keeps them apart (the A/B: bench step's mode option nodotmerge)"))
+    fuse_qkv: bool = dataclasses.field(default=True, metadata=_opt(
+        "GPU: store each layer's q, k and v weights as one (one GEMM, as vLLM's "
+        "QKVParallelLinear) instead of XLA's dot merger concatenating them on every step; "
+        "one device only (the A/B: bench step's mode option nofuseqkv)"))
     streams: bool = dataclasses.field(default=True, metadata=_opt(
         "place the plan's side-stream nano-ops on XLA execution streams (GPU)"))
     interpret: bool = dataclasses.field(default=False, metadata=_opt(

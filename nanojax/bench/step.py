@@ -96,9 +96,11 @@ def _sampled(batch: SyntheticBatch, out):
 
 def parse_mode(mode: str) -> dict:
     """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs|keepall][:gemmSHARE]
-    [:xlagrouped][:nodotmerge][:alllogits|seqlogits] ('xlagrouped': an MoE step's expert
-    GEMMs through XLA's ragged_dot instead of the Mosaic GPU grouped GEMM, the A/B of
-    models/moe.py; 'nodotmerge': XLA's dot merger off (KernelConfig.merge_dots);
+    [:xlagrouped][:nodotmerge][:nofuseqkv][:fusedappend][:alllogits|seqlogits]
+    ('xlagrouped': an MoE step's expert GEMMs through XLA's ragged_dot instead of the Mosaic
+    GPU grouped GEMM, the A/B of models/moe.py; 'nodotmerge': XLA's dot merger off (KernelConfig.merge_dots);
+    'nofuseqkv': q, k and v as three weights (KernelConfig.fuse_qkv); 'fusedappend': the
+    cache written by the fused RoPE + append kernel (KernelConfig.fused_append);
     'alllogits': the LM head on all B_dense tokens, 'seqlogits': on the batch's sequences
     padded to a multiple of 8, instead of the engine's rows, the A/B of LOGIT_ROWS; with
     'seqlogits' each workload's row count is its own shape, compiled at its first call):
@@ -114,7 +116,8 @@ def parse_mode(mode: str) -> dict:
     base, *opts = mode.split(":")
     out = {"base": base, "attention_share": None, "gemm_share": None,
            "scheduling_groups": True, "keep": "", "xla_grouped": False, "shard_map": False,
-           "logit_rows": "engine", "merge_dots": True}
+           "logit_rows": "engine", "merge_dots": True, "fuse_qkv": True,
+           "fused_append": False}
     try:
         if opts and opts[0]:
             out["attention_share"] = float(opts[0])
@@ -129,6 +132,10 @@ def parse_mode(mode: str) -> dict:
                 out["xla_grouped"] = True
             elif o == "nodotmerge":
                 out["merge_dots"] = False
+            elif o == "nofuseqkv":
+                out["fuse_qkv"] = False
+            elif o == "fusedappend":
+                out["fused_append"] = True
             elif o == "shardmap":  # the tensor-parallel path even at TP 1 (the A/B)
                 out["shard_map"] = True
             elif o in _LOGIT_OPTIONS and out["logit_rows"] == "engine":
@@ -157,6 +164,10 @@ def _variant(plan: dict, mode: str, kernels: KernelConfig):
         kernels = kernels.replace(grouped_gemm="xla")
     if not m["merge_dots"]:
         kernels = kernels.replace(merge_dots=False)
+    if not m["fuse_qkv"]:
+        kernels = kernels.replace(fuse_qkv=False)
+    if m["fused_append"]:
+        kernels = kernels.replace(fused_append=True)
     return plan, m["base"], dict(scheduling_groups=m["scheduling_groups"], keep=m["keep"],
                                  kernels=kernels, shard_map=m["shard_map"],
                                  logit_rows=m["logit_rows"])
@@ -341,9 +352,10 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
             kind = tp > 1 or shard
             if kind:  # the tensor-parallel path (':shardmap' takes it at TP 1)
                 fwd = TensorParallelForward(fwd, tp)
-            if kind not in prepared:
-                prepared[kind] = fwd.prepare(bundle.params)
-            params = prepared[kind]
+            key = (kind, pipe.fuse_qkv)
+            if key not in prepared:
+                prepared[key] = fwd.prepare(bundle.params)
+            params = prepared[key]
             step = make_step(fwd)
             b0 = mode_batches[workloads[0]]
             t0 = time.perf_counter()
