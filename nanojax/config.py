@@ -328,8 +328,9 @@ class KernelConfig:
         "query blocks are then bounded by B_dense / prefill_block_q + this (the bound of one "
         "block per row was 2,176 blocks at B_dense 2048, 11x this one's 192, each gathered, "
         "attended and scattered back in every layer)"))
-    fused_append: bool = dataclasses.field(default=False, metadata=_opt(
-        "write the KV cache with the fused RoPE + append kernel"))
+    fused_append: bool = dataclasses.field(default=True, metadata=_opt(
+        "write the KV cache with the fused RoPE + append kernel (off: XLA's RoPE and two "
+        "scatters; on, the 8B step at B_dense 2048 ran 1.013x, bench/results §54)"))
     grouped_gemm: str = dataclasses.field(default="auto", metadata=_opt(
         "MoE expert GEMMs: auto (the Mosaic GPU grouped GEMM on Hopper where it takes the "
         "operands, else XLA's ragged_dot), xla (always ragged_dot)", choices=GROUPED_GEMMS))
@@ -349,14 +350,11 @@ class KernelConfig:
     gemm_shares: bool = dataclasses.field(default=False, metadata=_opt(
         "plan GEMM nano-ops with a share below 1 run on that share of the SMs "
         "(Mosaic GPU matmul, Hopper)"))
-    merge_dots: bool = dataclasses.field(default=True, metadata=_opt(
+    merge_dots: bool = dataclasses.field(default=False, metadata=_opt(
         "GPU: let XLA merge GEMMs that share an input (q, k and v: its dot merger, for "
-        "GEMMs under 32 MB) into one, which concatenates their weights on every step; off "
-        "keeps them apart (the A/B: bench step's mode option nodotmerge)"))
-    fuse_qkv: bool = dataclasses.field(default=True, metadata=_opt(
-        "GPU: store each layer's q, k and v weights as one (one GEMM, as vLLM's "
-        "QKVParallelLinear) instead of XLA's dot merger concatenating them on every step; "
-        "one device only (the A/B: bench step's mode option nofuseqkv)"))
+        "GEMMs under 32 MB) into one, which concatenates their weights on every step (off, "
+        "the 8B step at B_dense 2048 ran 1.013-1.023x, bench/results §54; q/k/v stored "
+        "as one weight instead gained less: their output's slices cost what the merge saved)"))
     streams: bool = dataclasses.field(default=True, metadata=_opt(
         "place the plan's side-stream nano-ops on XLA execution streams (GPU)"))
     interpret: bool = dataclasses.field(default=False, metadata=_opt(

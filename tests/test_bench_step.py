@@ -203,8 +203,8 @@ def test_step_modes_parse_into_their_options():
     m = parse_mode("overlap:0.25:nogroups:gemm0.5:keepinputs")
     assert m == {"base": "overlap", "attention_share": 0.25, "gemm_share": 0.5,
                  "scheduling_groups": False, "keep": "inputs", "xla_grouped": False,
-                 "shard_map": False, "logit_rows": "engine", "merge_dots": True,
-                 "fuse_qkv": True, "fused_append": False}
+                 "shard_map": False, "logit_rows": "engine", "merge_dots": None,
+                 "fused_append": None}
     assert parse_mode("non-overlap::alllogits")["logit_rows"] == "all"
     assert parse_mode("overlap:0.5:seqlogits")["logit_rows"] == "seqs"
     assert parse_mode("overlap:1.0:keepall")["keep"] == "values"
@@ -213,11 +213,12 @@ def test_step_modes_parse_into_their_options():
     assert parse_mode("non-overlap")["xla_grouped"] is False
     assert parse_mode("non-overlap::xlagrouped")["xla_grouped"] is True
     assert parse_mode("non-overlap::nodotmerge")["merge_dots"] is False
-    assert parse_mode("non-overlap::nofuseqkv")["fuse_qkv"] is False
+    assert parse_mode("non-overlap::dotmerge")["merge_dots"] is True
     assert parse_mode("non-overlap::fusedappend")["fused_append"] is True
+    assert parse_mode("non-overlap::nofusedappend")["fused_append"] is False
     for bad in ("overlap:0", "overlap:0.5:foo", "overlap::gemm2", "sideways",
                 "overlap:1.0:keepinputs:keepall", "non-overlap::alllogits:seqlogits",
-                "non-overlap::somelogits"):
+                "non-overlap::somelogits", "non-overlap::dotmerge:nodotmerge"):
         with pytest.raises(ValueError, match=bad):
             parse_mode(bad)
 
@@ -259,15 +260,15 @@ def test_trace_parser_reads_gpu_streams(tmp_path):
 
 
 def test_dot_merger_off_is_an_xla_option_of_the_gpu_step():
-    """KernelConfig.merge_dots=False: the GPU step compiles with XLA's dot merger off (an
-    8B step's timeline shows a ~28 us concatenate a layer, likely the merged q/k/v
-    weights); the option name is one XLA knows (an unknown one fails to compile); the
-    CPU step is untouched."""
+    """KernelConfig.merge_dots=False (the default): the GPU step compiles with XLA's dot
+    merger off (it concatenated the q/k/v weights on every step: ~25 us a layer on the
+    H200); the option name is one XLA knows (an unknown one fails to compile); the CPU step
+    is untouched."""
     from nanojax.config import KernelConfig
     from nanojax.engine.forward import gpu_compiler_options
     from nanojax.pipeline.executor import PipelineForward
-    off = KernelConfig(merge_dots=False)
-    assert gpu_compiler_options(KernelConfig(), "gpu") == {}
+    off = KernelConfig()
+    assert gpu_compiler_options(KernelConfig(merge_dots=True), "gpu") == {}
     assert gpu_compiler_options(off, "cpu") == {}
     options = gpu_compiler_options(off, "gpu")
     assert options == {"xla_gpu_dot_merger_threshold_mb": 0}
@@ -275,36 +276,6 @@ def test_dot_merger_off_is_an_xla_option_of_the_gpu_step():
     assert float(f(*[np.ones((4, 4), np.float32)] * 3)[1][0, 0]) == 4.0
     cfg = named_shape("tiny")  # on the CPU: no GPU option in either forward
     assert PipelineForward(cfg, _two_batch_plan(cfg), kernels=off).compiler_options == {}
-
-
-def test_fused_qkv_weight_gives_the_three_projections():
-    """KernelConfig.fuse_qkv: a one-device GPU forward stores q/k/v as one weight (biases
-    too: Qwen2) and its qkv op returns what the three did; tensor-parallel shards and the
-    CPU's layer-wise forward keep three."""
-    from nanojax.config import KernelConfig
-    from nanojax.engine.forward import LayerwiseForward, UnrolledForward
-    from nanojax.models import init_params
-    from nanojax.models.llama import DecoderLayer
-    from nanojax.pipeline.executor import PipelineForward
-    cfg = named_shape("tiny").replace(attention_bias=True, num_layers=2)
-    params = init_params(cfg, seed=1)
-    plain, fused = UnrolledForward(cfg), PipelineForward(cfg, _two_batch_plan(cfg))
-    assert fused.fuse_qkv and not PipelineForward(
-        cfg, _two_batch_plan(cfg), kernels=KernelConfig(fuse_qkv=False)).fuse_qkv
-    layers = [f.prepare(params)["params"]["layers_1"] for f in (plain, fused)]
-    assert {"q_proj", "k_proj", "v_proj"} <= set(layers[0]) and "qkv_proj" not in layers[0]
-    assert "qkv_proj" in layers[1] and not {"q_proj", "k_proj", "v_proj"} & set(layers[1])
-    assert layers[1]["qkv_proj"]["bias"].shape == (cfg.q_size + 2 * cfg.kv_size,)
-    x = jax.random.normal(jax.random.PRNGKey(2), (5, cfg.hidden_size)).astype(cfg.dtype)
-    want, got = (DecoderLayer(cfg).apply({"params": p}, x, method=DecoderLayer.qkv)
-                 for p in layers)
-    for a, b in zip(want, got):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    shard = fused.for_shard(cfg, "tp")
-    assert "q_proj" in shard.layout(params)["params"]["layers_0"]
-    cpu = LayerwiseForward(cfg)
-    cpu.fuse_qkv = True
-    assert "q_proj" in cpu.layout(params)["params"]["layers_0"]
 
 
 @pytest.mark.parametrize("name,kind", [

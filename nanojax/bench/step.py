@@ -96,11 +96,11 @@ def _sampled(batch: SyntheticBatch, out):
 
 def parse_mode(mode: str) -> dict:
     """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs|keepall][:gemmSHARE]
-    [:xlagrouped][:nodotmerge][:nofuseqkv][:fusedappend][:alllogits|seqlogits]
+    [:xlagrouped][:dotmerge|nodotmerge][:fusedappend|nofusedappend][:alllogits|seqlogits]
     ('xlagrouped': an MoE step's expert GEMMs through XLA's ragged_dot instead of the Mosaic
-    GPU grouped GEMM, the A/B of models/moe.py; 'nodotmerge': XLA's dot merger off (KernelConfig.merge_dots);
-    'nofuseqkv': q, k and v as three weights (KernelConfig.fuse_qkv); 'fusedappend': the
-    cache written by the fused RoPE + append kernel (KernelConfig.fused_append);
+    GPU grouped GEMM, the A/B of models/moe.py; 'dotmerge' / 'nodotmerge': XLA's dot merger
+    on / off (KernelConfig.merge_dots); 'fusedappend' / 'nofusedappend': the cache written
+    by the fused RoPE + append kernel or by XLA's scatters (KernelConfig.fused_append);
     'alllogits': the LM head on all B_dense tokens, 'seqlogits': on the batch's sequences
     padded to a multiple of 8, instead of the engine's rows, the A/B of LOGIT_ROWS; with
     'seqlogits' each workload's row count is its own shape, compiled at its first call):
@@ -116,8 +116,7 @@ def parse_mode(mode: str) -> dict:
     base, *opts = mode.split(":")
     out = {"base": base, "attention_share": None, "gemm_share": None,
            "scheduling_groups": True, "keep": "", "xla_grouped": False, "shard_map": False,
-           "logit_rows": "engine", "merge_dots": True, "fuse_qkv": True,
-           "fused_append": False}
+           "logit_rows": "engine", "merge_dots": None, "fused_append": None}
     try:
         if opts and opts[0]:
             out["attention_share"] = float(opts[0])
@@ -130,12 +129,10 @@ def parse_mode(mode: str) -> dict:
                 out["gemm_share"] = float(o[4:])
             elif o == "xlagrouped":
                 out["xla_grouped"] = True
-            elif o == "nodotmerge":
-                out["merge_dots"] = False
-            elif o == "nofuseqkv":
-                out["fuse_qkv"] = False
-            elif o == "fusedappend":
-                out["fused_append"] = True
+            elif o in ("dotmerge", "nodotmerge") and out["merge_dots"] is None:
+                out["merge_dots"] = o == "dotmerge"
+            elif o in ("fusedappend", "nofusedappend") and out["fused_append"] is None:
+                out["fused_append"] = o == "fusedappend"
             elif o == "shardmap":  # the tensor-parallel path even at TP 1 (the A/B)
                 out["shard_map"] = True
             elif o in _LOGIT_OPTIONS and out["logit_rows"] == "engine":
@@ -162,12 +159,9 @@ def _variant(plan: dict, mode: str, kernels: KernelConfig):
         kernels = kernels.replace(gemm_shares=True)
     if m["xla_grouped"]:
         kernels = kernels.replace(grouped_gemm="xla")
-    if not m["merge_dots"]:
-        kernels = kernels.replace(merge_dots=False)
-    if not m["fuse_qkv"]:
-        kernels = kernels.replace(fuse_qkv=False)
-    if m["fused_append"]:
-        kernels = kernels.replace(fused_append=True)
+    for name in ("merge_dots", "fused_append"):  # None: the run's KernelConfig
+        if m[name] is not None:
+            kernels = kernels.replace(**{name: m[name]})
     return plan, m["base"], dict(scheduling_groups=m["scheduling_groups"], keep=m["keep"],
                                  kernels=kernels, shard_map=m["shard_map"],
                                  logit_rows=m["logit_rows"])
@@ -352,10 +346,9 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
             kind = tp > 1 or shard
             if kind:  # the tensor-parallel path (':shardmap' takes it at TP 1)
                 fwd = TensorParallelForward(fwd, tp)
-            key = (kind, pipe.fuse_qkv)
-            if key not in prepared:
-                prepared[key] = fwd.prepare(bundle.params)
-            params = prepared[key]
+            if kind not in prepared:
+                prepared[kind] = fwd.prepare(bundle.params)
+            params = prepared[kind]
             step = make_step(fwd)
             b0 = mode_batches[workloads[0]]
             t0 = time.perf_counter()

@@ -19,7 +19,7 @@ from nanojax.config import KernelConfig, ModelConfig
 from nanojax.engine.kv_cache import init_kv_pages
 from nanojax.layers.attention import AttentionBackend, paged_attention, pallas_backend
 from nanojax.layers.kv_fp8 import QuantizedKV, init_kv_layer, kv_parts, with_pages
-from nanojax.models.llama import DecoderLayer, LlamaForCausalLM, fuse_qkv
+from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
 
 
 class Forward(Protocol):
@@ -65,7 +65,6 @@ class UnrolledForward:
         self.model = LlamaForCausalLM(cfg, tp_axis=tp_axis)
         self.compiler_options = {}
         self.grouped_gemm = "auto"  # an MoE FFN's expert GEMMs (KernelConfig.grouped_gemm)
-        self.fuse_qkv = False  # KernelConfig.fuse_qkv (GPU forwards)
 
     def layer(self, matmul=None, grouped_gemm: str | None = None) -> DecoderLayer:
         """A decoder layer whose GEMMs are `matmul` and expert GEMMs `grouped_gemm` (None:
@@ -75,14 +74,8 @@ class UnrolledForward:
 
     def layout(self, params, stack=jnp.stack):
         """The parameter tree restructured as prepare() places it (without the CPU's
-        quantized blocks, which only LayerwiseForward runs; q/k/v as one weight with
-        fuse_qkv, on one device: under tensor parallelism each shard's columns would have
-        to be interleaved, and the weights would be copied to do it)."""
-        out = {k: v for k, v in params.items() if k != "quant"}
-        if self.fuse_qkv and self.tp_axis is None:
-            out["params"] = {k: fuse_qkv(v) if k.startswith("layers_") else v
-                             for k, v in out["params"].items()}
-        return out
+        quantized blocks, which only LayerwiseForward runs)."""
+        return {k: v for k, v in params.items() if k != "quant"}
 
     def for_shard(self, cfg: ModelConfig, tp_axis: str):
         """This forward for one tensor-parallel shard of shape cfg (inside shard_map)."""
@@ -244,7 +237,6 @@ def default_forward(cfg: ModelConfig, kernels: KernelConfig = KernelConfig()) ->
            if jax.default_backend() == "gpu"
            else LayerwiseForward(cfg, small_gemms=kernels.cpu_small_gemms))
     fwd.grouped_gemm = kernels.grouped_gemm
-    fwd.fuse_qkv = kernels.fuse_qkv
     fwd.quant_max_rows = kernels.cpu_quant_max_rows
     fwd.compiler_options = {**fwd.compiler_options, **gpu_compiler_options(kernels)}
     return fwd

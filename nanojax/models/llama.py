@@ -41,8 +41,6 @@ class DecoderLayer(nn.Module):
         self.q_proj = Linear(c.q_size, dt, c.attention_bias, mm)
         self.k_proj = Linear(c.kv_size, dt, c.attention_bias, mm)
         self.v_proj = Linear(c.kv_size, dt, c.attention_bias, mm)
-        # the three as one weight, where a forward's layout fused them (fuse_qkv)
-        self.qkv_proj = Linear(c.q_size + 2 * c.kv_size, dt, c.attention_bias, mm)
         self.o_proj = Linear(c.hidden_size, dt, matmul=mm)
         self.post_attention_norm = RMSNorm(c.rms_norm_eps, dt)
         if c.is_moe:  # Mixtral / Qwen2-MoE: a routed mixture of experts is the FFN
@@ -57,13 +55,9 @@ class DecoderLayer(nn.Module):
         c = self.cfg
         h = self.input_norm(x)
         t = x.shape[0]
-        if self.has_variable("params", "qkv_proj"):
-            q, k, v = jnp.split(self.qkv_proj(h), [c.q_size, c.q_size + c.kv_size], axis=-1)
-        else:
-            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
-        return (q.reshape(t, c.num_heads, c.head_dim),
-                k.reshape(t, c.num_kv_heads, c.head_dim),
-                v.reshape(t, c.num_kv_heads, c.head_dim))
+        return (self.q_proj(h).reshape(t, c.num_heads, c.head_dim),
+                self.k_proj(h).reshape(t, c.num_kv_heads, c.head_dim),
+                self.v_proj(h).reshape(t, c.num_kv_heads, c.head_dim))
 
     def _reduce(self, y):
         return y if self.reduce is None else self.reduce(y)
@@ -89,19 +83,6 @@ class DecoderLayer(nn.Module):
         q, k, v = self.qkv(x)
         o, kv_layer = attention(q, k, v, kv_layer, meta, inv_freq)
         return self.mlp(self.attn_out(o, x)), kv_layer
-
-
-def fuse_qkv(layer: dict) -> dict:
-    """A layer's parameters with q_proj, k_proj and v_proj as one qkv_proj [hidden,
-    q + 2 kv]: one GEMM, where XLA's dot merger would concatenate the three weights on
-    every step (a ~28 us copy a layer at B_dense 2048 on the H200)."""
-    if "q_proj" not in layer:
-        return layer
-    out = {k: v for k, v in layer.items() if k not in ("q_proj", "k_proj", "v_proj")}
-    out["qkv_proj"] = {name: jnp.concatenate([layer[p][name] for p in
-                                              ("q_proj", "k_proj", "v_proj")], axis=-1)
-                       for name in layer["q_proj"]}
-    return out
 
 
 class LlamaForCausalLM(nn.Module):

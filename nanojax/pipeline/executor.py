@@ -140,7 +140,6 @@ class PipelineForward(UnrolledForward):
                 self.side_attention = default_forward(cfg, side_stream_kernels(kernels)).attention
         super().__init__(cfg, attention)
         self.grouped_gemm = kernels.grouped_gemm
-        self.fuse_qkv = kernels.fuse_qkv
         # an MoE block's GEMM nano-op on a side stream: the same rule as attention's
         self.side_grouped_gemm = side_stream_kernels(kernels).grouped_gemm
         self.compiler_options = gpu_compiler_options(kernels)
