@@ -46,6 +46,17 @@ def rope_append_reference(k, v, k_pages, v_pages, positions, slot_mapping, inv_f
             v_pages.at[page, :, off].set(stored(v, v_scale, v_pages.dtype), mode="drop"))
 
 
+def unsupported(k, k_pages) -> str | None:
+    """Why this kernel cannot take these operands, or None when it can. Pallas' Triton
+    lowering needs every array value's size a power of 2: a program's [KVH, D/2] halves."""
+    kvh, d = k.shape[1:]
+    if kvh & (kvh - 1) or d & (d - 1) or d < 2:
+        return f"{kvh} kv heads of dim {d}: the Triton lowering needs powers of 2"
+    if k_pages.shape[1:2] + k_pages.shape[3:] != (kvh, d):
+        return f"pages {k_pages.shape} do not hold keys of {kvh} heads of dim {d}"
+    return None
+
+
 def _kernel(*refs, page_size, scaled):
     if scaled:
         (k_ref, v_ref, pos_ref, slot_ref, freq_ref, ks_ref, vs_ref, kp_in, vp_in, kp_ref,

@@ -47,3 +47,27 @@ def test_kernel_on_gpu_bf16():
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                    rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kvh,d,fused", [(2, 64, True), (3, 64, False), (4, 96, False)])
+def test_the_engine_append_lowers_for_cuda_fused_only_where_triton_takes_the_shapes(
+        kvh, d, fused):
+    """The fused append is the GPU default: for shapes Pallas' Triton lowering refuses
+    (SmolLM2-135M's 3 kv heads failed the engine's GPU test) the append falls back to
+    XLA's scatters. Lowered for CUDA here, on the CPU: the Triton lowering runs."""
+    import jax
+    from jax import export
+    from nanojax.layers.attention import PagedMetadata, append_kv_pallas
+    from pallas_kernels.rope_append import unsupported
+    sd, t, ps = jax.ShapeDtypeStruct, 16, 16
+    kv = (sd((8, kvh, ps, d), jnp.bfloat16),) * 2
+    i32 = sd((t,), jnp.int32)
+    meta = PagedMetadata(i32, i32, i32, sd((4, 2), jnp.int32), sd((4,), jnp.int32),
+                         sd((), jnp.int32))
+    assert (unsupported(sd((t, kvh, d), jnp.bfloat16), kv[0]) is None) == fused
+    inv_freq = inverse_frequencies(d, 10000.0)
+    f = jax.jit(lambda k, v, kv, meta: append_kv_pallas(k, v, kv, meta, inv_freq))
+    text = export.export(f, platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        sd((t, kvh, d), jnp.bfloat16), sd((t, kvh, d), jnp.bfloat16), kv, meta).mlir_module()
+    assert ("rope_kv_append" in text) == fused

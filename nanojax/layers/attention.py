@@ -187,9 +187,12 @@ def append_kv(k, v, kv_layer, meta: PagedMetadata, inv_freq):
 
 
 def append_kv_pallas(k, v, kv_layer, meta: PagedMetadata, inv_freq, interpret=False):
-    """The same append as one Pallas kernel (pallas_kernels/rope_append.py)."""
-    from pallas_kernels.rope_append import rope_append_impl
+    """The same append as one Pallas kernel (pallas_kernels/rope_append.py), where the
+    kernel takes the shapes (else append_kv: e.g. SmolLM2's 3 kv heads)."""
+    from pallas_kernels.rope_append import rope_append_impl, unsupported
     k_pages, v_pages, ks, vs = kv_parts(kv_layer)
+    if unsupported(k, k_pages) is not None:
+        return append_kv(k, v, kv_layer, meta, inv_freq)
     return with_pages(kv_layer, *rope_append_impl(
         k, v, k_pages, v_pages, meta.positions, meta.slot_mapping, inv_freq,
         k_scale=ks, v_scale=vs, interpret=interpret))
