@@ -329,8 +329,9 @@ class KernelConfig:
         "block per row was 2,176 blocks at B_dense 2048, 11x this one's 192, each gathered, "
         "attended and scattered back in every layer)"))
     fused_append: bool = dataclasses.field(default=True, metadata=_opt(
-        "write the KV cache with the fused RoPE + append kernel (off: XLA's RoPE and two "
-        "scatters; on, the 8B step at B_dense 2048 ran 1.013x, bench/results §54)"))
+        "write the KV cache with the fused RoPE + append kernel where it takes the shapes "
+        "(kv heads and head dim powers of 2; else, and off: XLA's RoPE and two scatters); "
+        "on, the 8B step at B_dense 2048 ran 1.013x (bench/results §54)"))
     grouped_gemm: str = dataclasses.field(default="auto", metadata=_opt(
         "MoE expert GEMMs: auto (the Mosaic GPU grouped GEMM on Hopper where it takes the "
         "operands, else XLA's ragged_dot), xla (always ragged_dot)", choices=GROUPED_GEMMS))
