@@ -30,6 +30,13 @@ _NEG = -1e30
 _MIN_ROWS = 16  # tl.dot needs at least 16 rows: the query group is padded up to this
 
 
+def padded_rows(n: int) -> int:
+    """Query rows of a program, n padded: at least _MIN_ROWS and a power of 2 (Pallas'
+    Triton lowering takes no other array sizes: a group of 3 heads x 16 tokens, 48 rows,
+    did not lower)."""
+    return max(_MIN_ROWS, 1 << (n - 1).bit_length())
+
+
 def decode_attention_reference(q, k_pages, v_pages, page_table, context_lens, k_scale=None,
                                v_scale=None):
     """q [B, H, D]; pages [N, KVH, ps, D]; page_table [B, P]; context_lens [B] -> [B, H, D].
@@ -230,7 +237,7 @@ def decode_attention_impl(q, k_pages, v_pages, page_table, context_lens, *,
     b, h, d = q.shape
     kvh = k_pages.shape[1]
     g = h // kvh
-    rows = max(_MIN_ROWS, g)
+    rows = padded_rows(g)
     qg = q.reshape(b, kvh, g, d)
     if rows > g:  # lax.pad: see paged_attention_call
         qg = lax.pad(qg, jnp.zeros((), qg.dtype), [(0, 0, 0), (0, 0, 0), (0, rows - g, 0),

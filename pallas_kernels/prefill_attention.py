@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.decode_attention import (_MIN_ROWS, decode_attention_reference,
-                                             paged_attention_call)
+from pallas_kernels.decode_attention import (decode_attention_reference,
+                                             paged_attention_call, padded_rows)
 
 
 def prefill_attention_reference(q, k_pages, v_pages, page_table, seq_ids, positions,
@@ -74,7 +74,7 @@ def prefill_attention_impl(q, k_pages, v_pages, page_table, positions, blocks, t
     qb = qb.reshape(nb, kvh, block_q * g, d)
     last = jnp.where(valid, positions[tok], -1)                      # [NB, bq]
     last = jnp.repeat(last, g, axis=1)                               # row = token * g + head
-    rows = max(_MIN_ROWS, block_q * g)
+    rows = padded_rows(block_q * g)
     if rows > block_q * g:
         pad = rows - block_q * g
         qb = lax.pad(qb, jnp.zeros((), qb.dtype), [(0, 0, 0), (0, 0, 0), (0, pad, 0),
