@@ -148,3 +148,33 @@ def test_engine_with_the_pallas_kernels_matches_pure_jax(tiny_bundle, pipeline):
         done = eng.run_to_completion()
         outs.append([done[i].token_ids for i in ids])
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("shape", ["smollm2-135m", "qwen2-57b-a14b"])
+@pytest.mark.parametrize("decode_kernel", ["mosaic", "triton"])
+def test_the_gpu_step_lowers_for_cuda_for_odd_query_groups(shape, decode_kernel):
+    """One layer of the engine's GPU forward with every Pallas kernel on (decode, chunked
+    prefill, the fused append by default) lowered for CUDA on the CPU, for shapes whose
+    query groups are not powers of 2 (SmolLM2: 3 kv heads of 3; Qwen2-MoE: 4 of 7): the
+    Triton lowering's size rules surfaced only on the GPU before (§57)."""
+    from jax import export
+    from nanojax.config import KernelConfig, named_shape
+    from nanojax.engine.forward import UnrolledForward
+    from nanojax.layers.attention import PagedMetadata, pallas_backend
+    from nanojax.models import param_shapes
+    cfg = named_shape(shape, "bfloat16").replace(num_layers=1, vocab_size=512)
+    fwd = UnrolledForward(cfg, attention=pallas_backend(KernelConfig(
+        decode_kernel=decode_kernel, prefill_kernel=True)))
+    sd, t, pages, width, block_q, seqs = jax.ShapeDtypeStruct, 64, 64, 8, 16, 8
+    i32 = sd((t,), jnp.int32)
+    nb = t // block_q + seqs
+    meta = PagedMetadata(i32, i32, i32, sd((seqs, width), jnp.int32), sd((seqs,), jnp.int32),
+                         sd((), jnp.int32), sd((nb, 3), jnp.int32), i32)
+    kv = jax.eval_shape(lambda: fwd.init_kv(pages, 16))
+    params = jax.tree_util.tree_map(lambda a: sd(a.shape, a.dtype), param_shapes(cfg))
+    text = export.export(jax.jit(fwd.__call__), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        params, i32, kv, meta, sd((seqs,), jnp.int32)).mlir_module()
+    # the fused append where its kernel takes the heads: Qwen2-MoE's 4, not SmolLM2's 3
+    assert ("rope_kv_append" in text) == (cfg.num_kv_heads == 4)
+    assert ("mosaic_gpu" in text) == (decode_kernel == "mosaic")
