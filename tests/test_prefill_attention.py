@@ -151,12 +151,13 @@ def test_engine_with_the_pallas_kernels_matches_pure_jax(tiny_bundle, pipeline):
 
 
 @pytest.mark.parametrize("shape", ["smollm2-135m", "qwen2-57b-a14b"])
-@pytest.mark.parametrize("decode_kernel", ["mosaic", "triton"])
-def test_the_gpu_step_lowers_for_cuda_for_odd_query_groups(shape, decode_kernel):
+@pytest.mark.parametrize("decode_kernel,kv_dtype", [("mosaic", None), ("triton", None),
+                                                     ("auto", jnp.float8_e4m3fn)])
+def test_the_gpu_step_lowers_for_cuda_for_odd_query_groups(shape, decode_kernel, kv_dtype):
     """One layer of the engine's GPU forward with every Pallas kernel on (decode, chunked
     prefill, the fused append by default) lowered for CUDA on the CPU, for shapes whose
     query groups are not powers of 2 (SmolLM2: 3 kv heads of 3; Qwen2-MoE: 4 of 7): the
-    Triton lowering's size rules surfaced only on the GPU before (§57)."""
+    Triton lowering's size rules surfaced only on the GPU before (§57). bf16 and FP8 pages."""
     from jax import export
     from nanojax.config import KernelConfig, named_shape
     from nanojax.engine.forward import UnrolledForward
@@ -170,11 +171,11 @@ def test_the_gpu_step_lowers_for_cuda_for_odd_query_groups(shape, decode_kernel)
     nb = t // block_q + seqs
     meta = PagedMetadata(i32, i32, i32, sd((seqs, width), jnp.int32), sd((seqs,), jnp.int32),
                          sd((), jnp.int32), sd((nb, 3), jnp.int32), i32)
-    kv = jax.eval_shape(lambda: fwd.init_kv(pages, 16))
+    kv = jax.eval_shape(lambda: fwd.init_kv(pages, 16, kv_dtype))
     params = jax.tree_util.tree_map(lambda a: sd(a.shape, a.dtype), param_shapes(cfg))
     text = export.export(jax.jit(fwd.__call__), platforms=["cuda"], disabled_checks=[
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
         params, i32, kv, meta, sd((seqs,), jnp.int32)).mlir_module()
     # the fused append where its kernel takes the heads: Qwen2-MoE's 4, not SmolLM2's 3
     assert ("rope_kv_append" in text) == (cfg.num_kv_heads == 4)
-    assert ("mosaic_gpu" in text) == (decode_kernel == "mosaic")
+    assert ("mosaic_gpu" in text) == (decode_kernel == "mosaic")  # FP8 pages: Triton
