@@ -356,6 +356,12 @@ class KernelConfig:
         "GEMMs under 32 MB) into one, which concatenates their weights on every step (off, "
         "the 8B step at B_dense 2048 ran 1.013-1.023x, bench/results §54; q/k/v stored "
         "as one weight instead gained less: their output's slices cost what the merge saved)"))
+    command_buffers: bool = dataclasses.field(default=False, metadata=_opt(
+        "GPU: run the step as XLA command buffers (CUDA graphs) where it places nothing "
+        "on other streams (the default forward, the non-overlap and nanobatch-only plans): "
+        "fewer launches than the ~850 kernels an 8B iteration dispatches one by one "
+        "(17-21 ms of host time, bench/results §39) and shorter gaps between them; off "
+        "until measured (bench step's mode option cmdbuf)"))
     streams: bool = dataclasses.field(default=True, metadata=_opt(
         "place the plan's side-stream nano-ops on XLA execution streams (GPU)"))
     interpret: bool = dataclasses.field(default=False, metadata=_opt(

@@ -204,7 +204,7 @@ def test_step_modes_parse_into_their_options():
     assert m == {"base": "overlap", "attention_share": 0.25, "gemm_share": 0.5,
                  "scheduling_groups": False, "keep": "inputs", "xla_grouped": False,
                  "shard_map": False, "logit_rows": "engine", "merge_dots": None,
-                 "fused_append": None}
+                 "fused_append": None, "command_buffers": None}
     assert parse_mode("non-overlap::alllogits")["logit_rows"] == "all"
     assert parse_mode("overlap:0.5:seqlogits")["logit_rows"] == "seqs"
     assert parse_mode("overlap:1.0:keepall")["keep"] == "values"
@@ -216,6 +216,7 @@ def test_step_modes_parse_into_their_options():
     assert parse_mode("non-overlap::dotmerge")["merge_dots"] is True
     assert parse_mode("non-overlap::fusedappend")["fused_append"] is True
     assert parse_mode("non-overlap::nofusedappend")["fused_append"] is False
+    assert parse_mode("non-overlap::cmdbuf")["command_buffers"] is True
     for bad in ("overlap:0", "overlap:0.5:foo", "overlap::gemm2", "sideways",
                 "overlap:1.0:keepinputs:keepall", "non-overlap::alllogits:seqlogits",
                 "non-overlap::somelogits", "non-overlap::dotmerge:nodotmerge"):
@@ -276,6 +277,24 @@ def test_dot_merger_off_is_an_xla_option_of_the_gpu_step():
     assert float(f(*[np.ones((4, 4), np.float32)] * 3)[1][0, 0]) == 4.0
     cfg = named_shape("tiny")  # on the CPU: no GPU option in either forward
     assert PipelineForward(cfg, _two_batch_plan(cfg), kernels=off).compiler_options == {}
+
+
+def test_command_buffers_are_an_xla_option_of_a_step_without_side_streams():
+    """KernelConfig.command_buffers: the GPU step compiles with XLA's command buffers on
+    (the value is one XLA parses: a bad one fails to compile), unless it has regions on
+    other streams, whose concurrency a command buffer would serialise."""
+    from nanojax.config import KernelConfig
+    from nanojax.engine.forward import COMMAND_BUFFER_TYPES, gpu_compiler_options
+    on = KernelConfig(command_buffers=True)
+    key = "xla_gpu_enable_command_buffer"
+    assert key not in gpu_compiler_options(KernelConfig(), "gpu")
+    assert gpu_compiler_options(on, "gpu")[key] == COMMAND_BUFFER_TYPES
+    assert key not in gpu_compiler_options(on, "gpu", side_streams=True)
+    assert gpu_compiler_options(on, "cpu") == {}
+    f = jax.jit(lambda a: a @ a, compiler_options={key: COMMAND_BUFFER_TYPES})
+    assert float(f(np.ones((4, 4), np.float32))[0, 0]) == 4.0
+    with pytest.raises(Exception, match="not a valid enum"):
+        jax.jit(lambda a: a @ a, compiler_options={key: "BOGUS"})(np.ones((4, 4)))
 
 
 @pytest.mark.parametrize("name,kind", [

@@ -212,8 +212,8 @@ def cmd_step(args) -> int:
         raise NanojaxError(f"bad --b-dense or --modes ({e}): B_dense values are integers; a "
                            f"mode is one of {MODES}, optionally ':SHARE' in (0, 1], "
                            "':nogroups', ':keepinputs' or ':keepall', ':gemmSHARE', "
-                           "':xlagrouped', ':[no]dotmerge', ':[no]fusedappend' and ':alllogits' "
-                           "or ':seqlogits'"
+                           "':xlagrouped', ':[no]dotmerge', ':[no]fusedappend', ':[no]cmdbuf' and "
+                           "':alllogits' or ':seqlogits'"
                            ) from None
     if any(b <= 0 for b in b_dense):
         raise NanojaxError(f"B_dense must be positive, got {args.b_dense}")

@@ -96,11 +96,13 @@ def _sampled(batch: SyntheticBatch, out):
 
 def parse_mode(mode: str) -> dict:
     """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs|keepall][:gemmSHARE]
-    [:xlagrouped][:dotmerge|nodotmerge][:fusedappend|nofusedappend][:alllogits|seqlogits]
+    [:xlagrouped][:dotmerge|nodotmerge][:fusedappend|nofusedappend][:cmdbuf|nocmdbuf]
+    [:alllogits|seqlogits]
     ('xlagrouped': an MoE step's expert GEMMs through XLA's ragged_dot instead of the Mosaic
     GPU grouped GEMM, the A/B of models/moe.py; 'dotmerge' / 'nodotmerge': XLA's dot merger
     on / off (KernelConfig.merge_dots); 'fusedappend' / 'nofusedappend': the cache written
     by the fused RoPE + append kernel or by XLA's scatters (KernelConfig.fused_append);
+    'cmdbuf' / 'nocmdbuf': XLA command buffers on / off (KernelConfig.command_buffers);
     'alllogits': the LM head on all B_dense tokens, 'seqlogits': on the batch's sequences
     padded to a multiple of 8, instead of the engine's rows, the A/B of LOGIT_ROWS; with
     'seqlogits' each workload's row count is its own shape, compiled at its first call):
@@ -116,7 +118,8 @@ def parse_mode(mode: str) -> dict:
     base, *opts = mode.split(":")
     out = {"base": base, "attention_share": None, "gemm_share": None,
            "scheduling_groups": True, "keep": "", "xla_grouped": False, "shard_map": False,
-           "logit_rows": "engine", "merge_dots": None, "fused_append": None}
+           "logit_rows": "engine", "merge_dots": None, "fused_append": None,
+           "command_buffers": None}
     try:
         if opts and opts[0]:
             out["attention_share"] = float(opts[0])
@@ -133,6 +136,8 @@ def parse_mode(mode: str) -> dict:
                 out["merge_dots"] = o == "dotmerge"
             elif o in ("fusedappend", "nofusedappend") and out["fused_append"] is None:
                 out["fused_append"] = o == "fusedappend"
+            elif o in ("cmdbuf", "nocmdbuf") and out["command_buffers"] is None:
+                out["command_buffers"] = o == "cmdbuf"
             elif o == "shardmap":  # the tensor-parallel path even at TP 1 (the A/B)
                 out["shard_map"] = True
             elif o in _LOGIT_OPTIONS and out["logit_rows"] == "engine":
@@ -159,7 +164,7 @@ def _variant(plan: dict, mode: str, kernels: KernelConfig):
         kernels = kernels.replace(gemm_shares=True)
     if m["xla_grouped"]:
         kernels = kernels.replace(grouped_gemm="xla")
-    for name in ("merge_dots", "fused_append"):  # None: the run's KernelConfig
+    for name in ("merge_dots", "fused_append", "command_buffers"):  # None: the run's
         if m[name] is not None:
             kernels = kernels.replace(**{name: m[name]})
     return plan, m["base"], dict(scheduling_groups=m["scheduling_groups"], keep=m["keep"],

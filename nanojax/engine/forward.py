@@ -222,12 +222,24 @@ class LayerwiseForward(UnrolledForward):
         return logits(self._variables(params, r), x, logit_idx), kv
 
 
-def gpu_compiler_options(kernels: KernelConfig, backend: str | None = None) -> dict:
+# what XLA captures into command buffers when KernelConfig.command_buffers is on: its own
+# default set (kernels, cuBLAS / cuDNN calls, custom calls that declare themselves safe)
+COMMAND_BUFFER_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
+
+
+def gpu_compiler_options(kernels: KernelConfig, backend: str | None = None,
+                         side_streams: bool = False) -> dict:
     """XLA options of the step that the KernelConfig names (GPU only; backend: None, the
-    default one)."""
-    if (backend or jax.default_backend()) != "gpu" or kernels.merge_dots:
+    default one). side_streams: the step places regions on other streams, where command
+    buffers stay off (XLA chains a command buffer's async regions serially)."""
+    if (backend or jax.default_backend()) != "gpu":
         return {}
-    return {"xla_gpu_dot_merger_threshold_mb": 0}
+    out = {}
+    if not kernels.merge_dots:
+        out["xla_gpu_dot_merger_threshold_mb"] = 0
+    if kernels.command_buffers and not side_streams:
+        out["xla_gpu_enable_command_buffer"] = COMMAND_BUFFER_TYPES
+    return out
 
 
 def default_forward(cfg: ModelConfig, kernels: KernelConfig = KernelConfig()) -> Forward:

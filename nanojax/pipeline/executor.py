@@ -142,7 +142,9 @@ class PipelineForward(UnrolledForward):
         self.grouped_gemm = kernels.grouped_gemm
         # an MoE block's GEMM nano-op on a side stream: the same rule as attention's
         self.side_grouped_gemm = side_stream_kernels(kernels).grouped_gemm
-        self.compiler_options = gpu_compiler_options(kernels)
+        side = streams_enabled(kernels.streams) and any(
+            op.get("stream", 0) != 0 for op in self.plan["nano_ops"])
+        self.compiler_options = gpu_compiler_options(kernels, side_streams=side)
         self.num_sms, self.ctas_per_sm = num_sms, ctas_per_sm
         # a diagnostic for cross-stream buffer reuse: each side-stream region also returns
         # its inputs ("inputs") or every value it computes ("values"), so they stay alive
