@@ -156,6 +156,9 @@ def test_the_logit_rows_ab_samples_the_same_tokens():
     assert [res[m]["logit_rows"] for m in modes] == [32, 64, 24]
     for r in res.values():
         assert r["rows"] == 32 and r["num_seqs"] == 18
+        # the step timed both ways: synced per call, and issued back to back
+        assert r["step_s"] > 0 and r["pipelined_step_s"] > 0
+        assert r["pipelined_tokens_per_s"] == pytest.approx(64 / r["pipelined_step_s"])
         assert r["same_tokens_as_non-overlap"] == 1.0 and r["differing_sequences"] == []
         assert r["logits_max_diff_over_std"] < 1e-5
     ratios = out["ratios"][0]

@@ -258,7 +258,8 @@ def cmd_step(args) -> int:
         frac = r.get("fraction_of_optimal")
         print(f"B_dense {r['b_dense']:>5} {r['workload']:>10} {r['mode']:>15}: "
               f"{1e3 * r['step_s']:8.2f} ms/step {r['tokens_per_s']:10.0f} tok/s"
-              + (f"  {100 * frac:5.1f}% of optimal" if frac else ""), file=sys.stderr)
+              + (f"  {100 * frac:5.1f}% of optimal" if frac else "")
+              + f"  (pipelined {1e3 * r['pipelined_step_s']:.2f} ms)", file=sys.stderr)
     print(json.dumps(out["ratios"]))
     write_json(args.json, payload)
     return 0
