@@ -355,7 +355,8 @@ class KernelConfig:
         "GPU: let XLA merge GEMMs that share an input (q, k and v: its dot merger, for "
         "GEMMs under 32 MB) into one, which concatenates their weights on every step (off, "
         "the 8B step at B_dense 2048 ran 1.013-1.023x, bench/results §54; q/k/v stored "
-        "as one weight instead gained less: their output's slices cost what the merge saved)"))
+        "as one weight instead gained less: their output's slices cost what the merge saved; "
+        "untimed on small models, where gate and up are under the threshold too)"))
     command_buffers: bool = dataclasses.field(default=False, metadata=_opt(
         "GPU: run the step as XLA command buffers (CUDA graphs) where it places nothing "
         "on other streams (the default forward, the non-overlap and nanobatch-only plans): "

@@ -220,6 +220,13 @@ def test_step_modes_parse_into_their_options():
     assert parse_mode("non-overlap::fusedappend")["fused_append"] is True
     assert parse_mode("non-overlap::nofusedappend")["fused_append"] is False
     assert parse_mode("non-overlap::cmdbuf")["command_buffers"] is True
+    from nanojax.bench.step import _ratios  # an option's A/B gets its ratio to the base
+    rows = [{"b_dense": 64, "workload": "w", "mode": m, "tokens_per_s": tps} for m, tps in
+            (("non-overlap", 100.0), ("non-overlap::cmdbuf", 110.0),
+             ("non-overlap::nodotmerge:nofusedappend", 90.0))]
+    assert _ratios(rows, [64], ["w"])[0] == {
+        "b_dense": 64, "workload": "w", "non-overlap::cmdbuf_over_non-overlap": 1.1,
+        "non-overlap::nodotmerge:nofusedappend_over_non-overlap": 0.9}
     for bad in ("overlap:0", "overlap:0.5:foo", "overlap::gemm2", "sideways",
                 "overlap:1.0:keepinputs:keepall", "non-overlap::alllogits:seqlogits",
                 "non-overlap::somelogits", "non-overlap::dotmerge:nodotmerge"):
@@ -272,9 +279,11 @@ def test_dot_merger_off_is_an_xla_option_of_the_gpu_step():
     from nanojax.engine.forward import gpu_compiler_options
     from nanojax.pipeline.executor import PipelineForward
     off = KernelConfig()
-    assert gpu_compiler_options(KernelConfig(merge_dots=True), "gpu") == {}
+    assert "xla_gpu_dot_merger_threshold_mb" not in gpu_compiler_options(
+        KernelConfig(merge_dots=True), "gpu")
     assert gpu_compiler_options(off, "cpu") == {}
-    options = gpu_compiler_options(off, "gpu")
+    options = {k: v for k, v in gpu_compiler_options(off, "gpu").items()
+               if k == "xla_gpu_dot_merger_threshold_mb"}
     assert options == {"xla_gpu_dot_merger_threshold_mb": 0}
     f = jax.jit(lambda a, b, c: (a @ b, a @ c), compiler_options=options)
     assert float(f(*[np.ones((4, 4), np.float32)] * 3)[1][0, 0]) == 4.0
@@ -290,14 +299,38 @@ def test_command_buffers_are_an_xla_option_of_a_step_without_side_streams():
     from nanojax.engine.forward import COMMAND_BUFFER_TYPES, gpu_compiler_options
     on = KernelConfig(command_buffers=True)
     key = "xla_gpu_enable_command_buffer"
-    assert key not in gpu_compiler_options(KernelConfig(), "gpu")
+    # off is explicit (XLA's default is on; the CLI's flags are not there for Python users)
+    assert gpu_compiler_options(KernelConfig(), "gpu")[key] == ""
     assert gpu_compiler_options(on, "gpu")[key] == COMMAND_BUFFER_TYPES
-    assert key not in gpu_compiler_options(on, "gpu", side_streams=True)
+    assert gpu_compiler_options(on, "gpu", side_streams=True)[key] == ""
     assert gpu_compiler_options(on, "cpu") == {}
     f = jax.jit(lambda a: a @ a, compiler_options={key: COMMAND_BUFFER_TYPES})
     assert float(f(np.ones((4, 4), np.float32))[0, 0]) == 4.0
     with pytest.raises(Exception, match="not a valid enum"):
         jax.jit(lambda a: a @ a, compiler_options={key: "BOGUS"})(np.ones((4, 4)))
+
+
+def test_a_plan_forward_keeps_command_buffers_off_only_with_side_streams(monkeypatch):
+    """PipelineForward on a GPU: the overlap mode places attention on stream 1 (command
+    buffers off); its ablations, streams turned off and a plan on one stream keep them."""
+    from nanojax.config import KernelConfig
+    from nanojax.pipeline import executor
+    from nanojax.pipeline.executor import PipelineForward
+    monkeypatch.setattr(executor.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(executor, "streams_enabled", lambda enabled=True: enabled)
+    cfg, on = named_shape("tiny"), KernelConfig(command_buffers=True)
+    key = "xla_gpu_enable_command_buffer"
+
+    def options(plan, mode, kernels=on):
+        return PipelineForward(cfg, plan, mode, kernels=kernels).compiler_options[key]
+    plan = _two_batch_plan(cfg)
+    assert options(plan, "overlap") == ""
+    assert options(plan, "non-overlap") != "" and options(plan, "nanobatch-only") != ""
+    assert options(plan, "overlap", on.replace(streams=False)) != ""
+    one_stream = _two_batch_plan(cfg)
+    for op in one_stream["nano_ops"]:
+        op["stream"] = 0
+    assert options(one_stream, "overlap") != ""
 
 
 @pytest.mark.parametrize("name,kind", [

@@ -8,14 +8,17 @@ pytestmark = pytest.mark.gpu
 
 
 # decode kernel "auto": f32 gets the Triton kernel, bf16 on Hopper the Mosaic GPU one
+# (SmolLM2, head dim 64); the cache is written by the fused append where it takes the kv
+# heads (tiny's 2: Triton decode, head dim 16), else by XLA (SmolLM2's 3)
+@pytest.mark.parametrize("model", ["random:smollm2-135m", "random:tiny"])
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-2), ("bfloat16", 5e-2)])
-def test_pallas_backend_logits_match_pure_jax(dtype, tol):
+def test_pallas_backend_logits_match_pure_jax(model, dtype, tol):
     from checkpoints.loader import load_model
     from nanojax.engine.forward import ScanForward, UnrolledForward
     from nanojax.config import KernelConfig
     from nanojax.layers.attention import PagedMetadata, pallas_backend
     # 4 of its 30 layers: each layer's kernels compile separately (~2 s each)
-    bundle = load_model("random:smollm2-135m", dtype=dtype, num_layers=4)
+    bundle = load_model(model, dtype=dtype, num_layers=4)
     cfg = bundle.config
     rng = np.random.default_rng(0)
     ps, pages = 16, 64

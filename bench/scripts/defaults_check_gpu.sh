@@ -15,7 +15,8 @@ timeout "${LIMIT1:-90}" python3 -m pytest -q -p no:cacheprovider tests/test_engi
   > "$OUT/engine_gpu_test.txt" 2>&1
 tail -n 3 "$OUT/engine_gpu_test.txt"
 timeout "${LIMIT2:-220}" python3 -m nanojax bench step --model random:llama3-8b \
-  --plan llama3-8b-1gpu --b-dense 2048 --workloads "${WORKLOADS:-512/512,sharegpt,lmsys,splitwise}" \
+  --plan llama3-8b-1gpu --b-dense 2048 \
+  --workloads "${WORKLOADS:-512/512,sharegpt,lmsys,splitwise}" \
   --decode-kernel auto --prefill-kernel \
   --modes non-overlap,non-overlap::dotmerge:nofusedappend,nanobatch-only --repeats 10 --quiet \
   --timeline "$OUT/timeline_defaults.png" --json "$OUT/step_defaults.json" 2>&1 | quiet 16

@@ -6,7 +6,8 @@
 #   A  the shipped plan: non-overlap, overlap, overlap without XLA scheduling groups
 #   B  the same with JAX's profile-guided latency estimation (PGLE)
 #   C  the partner GEMMs (o_proj + MLP of the other nano-batch) on stream 2
-#   D  the chunked-prefill kernel and fused RoPE+append (opt-in on the GPU)
+#   D  the chunked-prefill kernel (opt-in on the GPU) and fused RoPE+append (the default
+#      since §54)
 #   E  the prefill / append kernel benchmark
 # Usage: OUT=dir VARIANTS="A D E" LAYERS=4 bash bench/scripts/probe_overlap.sh
 set -u

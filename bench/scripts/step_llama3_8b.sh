@@ -1,7 +1,8 @@
 #!/bin/bash
 # The committed step benchmark (bench/results/step_llama3-8b_1xh200.json and the timeline):
 # one dense iteration of each pipeline mode, LLaMA-3-8B shape, random bf16 weights, in one
-# process; then the same with the opt-in Pallas prefill kernel and fused RoPE+append.
+# process; then the same with the opt-in Pallas prefill kernel and fused RoPE+append (the
+# fused append has been the GPU default since §54: both runs have it unless told otherwise).
 # Usage: OUT=dir [BDENSE=2048] [WORKLOADS=512/512,splitwise] bash bench/scripts/step_llama3_8b.sh
 set -u
 OUT=${OUT:?set OUT}

@@ -25,6 +25,9 @@ _CHECK_ROWS = 64  # rows whose logits come back to compare the modes numerically
 # engine's powers of two would give)
 LOGIT_ROWS = ("engine", "all", "seqs")
 _LOGIT_OPTIONS = {"alllogits": "all", "seqlogits": "seqs"}  # mode suffix -> LOGIT_ROWS
+# mode suffix (and "no" + it) -> the KernelConfig switch it turns on (off)
+_KERNEL_OPTIONS = {"dotmerge": "merge_dots", "fusedappend": "fused_append",
+                   "cmdbuf": "command_buffers"}
 
 
 def check_rows(batch: SyntheticBatch) -> np.ndarray:
@@ -145,12 +148,8 @@ def parse_mode(mode: str) -> dict:
                 out["gemm_share"] = float(o[4:])
             elif o == "xlagrouped":
                 out["xla_grouped"] = True
-            elif o in ("dotmerge", "nodotmerge") and out["merge_dots"] is None:
-                out["merge_dots"] = o == "dotmerge"
-            elif o in ("fusedappend", "nofusedappend") and out["fused_append"] is None:
-                out["fused_append"] = o == "fusedappend"
-            elif o in ("cmdbuf", "nocmdbuf") and out["command_buffers"] is None:
-                out["command_buffers"] = o == "cmdbuf"
+            elif (name := _KERNEL_OPTIONS.get(o.removeprefix("no"))) and out[name] is None:
+                out[name] = not o.startswith("no")
             elif o == "shardmap":  # the tensor-parallel path even at TP 1 (the A/B)
                 out["shard_map"] = True
             elif o in _LOGIT_OPTIONS and out["logit_rows"] == "engine":
@@ -177,7 +176,7 @@ def _variant(plan: dict, mode: str, kernels: KernelConfig):
         kernels = kernels.replace(gemm_shares=True)
     if m["xla_grouped"]:
         kernels = kernels.replace(grouped_gemm="xla")
-    for name in ("merge_dots", "fused_append", "command_buffers"):  # None: the run's
+    for name in _KERNEL_OPTIONS.values():  # None: the run's KernelConfig
         if m[name] is not None:
             kernels = kernels.replace(**{name: m[name]})
     return plan, m["base"], dict(scheduling_groups=m["scheduling_groups"], keep=m["keep"],
@@ -296,9 +295,11 @@ def _ratios(results: list, b_dense_list: list[int], workloads: list[str]) -> lis
             if "overlap" in t and "nanobatch-only" in t:
                 row["overlap_over_nanobatch_only"] = t["overlap"] / t["nanobatch-only"]
             for m in t:  # same-process A/Bs against the plain base mode: the TP path at
-                base = m.split(":")[0]  # TP 1 (issue 19), the LM head's rows (issue 17)
-                opts = parse_mode(m)
-                if (opts["shard_map"] or opts["logit_rows"] != "engine") and base in t:
+                base = m.split(":")[0]  # TP 1 (issue 19), the LM head's rows, XLA options,
+                opts = parse_mode(m)    # kernels (issues 17, 22)
+                ab = (opts["shard_map"] or opts["xla_grouped"] or opts["logit_rows"] != "engine"
+                      or any(opts[k] is not None for k in _KERNEL_OPTIONS.values()))
+                if ab and base in t and m != base:
                     row[f"{m}_over_{base}"] = t[m] / t[base]
             ratios.append(row)
     return ratios

@@ -237,8 +237,10 @@ def gpu_compiler_options(kernels: KernelConfig, backend: str | None = None,
     out = {}
     if not kernels.merge_dots:
         out["xla_gpu_dot_merger_threshold_mb"] = 0
-    if kernels.command_buffers and not side_streams:
-        out["xla_gpu_enable_command_buffer"] = COMMAND_BUFFER_TYPES
+    # off is said explicitly: XLA's own default has them on (the CLI's XLA_FLAGS turn
+    # them off process-wide, an LLM built in Python would not)
+    on = kernels.command_buffers and not side_streams
+    out["xla_gpu_enable_command_buffer"] = COMMAND_BUFFER_TYPES if on else ""
     return out
 
 

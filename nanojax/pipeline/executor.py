@@ -11,7 +11,8 @@ that cover its range.
 - The scheduler ends prefill chunks at the attention cuts (`chunk_cuts`), so each attention
   nano-batch holds whole chunks and the plan may order them freely.
 - Main-stream nano-ops are chained in plan order through optimization barriers: otherwise
-  XLA merges the nano-batches' GEMMs back into one (its dot merger) and reorders the rest.
+  XLA reorders them and, with its dot merger on (`--merge-dots`; off by default), merges
+  the nano-batches' GEMMs back into one.
 - On the GPU, a nano-op on stream N > 0 is placed with `compute_on("gpu_stream:N")` (see
   streams.py); elsewhere streams are ignored, so every mode computes the same function and
   must give the same tokens.
@@ -40,8 +41,9 @@ from nanojax.layers.attention import AttentionBackend, PagedMetadata, slice_meta
 from nanojax.layers.matmul import matmul_at
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
 from nanojax.pipeline import fused
-from nanojax.pipeline.plan import (GEMM_GROUPS, ablation, check_model, check_order,
-                                   fused_pairs, plan_groups, producers, validate)
+from nanojax.pipeline.plan import (GEMM_GROUPS, NETWORK_GROUPS, ablation, check_model,
+                                   check_order, fused_pairs, plan_groups, producers,
+                                   validate)
 from nanojax.pipeline.streams import (carry_metadata_to_stream_calls, on_stream,
                                       scheduling_group, streams_enabled)
 
@@ -136,14 +138,15 @@ class PipelineForward(UnrolledForward):
         if attention is None:
             attention = default_forward(cfg, kernels).attention
             self.side_attention = attention
-            if side_stream_kernels(kernels) != kernels:
+            if side_stream_kernels(kernels).decode_kernel != kernels.decode_kernel:
                 self.side_attention = default_forward(cfg, side_stream_kernels(kernels)).attention
         super().__init__(cfg, attention)
         self.grouped_gemm = kernels.grouped_gemm
         # an MoE block's GEMM nano-op on a side stream: the same rule as attention's
         self.side_grouped_gemm = side_stream_kernels(kernels).grouped_gemm
-        side = streams_enabled(kernels.streams) and any(
-            op.get("stream", 0) != 0 for op in self.plan["nano_ops"])
+        side = streams_enabled(kernels.streams) and any(  # network ops: never placed
+            op.get("stream", 0) != 0 and op["op"] not in NETWORK_GROUPS
+            for op in self.plan["nano_ops"])
         self.compiler_options = gpu_compiler_options(kernels, side_streams=side)
         self.num_sms, self.ctas_per_sm = num_sms, ctas_per_sm
         # a diagnostic for cross-stream buffer reuse: each side-stream region also returns
