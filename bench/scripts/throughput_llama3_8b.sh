@@ -14,12 +14,16 @@
 # Compile time per mode at 32 layers, Triton decode kernel: ~6 s non-overlap, ~12 s
 # nanobatch-only, ~50-70 s overlap; with KERNEL=auto (Mosaic GPU) the first two took 52 s
 # and 120 s, so PART=step with Mosaic needs LIMIT1 near the whole call.
-# Usage: OUT=dir PART=step|sweep|engine [KERNEL=triton] bash bench/scripts/throughput_llama3_8b.sh
+# EXTRA: more flags for every run (e.g. EXTRA=--prefill-kernel with KERNEL=auto: the setup
+# of bench/results §57).
+# Usage: OUT=dir PART=step|sweep|engine [KERNEL=triton] [EXTRA=flags]
+#          bash bench/scripts/throughput_llama3_8b.sh
 set -u
 OUT=${OUT:?set OUT}
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 WORKLOADS=${WORKLOADS:-512/512,1024/512,512/1024,splitwise,lmsys,sharegpt}
-kernel=(--decode-kernel "${KERNEL:-triton}")
+# shellcheck disable=SC2206  # EXTRA is a list of flags
+kernel=(--decode-kernel "${KERNEL:-triton}" ${EXTRA:-})
 model=(--model random:llama3-8b --plan llama3-8b-1gpu --quiet "${kernel[@]}")
 quiet() { grep -v "^[WI]1" | tail -n "$1"; }
 case "${PART:?set PART to step, sweep or engine}" in
