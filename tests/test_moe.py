@@ -187,7 +187,8 @@ def test_all_pipeline_modes_give_the_reference_tokens_on_an_moe_model():
         fwd.layer = lambda mm=None, grouped_gemm=None: (
             asked.add(grouped_gemm), build(mm, grouped_gemm))[1]
         eng = LLMEngine(bundle, EngineConfig(b_dense=b, num_pages=32, max_model_len=128,
-                                             constant_batch=True), forward=fwd)
+                                             constant_batch=True, step_cache=False),
+                        forward=fwd)  # traced here: a cached step would build no layer
         ids = [eng.add_request(p, SamplingParams(max_tokens=5, temperature=0,
                                                  ignore_eos=True)) for p in prompts]
         done = eng.run_to_completion()
