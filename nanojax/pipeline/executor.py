@@ -134,16 +134,17 @@ class PipelineForward(UnrolledForward):
         # swap-AB kernel had not finished compiling after 4-7 minutes (XLA instantiating
         # Mosaic custom calls inside async computations one by one), where the same step
         # with Triton compiled in 58 s (bench/results/README.md §19)
+        side_kernels = side_stream_kernels(kernels)
         self.side_attention = attention
         if attention is None:
             attention = default_forward(cfg, kernels).attention
             self.side_attention = attention
-            if side_stream_kernels(kernels).decode_kernel != kernels.decode_kernel:
-                self.side_attention = default_forward(cfg, side_stream_kernels(kernels)).attention
+            if side_kernels.decode_kernel != kernels.decode_kernel:
+                self.side_attention = default_forward(cfg, side_kernels).attention
         super().__init__(cfg, attention)
         self.grouped_gemm = kernels.grouped_gemm
         # an MoE block's GEMM nano-op on a side stream: the same rule as attention's
-        self.side_grouped_gemm = side_stream_kernels(kernels).grouped_gemm
+        self.side_grouped_gemm = side_kernels.grouped_gemm
         side = streams_enabled(kernels.streams) and any(  # network ops: never placed
             op.get("stream", 0) != 0 and op["op"] not in NETWORK_GROUPS
             for op in self.plan["nano_ops"])
