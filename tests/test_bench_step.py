@@ -166,6 +166,21 @@ def test_the_logit_rows_ab_samples_the_same_tokens():
             "non-overlap::seqlogits_over_non-overlap"} <= set(ratios)
 
 
+def test_the_fp8kv_mode_runs_with_an_fp8_cache():
+    """':fp8kv' times the mode on an FP8 cache in the same run as the model-dtype one:
+    its logits move off the plain mode's by e4m3's rounding, not more."""
+    from checkpoints.loader import load_model
+    from nanojax.bench.step import run_step_bench
+    bundle = load_model("random:tiny")
+    out = run_step_bench(bundle, _two_batch_plan(bundle.config), [64], ["48/16"],
+                         ["non-overlap", "non-overlap::fp8kv"], num_pages=512,
+                         max_model_len=256, repeats=1, progress=False)
+    plain, fp8 = out["results"]
+    assert plain["logits_max_diff_over_std"] == 0.0
+    assert 1e-4 < fp8["logits_max_diff_over_std"] < 0.5
+    assert "non-overlap::fp8kv_over_non-overlap" in out["ratios"][0]
+
+
 def test_step_bench_modes_agree_on_the_cpu(tmp_path):
     from checkpoints.loader import load_model
     from nanojax.bench.step import run_step_bench
@@ -207,7 +222,7 @@ def test_step_modes_parse_into_their_options():
     assert m == {"base": "overlap", "attention_share": 0.25, "gemm_share": 0.5,
                  "scheduling_groups": False, "keep": "inputs", "xla_grouped": False,
                  "shard_map": False, "logit_rows": "engine", "merge_dots": None,
-                 "fused_append": None, "command_buffers": None}
+                 "fused_append": None, "command_buffers": None, "kv_cache_dtype": None}
     assert parse_mode("non-overlap::alllogits")["logit_rows"] == "all"
     assert parse_mode("overlap:0.5:seqlogits")["logit_rows"] == "seqs"
     assert parse_mode("overlap:1.0:keepall")["keep"] == "values"
@@ -220,16 +235,20 @@ def test_step_modes_parse_into_their_options():
     assert parse_mode("non-overlap::fusedappend")["fused_append"] is True
     assert parse_mode("non-overlap::nofusedappend")["fused_append"] is False
     assert parse_mode("non-overlap::cmdbuf")["command_buffers"] is True
+    assert parse_mode("non-overlap::fp8kv")["kv_cache_dtype"] == "fp8"
+    assert parse_mode("overlap::bf16kv:cmdbuf")["kv_cache_dtype"] == "bf16"
     from nanojax.bench.step import _ratios  # an option's A/B gets its ratio to the base
     rows = [{"b_dense": 64, "workload": "w", "mode": m, "tokens_per_s": tps} for m, tps in
             (("non-overlap", 100.0), ("non-overlap::cmdbuf", 110.0),
-             ("non-overlap::nodotmerge:nofusedappend", 90.0))]
+             ("non-overlap::nodotmerge:nofusedappend", 90.0), ("non-overlap::fp8kv", 120.0))]
     assert _ratios(rows, [64], ["w"])[0] == {
         "b_dense": 64, "workload": "w", "non-overlap::cmdbuf_over_non-overlap": 1.1,
-        "non-overlap::nodotmerge:nofusedappend_over_non-overlap": 0.9}
+        "non-overlap::nodotmerge:nofusedappend_over_non-overlap": 0.9,
+        "non-overlap::fp8kv_over_non-overlap": 1.2}
     for bad in ("overlap:0", "overlap:0.5:foo", "overlap::gemm2", "sideways",
                 "overlap:1.0:keepinputs:keepall", "non-overlap::alllogits:seqlogits",
-                "non-overlap::somelogits", "non-overlap::dotmerge:nodotmerge"):
+                "non-overlap::somelogits", "non-overlap::dotmerge:nodotmerge",
+                "non-overlap::fp8kv:bf16kv"):
         with pytest.raises(ValueError, match=bad):
             parse_mode(bad)
 

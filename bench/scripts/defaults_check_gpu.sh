@@ -1,15 +1,17 @@
 #!/bin/bash
 # The GPU defaults and the next candidates in one call:
-#   1. the engine's GPU test (tests/test_engine_gpu.py: Pallas backend against pure JAX)
+#   1. the engine's GPU test (tests/test_engine_gpu.py: Pallas backend against pure JAX) and
+#      the swap-AB decode kernel's GPU tests
 #   2. the 8B step (B_dense 2048, swap-AB + chunked-prefill kernels) on WORKLOADS in MODES,
 #      one process, a timeline: by default today's defaults (XLA's dot merger off, the
 #      fused RoPE + append, §54), the old ones (mode option dotmerge:nofusedappend) and
 #      command buffers (cmdbuf)
-#   3. the engine end to end, 128 requests of 512/512 (no peer), with the defaults and,
-#      when ENGINE_B is set, again with those flags (e.g. ENGINE_B=--prefill-kernel)
+#   3. the engine end to end, NUM_PROMPTS (128) requests of 512/512 with at most MAX_SEQS
+#      (NUM_PROMPTS) running, no peer, with the defaults and, when ENGINE_B is set, again
+#      with those flags (e.g. ENGINE_B=--prefill-kernel)
 # §57 ran it with MODES=non-overlap,non-overlap::dotmerge:nofusedappend,nanobatch-only and
 # no ENGINE_B.
-# Usage: OUT=dir [MODES=...] [WORKLOADS=...] [ENGINE_B=flags] \
+# Usage: OUT=dir [MODES=...] [WORKLOADS=...] [ENGINE_B=flags] [NUM_PROMPTS=n MAX_SEQS=n] \
 #          bash bench/scripts/defaults_check_gpu.sh
 set -u
 OUT=${OUT:?set OUT}
@@ -17,7 +19,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 quiet() { grep -v "^[WI]1" | tail -n "$1"; }
 timeout "${LIMIT1:-120}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py \
-  > "$OUT/engine_gpu_test.txt" 2>&1
+  tests/test_decode_attention_swapab.py > "$OUT/engine_gpu_test.txt" 2>&1
 tail -n 3 "$OUT/engine_gpu_test.txt"
 modes=${MODES:-non-overlap,non-overlap::dotmerge:nofusedappend,non-overlap::cmdbuf}
 timeout "${LIMIT2:-220}" python3 -m nanojax bench step --model random:llama3-8b \
@@ -28,8 +30,9 @@ timeout "${LIMIT2:-220}" python3 -m nanojax bench step --model random:llama3-8b 
 engine() {  # name limit extra flags...
   local name=$1 limit=$2; shift 2
   timeout "$limit" python3 -m nanojax bench --model random:llama3-8b --quiet \
-    --b-dense 2048 --admission predicted --fixed-shapes --num-prompts 128 \
-    --input-len 512 --output-len 512 --max-model-len 1024 --max-num-seqs 128 "$@" \
+    --b-dense 2048 --admission predicted --fixed-shapes --num-prompts "${NUM_PROMPTS:-128}" \
+    --input-len 512 --output-len 512 --max-model-len 1024 \
+    --max-num-seqs "${MAX_SEQS:-${NUM_PROMPTS:-128}}" "$@" \
     --json "$OUT/engine_${name}_512_512.json" 2>&1 | quiet 4
 }
 engine defaults "${LIMIT3:-170}"

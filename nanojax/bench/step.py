@@ -28,6 +28,9 @@ _LOGIT_OPTIONS = {"alllogits": "all", "seqlogits": "seqs"}  # mode suffix -> LOG
 # mode suffix (and "no" + it) -> the KernelConfig switch it turns on (off)
 _KERNEL_OPTIONS = {"dotmerge": "merge_dots", "fusedappend": "fused_append",
                    "cmdbuf": "command_buffers"}
+# mode suffix -> the mode's KV cache dtype (--kv-cache-dtype name), in place of the run's:
+# bf16 and FP8 caches timed in one process
+_KV_OPTIONS = {"bf16kv": "bf16", "fp8kv": "fp8"}
 
 
 def check_rows(batch: SyntheticBatch) -> np.ndarray:
@@ -113,7 +116,7 @@ def _sampled(batch: SyntheticBatch, out):
 def parse_mode(mode: str) -> dict:
     """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs|keepall][:gemmSHARE]
     [:xlagrouped][:dotmerge|nodotmerge][:fusedappend|nofusedappend][:cmdbuf|nocmdbuf]
-    [:alllogits|seqlogits]
+    [:alllogits|seqlogits][:bf16kv|fp8kv]
     ('xlagrouped': an MoE step's expert GEMMs through XLA's ragged_dot instead of the Mosaic
     GPU grouped GEMM, the A/B of models/moe.py; 'dotmerge' / 'nodotmerge': XLA's dot merger
     on / off (KernelConfig.merge_dots); 'fusedappend' / 'nofusedappend': the cache written
@@ -121,7 +124,8 @@ def parse_mode(mode: str) -> dict:
     'cmdbuf' / 'nocmdbuf': XLA command buffers on / off (KernelConfig.command_buffers);
     'alllogits': the LM head on all B_dense tokens, 'seqlogits': on the batch's sequences
     padded to a multiple of 8, instead of the engine's rows, the A/B of LOGIT_ROWS; with
-    'seqlogits' each workload's row count is its own shape, compiled at its first call):
+    'seqlogits' each workload's row count is its own shape, compiled at its first call;
+    'bf16kv' / 'fp8kv': the mode's KV cache in bf16 / FP8 whatever --kv-cache-dtype says):
     'overlap:0.25' runs the plan with every attention nano-op at share 0.25; 'nogroups'
     turns off the executor's XLA scheduling groups (the ablation that shows what they do);
     'shardmap' runs the step through the tensor-parallel shard_map path even at TP 1
@@ -135,7 +139,7 @@ def parse_mode(mode: str) -> dict:
     out = {"base": base, "attention_share": None, "gemm_share": None,
            "scheduling_groups": True, "keep": "", "xla_grouped": False, "shard_map": False,
            "logit_rows": "engine", "merge_dots": None, "fused_append": None,
-           "command_buffers": None}
+           "command_buffers": None, "kv_cache_dtype": None}
     try:
         if opts and opts[0]:
             out["attention_share"] = float(opts[0])
@@ -154,6 +158,8 @@ def parse_mode(mode: str) -> dict:
                 out["shard_map"] = True
             elif o in _LOGIT_OPTIONS and out["logit_rows"] == "engine":
                 out["logit_rows"] = _LOGIT_OPTIONS[o]
+            elif o in _KV_OPTIONS and out["kv_cache_dtype"] is None:
+                out["kv_cache_dtype"] = _KV_OPTIONS[o]
             else:
                 raise ValueError
     except ValueError:
@@ -181,7 +187,7 @@ def _variant(plan: dict, mode: str, kernels: KernelConfig):
             kernels = kernels.replace(**{name: m[name]})
     return plan, m["base"], dict(scheduling_groups=m["scheduling_groups"], keep=m["keep"],
                                  kernels=kernels, shard_map=m["shard_map"],
-                                 logit_rows=m["logit_rows"])
+                                 logit_rows=m["logit_rows"], kv_cache_dtype=m["kv_cache_dtype"])
 
 
 def f32_reference_outputs(bundle, plan: dict, batches: dict, num_pages: int,
@@ -298,6 +304,7 @@ def _ratios(results: list, b_dense_list: list[int], workloads: list[str]) -> lis
                 base = m.split(":")[0]  # TP 1 (issue 19), the LM head's rows, XLA options,
                 opts = parse_mode(m)    # kernels (issues 17, 22)
                 ab = (opts["shard_map"] or opts["xla_grouped"] or opts["logit_rows"] != "engine"
+                      or opts["kv_cache_dtype"] is not None
                       or any(opts[k] is not None for k in _KERNEL_OPTIONS.values()))
                 if ab and base in t and m != base:
                     row[f"{m}_over_{base}"] = t[m] / t[base]
@@ -364,6 +371,9 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
             p, base, options = _variant(sized, mode, kernels)
             shard = options.pop("shard_map")
             how = options.pop("logit_rows")
+            mode_kv = options.pop("kv_cache_dtype")
+            mode_kv_dtype = (kv_dtype if mode_kv is None
+                             else resolve_kv_cache_dtype(mode_kv, cfg.dtype))
             mode_batches = {w: with_logit_rows(b, how) for w, b in batches.items()}
             fwd = pipe = PipelineForward(cfg, p, base, tp=tp, **options)
             kind = tp > 1 or shard
@@ -376,7 +386,8 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
             b0 = mode_batches[workloads[0]]
             t0 = time.perf_counter()
             try:
-                kv_shape = jax.eval_shape(lambda: fwd.init_kv(num_pages, page_size, kv_dtype))
+                kv_shape = jax.eval_shape(
+                    lambda: fwd.init_kv(num_pages, page_size, mode_kv_dtype))
                 step.lower(params, kv_shape, *step_args(b0)).compile()
             except Exception as e:  # record the mode's failure, measure the others
                 results.append({"b_dense": b_dense, "mode": mode,
@@ -386,7 +397,7 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
             compile_s = time.perf_counter() - t0
             for w in workloads:
                 r, out = _measure(step, fwd, params, mode_batches[w], num_pages, page_size,
-                                  repeats, kv_dtype)
+                                  repeats, mode_kv_dtype)
                 r = {"b_dense": b_dense, "workload": w, "mode": mode, "rows": rows, **r,
                      "compile_s": compile_s}
                 if pipe.fused_report:  # how each fused pair ran: one launch, or why not
@@ -397,7 +408,7 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
                 _compare(r, out, outputs[w])
                 if timeline_png and b_dense == b_dense_list[0] and w == workloads[0]:
                     timelines[mode] = _capture_timeline(step, fwd, params, mode_batches[w],
-                                                        num_pages, page_size, kv_dtype)
+                                                        num_pages, page_size, mode_kv_dtype)
                     r["timeline"] = timeline.summarize(timelines[mode])
                 results.append(r)
                 bar.update(1)
