@@ -146,8 +146,10 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
     multiple of 8). approx_math: the hardware exp2, as jax's own attention uses.
 
     float8_e4m3fn pages take per-kv-head float32 scales k_scale, v_scale [KVH] (real
-    key = page value x k_scale[h]): each block is widened to f16 in shared memory (exact)
-    and multiplied in f16 with the query in f16; scores are scaled by k_scale[h] inside
+    key = page value x k_scale[h]): each block is widened to f16 (exact), keys into
+    registers (the WGMMA's A operand: no shared-memory round trip), values in shared
+    memory (a transposed 8-bit tile does not load into registers), and multiplied in f16
+    with the query in f16; scores are scaled by k_scale[h] inside
     the exp2's FMA and the output by v_scale[h].
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -275,6 +277,11 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
             plgpu.transpose_ref(tile_ref, (1, 0))[...] = plgpu.layout_cast(
                 x, plgpu.Layout.WGMMA_TRANSPOSED)
 
+    def widen_to_registers(src):  # a float8 key tile -> f16 registers (exact): the A
+        if interpret:               # operand of S^T = K Q^T straight from registers
+            return src[...].astype(jnp.float16)
+        return plgpu.load(src, (), layout=plgpu.Layout.WGMMA).astype(jnp.float16)
+
     def widen(src, dst):  # a float8 tile -> f16 in shared memory (exact), for the WGMMA
         if interpret:
             dst[...] = src[...].astype(jnp.float16)
@@ -310,7 +317,7 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
             lse_smems, *rest = rest
         red_smems, k_smems, v_smems, *rest = rest
         if fp8:
-            k16s, v16s, *rest = rest
+            v16s, *rest = rest
         q_bars, k_bars, v_bars = rest
         wg = lax.axis_index("wg") if wgs > 1 else 0
         worker = program * wgs + wg
@@ -319,7 +326,7 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
             r.at[wg] for r in (q_smems, p_smems, o_smems, red_smems, k_smems, v_smems))
         lse_smem = lse_smems.at[wg] if splits > 1 else None
         if fp8:
-            k16, v16 = k16s.at[wg], v16s.at[wg]
+            v16 = v16s.at[wg]
         qbar0, bar0 = wg * 2, wg * stages
 
         def item_of(i):  # the worker's i-th item
@@ -401,7 +408,7 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
 
                 def attend(acc, m, l):  # one block of keys
                     plgpu.barrier_wait(k_bars.at[bar0 + slot])
-                    k_tile = widen(k_smem.at[slot], k16) if fp8 else k_smem.at[slot]
+                    k_tile = widen_to_registers(k_smem.at[slot]) if fp8 else k_smem.at[slot]
                     s = matmul_kq(k_tile, q_smem.at[qbuf])  # [block_k, ncol]
                     key = key_iota((block_k, ncol)) + j * block_k
                     s = jnp.where(key < ctx, s, -jnp.inf)
@@ -460,10 +467,10 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
         o_scratch = [plgpu.SMEM((wgs, d, ncol), jnp.float32),
                      plgpu.SMEM((wgs, ncol), jnp.float32)]
     kv_dtype, kv_tiles = dtype, tiles
-    if fp8:  # 8-bit rows of 128 bytes; the widened f16 copies are WGMMA tiles
-        kv_dtype = k_pages.dtype
+    if fp8:  # 8-bit rows of 128 bytes; the widened f16 copy of V is a WGMMA tile (K goes
+        kv_dtype = k_pages.dtype  # to the WGMMA from registers)
         kv_tiles = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
-        o_scratch += [plgpu.SMEM((wgs, block_k, d), jnp.float16, transforms=tiles)] * 2
+        o_scratch += [plgpu.SMEM((wgs, block_k, d), jnp.float16, transforms=tiles)]
     scratch = [plgpu.SMEM((wgs, 2, ncol, d), mm_dtype, transforms=tiles),
                plgpu.SMEM((wgs, ncol, block_k), mm_dtype, transforms=tiles),
                *o_scratch[:2 if splits > 1 else 1],

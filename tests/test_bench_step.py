@@ -222,7 +222,8 @@ def test_step_modes_parse_into_their_options():
     assert m == {"base": "overlap", "attention_share": 0.25, "gemm_share": 0.5,
                  "scheduling_groups": False, "keep": "inputs", "xla_grouped": False,
                  "shard_map": False, "logit_rows": "engine", "merge_dots": None,
-                 "fused_append": None, "command_buffers": None, "kv_cache_dtype": None}
+                 "fused_append": None, "command_buffers": None, "kv_cache_dtype": None,
+                 "decode_kernel": None}
     assert parse_mode("non-overlap::alllogits")["logit_rows"] == "all"
     assert parse_mode("overlap:0.5:seqlogits")["logit_rows"] == "seqs"
     assert parse_mode("overlap:1.0:keepall")["keep"] == "values"
@@ -237,6 +238,7 @@ def test_step_modes_parse_into_their_options():
     assert parse_mode("non-overlap::cmdbuf")["command_buffers"] is True
     assert parse_mode("non-overlap::fp8kv")["kv_cache_dtype"] == "fp8"
     assert parse_mode("overlap::bf16kv:cmdbuf")["kv_cache_dtype"] == "bf16"
+    assert parse_mode("non-overlap::fp8kv:mosaicdecode")["decode_kernel"] == "mosaic"
     from nanojax.bench.step import _ratios  # an option's A/B gets its ratio to the base
     rows = [{"b_dense": 64, "workload": "w", "mode": m, "tokens_per_s": tps} for m, tps in
             (("non-overlap", 100.0), ("non-overlap::cmdbuf", 110.0),
@@ -248,7 +250,7 @@ def test_step_modes_parse_into_their_options():
     for bad in ("overlap:0", "overlap:0.5:foo", "overlap::gemm2", "sideways",
                 "overlap:1.0:keepinputs:keepall", "non-overlap::alllogits:seqlogits",
                 "non-overlap::somelogits", "non-overlap::dotmerge:nodotmerge",
-                "non-overlap::fp8kv:bf16kv"):
+                "non-overlap::fp8kv:bf16kv", "non-overlap::tritondecode:mosaicdecode"):
         with pytest.raises(ValueError, match=bad):
             parse_mode(bad)
 

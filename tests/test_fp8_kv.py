@@ -71,11 +71,15 @@ def test_cache_sizing_counts_the_cache_itemsize():
     assert cfg.kv_bytes_per_token(1) * 2 == cfg.kv_bytes_per_token() == 131072
 
 
-def test_fp8_pages_take_the_triton_decode_kernel():
+def test_fp8_pages_take_triton_unless_swapab_is_named():
     from nanojax.layers.attention import choose_decode_kernel
     q = jnp.zeros((4, 32, 128), jnp.bfloat16)
-    for name in ("auto", "mosaic", "triton"):
+    for name in ("auto", "mosaic-rows", "triton"):
         assert choose_decode_kernel(name, q, jnp.zeros((8, 8, 16, 128), FP8)) == "triton"
+    assert choose_decode_kernel("mosaic", q, jnp.zeros((8, 8, 16, 128), FP8)) == "mosaic"
+    # a head dim the swap-AB kernel's 8-bit tiles do not take: Triton
+    q64 = jnp.zeros((4, 32, 64), jnp.bfloat16)
+    assert choose_decode_kernel("mosaic", q64, jnp.zeros((8, 8, 16, 64), FP8)) == "triton"
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])

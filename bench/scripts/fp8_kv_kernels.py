@@ -1,7 +1,9 @@
-"""GPU: the Triton KV kernels with bf16 pages against FP8 pages, in one process.
+"""GPU: the KV kernels with bf16 pages against FP8 pages, in one process.
 
     python bench/scripts/fp8_kv_kernels.py OUT.json            # H200: ~3-5 minutes
     python bench/scripts/fp8_kv_kernels.py OUT.json --smoke    # CPU, interpret mode: runs
+    python bench/scripts/fp8_kv_kernels.py OUT.json --decode-kernels triton,swapab \
+        --decode-only                                          # both decode kernels
 
 Rows: the decode kernel (pallas_kernels/decode_attention.py) at batch x context 512 x 1024,
 16 x 4096 and 1024 x 4096 (32/8 heads, D 128, page 16) on its full grid and on bounded
@@ -10,7 +12,9 @@ fused RoPE + append kernel on 2048 tokens. Each row: seconds, GB/s of the bytes 
 read (FP8 pages are half), fraction of the device's copy bandwidth measured in the same
 run, and for FP8 the time relative to bf16 (what the iteration gains). FP8 decode rows
 come twice: widened to f16 (`fp8`, the kernel's default) and to bf16 (`fp8_bf16math`).
-Decode rows at 512 x 1024 also check the output against the reference.
+Decode rows at 512 x 1024 also check the output against the reference. With
+`--decode-kernels ...,swapab` the Mosaic GPU swap-AB kernel (one program per SM: the full
+grid, 66 and 44) gets the same bf16 and fp8 rows (`decode_swapab`).
 """
 from __future__ import annotations
 
@@ -46,16 +50,28 @@ def main() -> int:
     ap.add_argument("out")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes in interpret mode (checks that the script runs)")
+    ap.add_argument("--decode-kernels", default="triton",
+                    help="comma-separated: triton, swapab (the Mosaic GPU kernel, Hopper)")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="no chunked-prefill and append rows")
+    ap.add_argument("--shapes", default="512x1024,16x4096,1024x4096",
+                    help="decode rows' batch x context, comma-separated")
     args = ap.parse_args()
     from pallas_kernels.decode_attention import decode_attention_impl, decode_attention_reference
+    from pallas_kernels.decode_attention_swapab import decode_attention_swapab
     from pallas_kernels.prefill_attention import prefill_attention_impl, query_blocks
     from pallas_kernels.rope_append import rope_append_impl
     from nanojax.profiling.timing import device_seconds, device_seconds_stateful
 
     smoke = args.smoke
     interp = dict(interpret=True) if smoke else {}
-    shapes = [(4, 64)] if smoke else [(512, 1024), (16, 4096), (1024, 4096)]
-    grids = [None, 3] if smoke else [None, 528, 264, 132]
+    shapes = [(4, 64)] if smoke else [tuple(int(x) for x in s.split("x"))
+                                      for s in args.shapes.split(",")]
+    kernels = args.decode_kernels.split(",")
+    if set(kernels) - {"triton", "swapab"}:
+        ap.error(f"unknown decode kernels in {args.decode_kernels!r}")
+    grids = {"triton": [None, 3] if smoke else [None, 528, 264, 132],
+             "swapab": [None, 1] if smoke else [None, 66, 44]}
     bw = copy_bandwidth(1 if smoke else 4)
     res = {"command": "python " + " ".join(sys.argv), "copy_bandwidth_GBps": bw / 1e9,
            "env": {"jax": jax.__version__, "backend": jax.default_backend(),
@@ -91,21 +107,30 @@ def main() -> int:
         lens = jnp.full((b,), ctx, jnp.int32)
         q = jax.random.normal(jax.random.PRNGKey(3), (b, H, D), jnp.bfloat16)
         # FP8 widened to f16 (the kernel's default) and to bf16 (before 2026-12-01)
-        for name, fp8, compute in (("bf16", False, "float16"), ("fp8", True, "float16"),
-                                   ("fp8_bf16math", True, "bfloat16")):
+        for kernel, name, fp8, compute in [
+                (kn, *v) for kn in kernels for v in (
+                    ("bf16", False, "float16"), ("fp8", True, "float16"),
+                    ("fp8_bf16math", True, "bfloat16"))
+                if kn == "triton" or v[0] != "fp8_bf16math"]:  # swap-AB: f16 WGMMAs
             (k, ks), (v, vs) = pages(n, 1, fp8), pages(n, 2, fp8)
             nbytes = 2 * b * ctx * KVH * D * k.dtype.itemsize
             check = None
             if b == shapes[0][0]:  # the output against the reference on the same pages
                 ref = decode_attention_reference(q.astype(jnp.float32), k, v, pt, lens, ks, vs)
                 check = np.asarray(ref, np.float64)
-            for g in grids:
-                def fn(q, k, v, pt, lens, ks, vs, g=g, compute=compute):
+            for g in grids[kernel]:
+                def fn(q, k, v, pt, lens, ks, vs, g=g, compute=compute, kernel=kernel):
+                    if kernel == "swapab":
+                        return decode_attention_swapab(q, k, v, pt, lens, k_scale=ks,
+                                                       v_scale=vs, num_programs=g, **interp)
                     return decode_attention_impl(q, k, v, pt, lens, k_scale=ks, v_scale=vs,
                                                  num_programs=g, fp8_compute=compute,
                                                  **interp)
-                r = row("decode", name, fn, (q, k, v, pt, lens, ks, vs), nbytes, batch=b,
-                        context=ctx, programs=g or b * KVH)
+                full = (b * KVH if kernel == "triton"
+                        else getattr(jax.devices()[0], "core_count", None) or 132)
+                r = row("decode" if kernel == "triton" else "decode_swapab", name, fn,
+                        (q, k, v, pt, lens, ks, vs), nbytes, batch=b, context=ctx,
+                        programs=g or full)
                 if check is not None and "error" not in r:
                     out = np.asarray(fn(q, k, v, pt, lens, ks, vs), np.float64)
                     r["rel_err_vs_reference"] = float(np.linalg.norm(out - check)
@@ -113,6 +138,8 @@ def main() -> int:
                     save()
             del k, v
 
+    if args.decode_only:
+        return finish(res, save, args.out)
     # chunked prefill: 4 chunks of C tokens, each after a prefix of C cached tokens
     c = 16 if smoke else 512
     chunks = 4
@@ -152,14 +179,18 @@ def main() -> int:
             state=(kp, vp), tokens=t)
         del kp, vp
 
-    # FP8 time relative to bf16, row by row
+    return finish(res, save, args.out)
+
+
+def finish(res, save, out) -> int:
+    """FP8 time relative to bf16, row by row; the JSON written."""
     key = lambda r: (r["kernel"], r.get("batch"), r.get("context"), r.get("programs"))  # noqa
     bf16 = {key(r): r for r in res["rows"] if r["kv_dtype"] == "bf16" and "seconds" in r}
     for r in res["rows"]:
         if r["kv_dtype"].startswith("fp8") and "seconds" in r and key(r) in bf16:
             r["time_over_bf16"] = r["seconds"] / bf16[key(r)]["seconds"]
     save()
-    print(f"wrote {args.out}", file=sys.stderr)
+    print(f"wrote {out}", file=sys.stderr)
     return 0
 
 

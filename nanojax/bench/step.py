@@ -31,6 +31,8 @@ _KERNEL_OPTIONS = {"dotmerge": "merge_dots", "fusedappend": "fused_append",
 # mode suffix -> the mode's KV cache dtype (--kv-cache-dtype name), in place of the run's:
 # bf16 and FP8 caches timed in one process
 _KV_OPTIONS = {"bf16kv": "bf16", "fp8kv": "fp8"}
+# mode suffix -> the mode's decode kernel (KernelConfig.decode_kernel)
+_DECODE_OPTIONS = {"tritondecode": "triton", "mosaicdecode": "mosaic"}
 
 
 def check_rows(batch: SyntheticBatch) -> np.ndarray:
@@ -116,7 +118,7 @@ def _sampled(batch: SyntheticBatch, out):
 def parse_mode(mode: str) -> dict:
     """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs|keepall][:gemmSHARE]
     [:xlagrouped][:dotmerge|nodotmerge][:fusedappend|nofusedappend][:cmdbuf|nocmdbuf]
-    [:alllogits|seqlogits][:bf16kv|fp8kv]
+    [:alllogits|seqlogits][:bf16kv|fp8kv][:tritondecode|mosaicdecode]
     ('xlagrouped': an MoE step's expert GEMMs through XLA's ragged_dot instead of the Mosaic
     GPU grouped GEMM, the A/B of models/moe.py; 'dotmerge' / 'nodotmerge': XLA's dot merger
     on / off (KernelConfig.merge_dots); 'fusedappend' / 'nofusedappend': the cache written
@@ -125,7 +127,8 @@ def parse_mode(mode: str) -> dict:
     'alllogits': the LM head on all B_dense tokens, 'seqlogits': on the batch's sequences
     padded to a multiple of 8, instead of the engine's rows, the A/B of LOGIT_ROWS; with
     'seqlogits' each workload's row count is its own shape, compiled at its first call;
-    'bf16kv' / 'fp8kv': the mode's KV cache in bf16 / FP8 whatever --kv-cache-dtype says):
+    'bf16kv' / 'fp8kv': the mode's KV cache in bf16 / FP8 whatever --kv-cache-dtype says;
+    'tritondecode' / 'mosaicdecode': the mode's decode kernel, whatever --decode-kernel says):
     'overlap:0.25' runs the plan with every attention nano-op at share 0.25; 'nogroups'
     turns off the executor's XLA scheduling groups (the ablation that shows what they do);
     'shardmap' runs the step through the tensor-parallel shard_map path even at TP 1
@@ -139,7 +142,7 @@ def parse_mode(mode: str) -> dict:
     out = {"base": base, "attention_share": None, "gemm_share": None,
            "scheduling_groups": True, "keep": "", "xla_grouped": False, "shard_map": False,
            "logit_rows": "engine", "merge_dots": None, "fused_append": None,
-           "command_buffers": None, "kv_cache_dtype": None}
+           "command_buffers": None, "kv_cache_dtype": None, "decode_kernel": None}
     try:
         if opts and opts[0]:
             out["attention_share"] = float(opts[0])
@@ -160,6 +163,8 @@ def parse_mode(mode: str) -> dict:
                 out["logit_rows"] = _LOGIT_OPTIONS[o]
             elif o in _KV_OPTIONS and out["kv_cache_dtype"] is None:
                 out["kv_cache_dtype"] = _KV_OPTIONS[o]
+            elif o in _DECODE_OPTIONS and out["decode_kernel"] is None:
+                out["decode_kernel"] = _DECODE_OPTIONS[o]
             else:
                 raise ValueError
     except ValueError:
@@ -182,6 +187,8 @@ def _variant(plan: dict, mode: str, kernels: KernelConfig):
         kernels = kernels.replace(gemm_shares=True)
     if m["xla_grouped"]:
         kernels = kernels.replace(grouped_gemm="xla")
+    if m["decode_kernel"] is not None:
+        kernels = kernels.replace(decode_kernel=m["decode_kernel"])
     for name in _KERNEL_OPTIONS.values():  # None: the run's KernelConfig
         if m[name] is not None:
             kernels = kernels.replace(**{name: m[name]})
@@ -304,7 +311,7 @@ def _ratios(results: list, b_dense_list: list[int], workloads: list[str]) -> lis
                 base = m.split(":")[0]  # TP 1 (issue 19), the LM head's rows, XLA options,
                 opts = parse_mode(m)    # kernels (issues 17, 22)
                 ab = (opts["shard_map"] or opts["xla_grouped"] or opts["logit_rows"] != "engine"
-                      or opts["kv_cache_dtype"] is not None
+                      or opts["kv_cache_dtype"] is not None or opts["decode_kernel"]
                       or any(opts[k] is not None for k in _KERNEL_OPTIONS.values()))
                 if ab and base in t and m != base:
                     row[f"{m}_over_{base}"] = t[m] / t[base]

@@ -373,14 +373,14 @@ def choose_decode_kernel(name: str, q, k_pages) -> str:
     """"auto": the Mosaic GPU swap-AB kernel on a Hopper or newer GPU when it takes the
     operands (16-bit, head dim % 64, page size % 8, group <= its column limit; on the H200
     it reads 98-102% of copy bandwidth on the full grid, 94% on half the SMs, where Triton
-    reads 61% and 34%), else Triton. Interpret mode (no GPU) gets Triton. FP8 pages get
-    Triton, whatever the name: the swap-AB kernel reads them (widened to f16 in shared
-    memory) slower per byte than bf16 pages (bench/results/decode_kernel/)."""
+    reads 61% and 34%), else Triton. Interpret mode (no GPU) gets Triton. FP8 pages:
+    "auto" and "mosaic-rows" give Triton, "mosaic" the swap-AB kernel (widening in shared
+    memory, it read them slower per byte than bf16 pages, bench/results/decode_kernel/)."""
+    from pallas_kernels.decode_attention_swapab import unsupported
     if is_fp8(k_pages.dtype):
-        return "triton"
+        return "mosaic" if name == "mosaic" and unsupported(q, k_pages) is None else "triton"
     if name != "auto":
         return name
-    from pallas_kernels.decode_attention_swapab import unsupported
     from pallas_kernels.mosaic_gpu_support import on_hopper
     return "mosaic" if on_hopper() and unsupported(q, k_pages) is None else "triton"
 
@@ -413,7 +413,7 @@ def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, share: float | Non
     decode = _decode_kernel(kernel)
     if kernel == "triton":
         decode = functools.partial(decode, prefetch=decode_prefetch)
-    if ks is not None:  # FP8 pages (Triton only, see choose_decode_kernel)
+    if ks is not None:  # FP8 pages (Triton or swap-AB, see choose_decode_kernel)
         decode = functools.partial(decode, k_scale=ks, v_scale=vs)
     if decode_fn is not None:
         decode = decode_fn
