@@ -222,11 +222,19 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
     # [B * H, D]: its group, then the next heads' queries in the padding columns (past the
     # last row, the TMA's zero fill), whose scores and outputs are computed and dropped.
     # Columns never mix, so q needs no padded copy (that copy cost 21 us a layer at
-    # B_dense 2048, bench/results §54). The interpreter clamps a slice past the end
-    # instead: there q gets the rows.
-    q_rows = q.reshape(b * h, d).astype(mm_dtype)
-    if interpret and ncol > g:  # lax.pad: no nested jit (stream regions refuse them)
-        q_rows = lax.pad(q_rows, jnp.zeros((), mm_dtype), [(0, ncol - g, 0), (0, 0, 0)])
+    # B_dense 2048, bench/results §54). The TMA needs B * H a multiple of its 8-row tile
+    # (SmolLM2's 9 heads x 26 tokens did not lower): else q is padded per group. The
+    # interpreter clamps a slice past the end instead: there q gets the rows.
+    q_as_rows = (b * h) % 8 == 0
+    if q_as_rows:
+        qg = q.reshape(b * h, d).astype(mm_dtype)
+        if interpret and ncol > g:  # lax.pad: no nested jit (stream regions refuse them)
+            qg = lax.pad(qg, jnp.zeros((), mm_dtype), [(0, ncol - g, 0), (0, 0, 0)])
+    else:
+        qg = q.reshape(b, kvh, g, d).astype(mm_dtype)
+        if ncol > g:
+            qg = lax.pad(qg, jnp.zeros((), mm_dtype),
+                         [(0, 0, 0)] * 2 + [(0, ncol - g, 0), (0, 0, 0)])
     log2_scale = math.log2(math.e) / math.sqrt(d)  # exp(x / sqrt(d)) = exp2(x * this)
     red_elems = 32 * ncol * (block_k // 64)  # cross-warp reduction scratch per worker
 
@@ -334,8 +342,9 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
 
         def load_q(i):  # item i's query tile into buffer i % 2
             bb, hh, _ = item_coords(item_of(i))
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(bb * h + hh * g, ncol)],
-                                    q_smem.at[lax.rem(i, 2)], q_bars.at[qbar0 + lax.rem(i, 2)])
+            src = q_ref.at[pl.ds(bb * h + hh * g, ncol)] if q_as_rows else q_ref.at[bb, hh]
+            plgpu.copy_gmem_to_smem(src, q_smem.at[lax.rem(i, 2)],
+                                    q_bars.at[qbar0 + lax.rem(i, 2)])
 
         def ctx_of(i):
             return len_ref[item_coords(item_of(i))[0]]
@@ -481,7 +490,7 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
                plgpu.Barrier(num_barriers=wgs * 2),
                plgpu.Barrier(num_arrivals=ppb, num_barriers=wgs * stages),
                plgpu.Barrier(num_arrivals=ppb, num_barriers=wgs * stages)]
-    operands = (q_rows, k_pages.reshape(n_pages * kvh, ps, d),
+    operands = (qg, k_pages.reshape(n_pages * kvh, ps, d),
                 v_pages.reshape(n_pages * kvh, ps, d), page_table.astype(jnp.int32),
                 context_lens.astype(jnp.int32), *scales)
 

@@ -357,9 +357,10 @@ def test_why_a_fused_pair_runs_back_to_back():
     triton = pallas_backend(KernelConfig(decode_kernel="triton"))
     assert "decode kernel is triton" in unavailable(triton, pair, q, kv, hopper=True,
                                                     sms=132)
-    fp8 = (kv[0].astype(jnp.float8_e4m3fn),) * 2  # FP8 pages: Triton, whatever the name
-    assert "decode kernel is triton" in unavailable(pallas, pair, q, fp8, hopper=True,
-                                                    sms=132)
+    fp8 = (kv[0].astype(jnp.float8_e4m3fn),) * 2  # FP8 pages: Triton unless swap-AB named,
+    auto = pallas_backend(KernelConfig(decode_kernel="auto"))  # and never fused
+    assert "decode kernel is triton" in unavailable(auto, pair, q, fp8, hopper=True, sms=132)
+    assert "FP8 pages" in unavailable(pallas, pair, q, fp8, hopper=True, sms=132)
     assert "132 programs, the device 114 SMs" in unavailable(pallas, pair, q, kv,
                                                              hopper=True, sms=114)
     assert unavailable(pallas, pair, q, kv, hopper=True, sms=132) is None

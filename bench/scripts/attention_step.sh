@@ -25,11 +25,11 @@ run() {  # name limit args...
   echo "== $name"
   timeout "$limit" "${step[@]}" "$@" --json "$OUT/step_$name.json" 2>&1 | quiet 16
 }
-run triton 150 --decode-kernel triton --modes non-overlap
-run mosaic 200 --decode-kernel mosaic --modes non-overlap
+run triton 150 --decode-kernel triton --no-prefill-kernel --modes non-overlap
+run mosaic 200 --decode-kernel mosaic --no-prefill-kernel --modes non-overlap
 run mosaic_pf 330 --decode-kernel auto --prefill-kernel \
   --modes non-overlap,nanobatch-only,overlap --timeline "$OUT/timeline_mosaic_pf.png"
-run logits_ab 150 --decode-kernel mosaic --workloads 512/512 \
+run logits_ab 150 --decode-kernel mosaic --no-prefill-kernel --workloads 512/512 \
   --modes non-overlap,non-overlap::alllogits,non-overlap::seqlogits
 if [ -n "${KV8:-}" ]; then
   run fp8_pf 150 --decode-kernel triton --prefill-kernel --kv-cache-dtype fp8 --modes non-overlap

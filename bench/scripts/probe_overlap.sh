@@ -6,7 +6,7 @@
 #   A  the shipped plan: non-overlap, overlap, overlap without XLA scheduling groups
 #   B  the same with JAX's profile-guided latency estimation (PGLE)
 #   C  the partner GEMMs (o_proj + MLP of the other nano-batch) on stream 2
-#   D  the chunked-prefill kernel (opt-in on the GPU) and fused RoPE+append (the default
+#   D  the chunked-prefill kernel (the default since §59) and fused RoPE+append (the default
 #      since §54)
 #   E  the prefill / append kernel benchmark
 # Usage: OUT=dir VARIANTS="A D E" LAYERS=4 bash bench/scripts/probe_overlap.sh

@@ -356,7 +356,10 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
     cfg = bundle.config
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, cfg.dtype)
     max_pages = -(-max_model_len // page_size)
-    block_q = kernels.prefill_block_q if kernels.prefill_kernel else None
+    # query blocks where the chunked-prefill kernel runs: the GPU (the CPU's pure-JAX
+    # attention takes prefill tokens as rows)
+    block_q = (kernels.prefill_block_q if kernels.prefill_kernel
+               and jax.default_backend() == "gpu" else None)
     results, timelines = [], {}
     bar = tqdm(total=len(b_dense_list) * len(workloads) * len(modes), desc="steps",
                disable=not progress)

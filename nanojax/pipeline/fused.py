@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from nanojax.layers.attention import PagedAttention, attend_pallas, choose_decode_kernel
-from nanojax.layers.kv_fp8 import kv_parts
+from nanojax.layers.kv_fp8 import is_fp8, kv_parts
 
 
 def device_programs() -> int | None:
@@ -48,6 +48,8 @@ def unavailable(attention, pair: dict, q, kv_layer, hopper: bool | None = None,
                                   kv_parts(kv_layer)[0])
     if kernel != "mosaic":
         return f"the decode kernel is {kernel}, not the swap-AB Mosaic GPU one"
+    if is_fp8(kv_parts(kv_layer)[0].dtype):  # the fused launch passes no page scales
+        return "FP8 pages: the fused launch takes 16-bit pages"
     sms = device_programs() if sms is None else sms
     if sms is not None and pair["programs"] > sms:
         return f"the plan's launch has {pair['programs']} programs, the device {sms} SMs"
