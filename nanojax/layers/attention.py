@@ -373,12 +373,15 @@ def choose_decode_kernel(name: str, q, k_pages) -> str:
     """"auto": the Mosaic GPU swap-AB kernel on a Hopper or newer GPU when it takes the
     operands (16-bit, head dim % 64, page size % 8, group <= its column limit; on the H200
     it reads 98-102% of copy bandwidth on the full grid, 94% on half the SMs, where Triton
-    reads 61% and 34%), else Triton. Interpret mode (no GPU) gets Triton. FP8 pages:
-    "auto" and "mosaic-rows" give Triton, "mosaic" the swap-AB kernel (widening in shared
-    memory, it read them slower per byte than bf16 pages, bench/results/decode_kernel/)."""
+    reads 61% and 34%), else Triton. Interpret mode (no GPU) gets Triton. FP8 pages go
+    the same way ("mosaic-rows" reads none: Triton): at B 512 ctx 1024 on the full grid
+    the swap-AB kernel read FP8 pages in 0.85x its bf16 time, Triton's FP8 path in 0.97x
+    of it, and the 8B step with FP8 pages ran 1.036x faster through swap-AB than through
+    Triton at 512/512 (bench/results §60)."""
     from pallas_kernels.decode_attention_swapab import unsupported
-    if is_fp8(k_pages.dtype):
-        return "mosaic" if name == "mosaic" and unsupported(q, k_pages) is None else "triton"
+    if is_fp8(k_pages.dtype) and (name == "mosaic-rows"
+                                  or name == "mosaic" and unsupported(q, k_pages)):
+        return "triton"
     if name != "auto":
         return name
     from pallas_kernels.mosaic_gpu_support import on_hopper
