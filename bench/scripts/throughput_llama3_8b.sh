@@ -14,28 +14,34 @@
 # Compile time per mode at 32 layers, Triton decode kernel: ~6 s non-overlap, ~12 s
 # nanobatch-only, ~50-70 s overlap; with KERNEL=auto (Mosaic GPU) the first two took 52 s
 # and 120 s, so PART=step with Mosaic needs LIMIT1 near the whole call.
-# EXTRA: more flags for every run (e.g. EXTRA=--prefill-kernel with KERNEL=auto: the setup
-# of bench/results §57).
-# Usage: OUT=dir PART=step|sweep|engine [KERNEL=triton] [EXTRA=flags]
+# EXTRA: more flags for every run. KERNEL: the decode kernel (auto: swap-AB on Hopper; §1
+# ran KERNEL=triton, before the chunked-prefill kernel was the default). KV8=1 adds each
+# mode again on FP8 pages (mode option fp8kv), in the same process (issue 17 item 5).
+# Usage: OUT=dir PART=step|sweep|engine [KERNEL=auto] [EXTRA=flags] [KV8=1]
 #          bash bench/scripts/throughput_llama3_8b.sh
 set -u
 OUT=${OUT:?set OUT}
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 WORKLOADS=${WORKLOADS:-512/512,1024/512,512/1024,splitwise,lmsys,sharegpt}
 # shellcheck disable=SC2206  # EXTRA is a list of flags
-kernel=(--decode-kernel "${KERNEL:-triton}" ${EXTRA:-})
+kernel=(--decode-kernel "${KERNEL:-auto}" ${EXTRA:-})
 model=(--model random:llama3-8b --plan llama3-8b-1gpu --quiet "${kernel[@]}")
 quiet() { grep -v "^[WI]1" | tail -n "$1"; }
+modes() {  # the modes, and with KV8=1 each again on FP8 pages
+  local m=$1
+  if [ -n "${KV8:-}" ]; then m="$m,$(echo "$1" | sed 's/\([^,]*\)/\1::fp8kv/g')"; fi
+  echo "$m"
+}
 case "${PART:?set PART to step, sweep or engine}" in
 step)
   timeout "${LIMIT1:-540}" python3 -m nanojax bench step "${model[@]}" --b-dense 2048 \
-    --workloads "$WORKLOADS" --modes non-overlap,nanobatch-only,overlap \
+    --workloads "$WORKLOADS" --modes "$(modes non-overlap,nanobatch-only,overlap)" \
     --timeline "$OUT/timeline_llama3-8b_2048_32layers.png" \
     --json "$OUT/step_2048.json" 2>&1 | quiet 24
   ;;
 sweep)
   timeout "${LIMIT1:-540}" python3 -m nanojax bench step "${model[@]}" \
-    --b-dense "${SWEEP:-512,1024,4096}" --workloads "$WORKLOADS" --modes non-overlap,overlap \
+    --b-dense "${SWEEP:-512,1024,4096}" --workloads "$WORKLOADS" --modes "$(modes non-overlap,overlap)" \
     --json "$OUT/step_bdense_sweep.json" 2>&1 | quiet 40
   ;;
 engine)
