@@ -120,6 +120,24 @@ def test_operands_it_cannot_take_are_refused():
         decode_attention_swapab(*_case(0, 1, 2, 2, 16, 16, 2), interpret=True)
 
 
+@pytest.mark.parametrize("b,h,kvh,d,rows", [
+    (2048, 32, 8, 128, True),   # LLaMA-3-8B at B_dense 2048: 65,536 rows of q
+    (26, 9, 3, 64, False),      # SmolLM2: 234 rows, not a multiple of the TMA's 8-row tile
+    (3, 16, 2, 64, True),       # a group of 8: no padding columns either way
+])
+def test_the_query_goes_as_rows_where_the_tma_takes_them(b, h, kvh, d, rows):
+    """q as [B x H, D] rows (no padded copy) where B x H is a multiple of 8; else padded
+    per group to [B, KVH, columns, D] (jax 0.11.2's TMA refused 234 rows on the H200)."""
+    from pallas_kernels.decode_attention_swapab import swapab_call
+    sd = jax.ShapeDtypeStruct
+    pages = sd((64, kvh, 16, d), jnp.bfloat16)
+    q = jax.eval_shape(lambda *a: swapab_call(*a, num_programs=8).operands[0],
+                       sd((b, h, d), jnp.bfloat16), pages, pages, sd((b, 4), jnp.int32),
+                       sd((b,), jnp.int32))
+    cols = -(-(h // kvh) // 8) * 8
+    assert q.shape == ((b * h, d) if rows else (b, kvh, cols, d))
+
+
 @pytest.mark.parametrize("b,ctx,programs,page_dtype", [
     (512, 1024, 44, "bf16"), (512, 1024, 66, "bf16"), (512, 1024, 132, "bf16"),
     (16, 4096, 132, "bf16"),  # few sequences: the split-KV path
