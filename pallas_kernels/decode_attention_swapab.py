@@ -133,7 +133,7 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
                             stages: int | None = None, warpgroups: int | None = None,
                             splits: int | None = None, columns: int | None = None,
                             approx_math: bool = True, k_scale=None, v_scale=None,
-                            interpret: bool = False):
+                            num_rows=None, interpret: bool = False):
     """q [B, H, D]; pages [N, KVH, ps, D]; page_table [B, P]; context_lens [B] -> [B, H, D].
 
     num_programs: the persistent grid, one program per SM (None: every SM).
@@ -144,6 +144,9 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
     bench/results/decode_kernel/sweep_h200.json). splits: key ranges per (sequence, kv head) combined afterwards
     (None: default_splits). columns: the WGMMA N, the query group padded (None: to a
     multiple of 8). approx_math: the hardware exp2, as jax's own attention uses.
+    num_rows: a traced int32 scalar: only rows [0, num_rows) are attended; the others'
+    outputs are left unspecified (the engine's decode call, whose prefill rows the
+    chunked-prefill kernel serves: half of the 8B step's rows at 512/512). None: all B.
 
     float8_e4m3fn pages take per-kv-head float32 scales k_scale, v_scale [KVH] (real
     key = page value x k_scale[h]): each block is widened to f16 (exact), keys into
@@ -156,7 +159,8 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
     call = swapab_call(q, k_pages, v_pages, page_table, context_lens,
                        num_programs=num_programs, block_k=block_k, stages=stages,
                        warpgroups=warpgroups, splits=splits, columns=columns,
-                       k_scale=k_scale, v_scale=v_scale, interpret=interpret)
+                       k_scale=k_scale, v_scale=v_scale, num_rows=num_rows,
+                       interpret=interpret)
     wgs = call.warpgroups
     threads = dict(num_threads=wgs, thread_name="wg") if wgs > 1 else {}
     out = plgpu.kernel(
@@ -181,7 +185,8 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
                 num_programs: int | None = None, block_k: int = 64,
                 stages: int | None = None, warpgroups: int | None = None,
                 splits: int | None = None, columns: int | None = None,
-                k_scale=None, v_scale=None, interpret: bool = False) -> SwapABCall:
+                k_scale=None, v_scale=None, num_rows=None,
+                interpret: bool = False) -> SwapABCall:
     """The launch decode_attention_swapab makes (same arguments), unlaunched."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     if (why := unsupported(q, k_pages)) is not None:
@@ -315,7 +320,8 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
         first = s * chunk
         return first, jnp.maximum(jnp.minimum(nb - first, chunk), 1)
 
-    def kernel(program, q_ref, k_ref, v_ref, pt_ref, len_ref, ks_ref, vs_ref, *rest):
+    def kernel(program, q_ref, k_ref, v_ref, pt_ref, len_ref, rows_ref, ks_ref, vs_ref,
+               *rest):
         if splits == 1:
             o_ref, *rest = rest
         else:
@@ -329,7 +335,9 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
         q_bars, k_bars, v_bars = rest
         wg = lax.axis_index("wg") if wgs > 1 else 0
         worker = program * wgs + wg
-        n_items = (items - worker + workers - 1) // workers  # this worker's items
+        # this worker's items, of the first num_rows rows' (item order is row-major)
+        live = jnp.clip(rows_ref[0], 0, b) * (kvh * splits)
+        n_items = (live - worker + workers - 1) // workers
         q_smem, p_smem, o_smem, red, k_smem, v_smem = (
             r.at[wg] for r in (q_smems, p_smems, o_smems, red_smems, k_smems, v_smems))
         lse_smem = lse_smems.at[wg] if splits > 1 else None
@@ -492,7 +500,8 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
                plgpu.Barrier(num_arrivals=ppb, num_barriers=wgs * stages)]
     operands = (qg, k_pages.reshape(n_pages * kvh, ps, d),
                 v_pages.reshape(n_pages * kvh, ps, d), page_table.astype(jnp.int32),
-                context_lens.astype(jnp.int32), *scales)
+                context_lens.astype(jnp.int32),
+                jnp.full((1,), b if num_rows is None else num_rows, jnp.int32), *scales)
 
     def finish(out):
         if splits == 1:

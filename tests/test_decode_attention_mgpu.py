@@ -59,11 +59,13 @@ def test_kernel_on_gpu(programs, block_k, stages, wgs):
     assert rel_error(out, q, k, v, pt, lens) < REL_TOL_BF16
 
 
-@pytest.mark.parametrize("kernel", ["mosaic", "mosaic-rows"])
-def test_the_attention_backend_can_route_decode_rows_to_it(kernel):
-    """pallas_backend(decode_kernel="mosaic" (swap-AB) or "mosaic-rows"): a dense batch of decodes and a prefill chunk
-    (each token a decode row at its own position) against the pure-JAX backend, and a
-    share maps to whole SMs (one program per SM)."""
+@pytest.mark.parametrize("kernel,block_q", [("mosaic", None), ("mosaic-rows", None),
+                                             ("mosaic", 4)])
+def test_the_attention_backend_can_route_decode_rows_to_it(kernel, block_q):
+    """pallas_backend(decode_kernel="mosaic" (swap-AB) or "mosaic-rows"): a dense batch of
+    decodes and a prefill chunk (each token a decode row at its own position; with
+    block_q, the chunk in the chunked-prefill kernel's query blocks and the swap-AB kernel
+    on the decode rows only) against the pure-JAX backend."""
     from nanojax.config import KernelConfig, named_shape
     from nanojax.errors import ConfigError
     from nanojax.layers.attention import attend_reference, pallas_backend
@@ -73,14 +75,16 @@ def test_the_attention_backend_can_route_decode_rows_to_it(kernel):
     cfg = named_shape("tiny").replace(head_dim=64)
     rng = np.random.default_rng(0)
     batch = build_batch(cfg, [5, 17, 30], [6], page_size=8, num_pages=64, max_pages=4,
-                        rng=rng)
+                        rng=rng, prefill_block_q=block_q, prefill_max_seqs=1)
     meta = jax.tree_util.tree_map(jnp.asarray, batch.meta)
     t = len(batch.tokens)
     q = jnp.asarray(rng.standard_normal((t, cfg.num_heads, 64)), jnp.bfloat16)
     kv = tuple(jnp.asarray(rng.standard_normal((64, cfg.num_kv_heads, 8, 64)), jnp.bfloat16)
                for _ in range(2))
     inv = inverse_frequencies(64, cfg.rope_theta)
-    backend = pallas_backend(KernelConfig(decode_kernel=kernel, interpret=True))
+    backend = pallas_backend(KernelConfig(decode_kernel=kernel, interpret=True,
+                                          prefill_block_q=block_q or 16))
+    assert (meta.prefill_blocks is not None) == bool(block_q)
     out = backend.attend(q, kv, meta, inv)
     ref = attend_reference(q.astype(jnp.float32), tuple(x.astype(jnp.float32) for x in kv),
                            meta, inv)

@@ -77,6 +77,23 @@ def test_kernel_matches_reference_interpret(b, kvh, g, d, ps, max_pages, kw):
     assert rel_error(out, q, k, v, pt, lens) < REL_TOL_BF16
 
 
+@pytest.mark.parametrize("num_rows", [0, 4])
+def test_rows_past_num_rows_are_skipped_interpret(num_rows):
+    """num_rows (traced): rows [0, num_rows) as without it; the rest, whose items are not
+    run, leave their output unspecified (here: not what the full call gives, which shows
+    they were skipped)."""
+    q, k, v, pt, lens = _case(7, 6, 2, 4, 64, 16, 5)
+    full = decode_attention_swapab(q, k, v, pt, lens, num_programs=2, warpgroups=2,
+                                   interpret=True)
+    part = jax.jit(lambda n: decode_attention_swapab(
+        q, k, v, pt, lens, num_programs=2, warpgroups=2, num_rows=n, interpret=True))(
+        jnp.int32(num_rows))
+    np.testing.assert_array_equal(np.asarray(part[:num_rows], np.float32),
+                                  np.asarray(full[:num_rows], np.float32))
+    rest = np.asarray(part[num_rows:-1], np.float32)  # the last row has no keys: zeros
+    assert not np.array_equal(rest, np.asarray(full[num_rows:-1], np.float32))
+
+
 def test_split_count_and_combine():
     assert default_splits(512, 8, 1024, 132 * 2) == 1  # 4,096 items fill 264 workers
     assert default_splits(16, 8, 4096, 132 * 2) == 2  # 128 items: 2 ranges each
@@ -147,15 +164,17 @@ def test_the_query_goes_as_rows_where_the_tma_takes_them(b, h, kvh, d, rows):
 def test_benchmark_shapes_lower_for_cuda(b, ctx, programs, page_dtype):
     """LLaMA-3-8B attention (32/8 heads, D 128, bf16 query, pages of 16): the CUDA
     lowering runs Mosaic GPU's checks (shared memory per block, layouts, WGMMA operands)
-    on the CPU."""
+    on the CPU; the engine's row count (num_rows) is traced."""
     sd = jax.ShapeDtypeStruct
     n = b * ctx // 16
     pages = jnp.bfloat16 if page_dtype == "bf16" else jnp.float8_e4m3fn
     scales = {} if page_dtype == "bf16" else dict(k_scale=jnp.ones(8), v_scale=jnp.ones(8))
-    f = jax.jit(lambda *a: decode_attention_swapab(*a, num_programs=programs, **scales))
+    f = jax.jit(lambda *a: decode_attention_swapab(*a[:5], num_programs=programs,
+                                                   num_rows=a[5], **scales))
     exported = jax.export.export(f, platforms=["cuda"])(
         sd((b, 32, 128), jnp.bfloat16), sd((n, 8, 16, 128), pages),
-        sd((n, 8, 16, 128), pages), sd((b, ctx // 16), jnp.int32), sd((b,), jnp.int32))
+        sd((n, 8, 16, 128), pages), sd((b, ctx // 16), jnp.int32), sd((b,), jnp.int32),
+        sd((), jnp.int32))
     assert "mosaic_gpu" in exported.mlir_module()
 
 

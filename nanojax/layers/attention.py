@@ -428,6 +428,10 @@ def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, share: float | Non
                       num_programs=num_programs, interpret=interpret)
     from pallas_kernels.prefill_attention import prefill_attention_impl
     is_decode = jnp.arange(q.shape[0]) < meta.num_decodes
+    if kernel == "mosaic" and decode_fn is None:  # the decodes come first: the swap-AB
+        # kernel skips the other rows' (sequence, kv head) items (their outputs unwritten,
+        # the where below drops them) instead of loading and storing them with no keys
+        decode = functools.partial(decode, num_rows=meta.num_decodes)
     dec = decode(q, k_pages, v_pages, rows, jnp.where(is_decode, meta.positions + 1, 0),
                  num_programs=num_programs, interpret=interpret)
     pre = prefill_attention_impl(q, k_pages, v_pages, meta.page_table, meta.positions,
