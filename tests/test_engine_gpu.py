@@ -9,14 +9,15 @@ pytestmark = pytest.mark.gpu
 
 # decode kernel "auto": f32 gets the Triton kernel, bf16 on Hopper the Mosaic GPU one
 # (SmolLM2, head dim 64); the cache is written by the fused append where it takes the kv
-# heads (tiny's 2: Triton decode, head dim 16), else by XLA (SmolLM2's 3)
+# heads (tiny's 2: Triton decode, head dim 16), else by XLA (SmolLM2's 3); the prefill
+# chunk goes to the chunked-prefill kernel
 @pytest.mark.parametrize("model", ["random:smollm2-135m", "random:tiny"])
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-2), ("bfloat16", 5e-2)])
 def test_pallas_backend_logits_match_pure_jax(model, dtype, tol):
     from checkpoints.loader import load_model
     from nanojax.engine.forward import ScanForward, UnrolledForward
     from nanojax.config import KernelConfig
-    from nanojax.layers.attention import PagedMetadata, pallas_backend
+    from nanojax.layers.attention import PagedMetadata, pallas_backend, prefill_metadata
     # 4 of its 30 layers: each layer's kernels compile separately (~2 s each)
     bundle = load_model(model, dtype=dtype, num_layers=4)
     cfg = bundle.config
@@ -33,9 +34,12 @@ def test_pallas_backend_logits_match_pure_jax(model, dtype, tol):
             pos.append(p)
             sid.append(s)
     pos, sid = np.array(pos, np.int32), np.array(sid, np.int32)
+    # the chunk in query blocks for the chunked-prefill kernel (the GPU default; the
+    # decode kernel then runs the 2 decode rows only); the pure-JAX backend ignores them
+    blocks, slot = prefill_metadata(sid, pos, 2, len(pos), KernelConfig().prefill_block_q, 3)
     meta = PagedMetadata(positions=pos, slot_mapping=(table[sid, pos // ps] * ps + pos % ps),
                          seq_ids=sid, page_table=table, context_lens=np.array(lens, np.int32),
-                         num_decodes=np.int32(2))
+                         num_decodes=np.int32(2), prefill_blocks=blocks, prefill_slot=slot)
     idx = np.array([0, 1, len(toks) - 1], np.int32)
     outs = []
     for fwd in (ScanForward(cfg), UnrolledForward(

@@ -1,7 +1,8 @@
 #!/bin/bash
 # The GPU defaults and the next candidates in one call:
 #   1. the engine's GPU test (tests/test_engine_gpu.py: Pallas backend against pure JAX) and
-#      the swap-AB decode kernel's GPU tests
+#      the swap-AB decode kernel's GPU tests (-m gpu: its interpret-mode tests are slow on
+#      the GPU box; they ran past LIMIT1 in §59)
 #   2. the 8B step (B_dense 2048, swap-AB + chunked-prefill kernels) on WORKLOADS in MODES,
 #      one process, a timeline: by default today's defaults (XLA's dot merger off, the
 #      fused RoPE + append, §54), the old ones (mode option dotmerge:nofusedappend) and
@@ -18,7 +19,7 @@ OUT=${OUT:?set OUT}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 quiet() { grep -v "^[WI]1" | tail -n "$1"; }
-timeout "${LIMIT1:-120}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py \
+timeout "${LIMIT1:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_engine_gpu.py \
   tests/test_decode_attention_swapab.py > "$OUT/engine_gpu_test.txt" 2>&1
 tail -n 3 "$OUT/engine_gpu_test.txt"
 modes=${MODES:-non-overlap,non-overlap::dotmerge:nofusedappend,non-overlap::cmdbuf}

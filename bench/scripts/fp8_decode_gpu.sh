@@ -2,6 +2,7 @@
 # FP8 KV through the swap-AB decode kernel (keys widened to f16 straight into the WGMMA's
 # registers) against Triton's FP8 path and bf16 pages, one call:
 #   1. the swap-AB kernel's GPU tests (the FP8 case against the f32 reference), and TESTS
+#      (-m gpu: the GPU tests only)
 #   2. the decode kernels alone, bf16 and FP8 pages, Triton and swap-AB, one process
 #      (fp8_kv_kernels.py --decode-only), at SHAPES
 #   3. the 8B step (B_dense 2048, 32 layers, chunked-prefill kernel) with bf16 pages
@@ -14,7 +15,7 @@ OUT=${OUT:?set OUT}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 quiet() { grep -v "^[WI]1" | tail -n "$1"; }
-timeout "${LIMIT1:-150}" python3 -m pytest -q -p no:cacheprovider -rA --tb=short \
+timeout "${LIMIT1:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu -rA --tb=short \
   tests/test_decode_attention_swapab.py ${TESTS:-} > "$OUT/gpu_tests.txt" 2>&1
 grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.txt" | tail -n 12
 timeout "${LIMIT2:-150}" python3 bench/scripts/fp8_kv_kernels.py "$OUT/fp8_decode_kernels.json" \
