@@ -14,13 +14,17 @@ run, and for FP8 the time relative to bf16 (what the iteration gains). FP8 decod
 come twice: widened to f16 (`fp8`, the kernel's default) and to bf16 (`fp8_bf16math`).
 Decode rows at 512 x 1024 also check the output against the reference. With
 `--decode-kernels ...,swapab` the Mosaic GPU swap-AB kernel (one program per SM: the full
-grid, 66 and 44) gets the same bf16 and fp8 rows (`decode_swapab`).
+grid, 66 and 44) gets the same bf16 and fp8 rows (`decode_swapab`). `--swapab-variants
+w2s3,w4s2k128` adds rows of those launch variants (W workers x S stages [x 128-key
+blocks]) on the full grid, bf16 and fp8, named `decode_swapab_w2s3`...: FP8 halves the
+bytes of a block, so the defaults tuned for bf16 keep half the bytes in flight.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -56,6 +60,9 @@ def main() -> int:
                     help="no chunked-prefill and append rows")
     ap.add_argument("--shapes", default="512x1024,16x4096,1024x4096",
                     help="decode rows' batch x context, comma-separated")
+    ap.add_argument("--swapab-variants", default="",
+                    help="comma-separated wWsS[k128]: swap-AB launch variants on the full "
+                         "grid (workers, stages, 128-key blocks)")
     args = ap.parse_args()
     from pallas_kernels.decode_attention import decode_attention_impl, decode_attention_reference
     from pallas_kernels.decode_attention_swapab import decode_attention_swapab
@@ -72,6 +79,13 @@ def main() -> int:
         ap.error(f"unknown decode kernels in {args.decode_kernels!r}")
     grids = {"triton": [None, 3] if smoke else [None, 528, 264, 132],
              "swapab": [None, 1] if smoke else [None, 66, 44]}
+    variants = {"": {}}  # row name suffix -> swap-AB launch arguments (full grid)
+    for v in filter(None, args.swapab_variants.split(",")):
+        m = re.fullmatch(r"w(\d+)s(\d+)(k128)?", v)
+        if m is None:
+            ap.error(f"swap-AB variant {v!r}: expected wWsS or wWsSk128")
+        variants["_" + v] = dict(warpgroups=int(m[1]), stages=int(m[2]),
+                                 block_k=128 if m[3] else 64)
     bw = copy_bandwidth(1 if smoke else 4)
     res = {"command": "python " + " ".join(sys.argv), "copy_bandwidth_GBps": bw / 1e9,
            "env": {"jax": jax.__version__, "backend": jax.default_backend(),
@@ -118,17 +132,21 @@ def main() -> int:
             if b == shapes[0][0]:  # the output against the reference on the same pages
                 ref = decode_attention_reference(q.astype(jnp.float32), k, v, pt, lens, ks, vs)
                 check = np.asarray(ref, np.float64)
-            for g in grids[kernel]:
-                def fn(q, k, v, pt, lens, ks, vs, g=g, compute=compute, kernel=kernel):
+            launches = [(g, "", {}) for g in grids[kernel]]
+            if kernel == "swapab":
+                launches += [(None, sfx, kw) for sfx, kw in variants.items() if sfx]
+            for g, sfx, kw in launches:
+                def fn(q, k, v, pt, lens, ks, vs, g=g, compute=compute, kernel=kernel, kw=kw):
                     if kernel == "swapab":
                         return decode_attention_swapab(q, k, v, pt, lens, k_scale=ks,
-                                                       v_scale=vs, num_programs=g, **interp)
+                                                       v_scale=vs, num_programs=g, **kw,
+                                                       **interp)
                     return decode_attention_impl(q, k, v, pt, lens, k_scale=ks, v_scale=vs,
                                                  num_programs=g, fp8_compute=compute,
                                                  **interp)
                 full = (b * KVH if kernel == "triton"
                         else getattr(jax.devices()[0], "core_count", None) or 132)
-                r = row("decode" if kernel == "triton" else "decode_swapab", name, fn,
+                r = row("decode" if kernel == "triton" else "decode_swapab" + sfx, name, fn,
                         (q, k, v, pt, lens, ks, vs), nbytes, batch=b, context=ctx,
                         programs=g or full)
                 if check is not None and "error" not in r:
