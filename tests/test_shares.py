@@ -141,3 +141,22 @@ def test_the_profiled_pair_takes_the_models_nano_batch_shapes():
     mean = float(np.mean(np.asarray(lay.dense.meta.positions)[:d] + 1))
     assert spec.ctx % lay.page_size == 0 and mean <= spec.ctx < mean + lay.page_size
     assert spec.heads == (cfg.num_heads, cfg.num_kv_heads) and spec.head_dim == cfg.head_dim
+
+
+def test_a_failing_pair_leaves_the_profile_with_its_reason(monkeypatch):
+    """The pair runs last: if it fails, the minutes of op profile are kept and the pair says
+    why, which the search reads as 'plan no overlap'."""
+    from checkpoints.loader import load_model
+    from nanojax.profiling import fused_pair
+    from search.profiler import LayerOps, measure_pair_or_skip
+    lay = LayerOps(load_model("random:tiny"), 32, 16, "24/16", num_pages=256)
+
+    def broken(spec, command, log=None):
+        raise RuntimeError("Mosaic GPU lowering failed")
+    monkeypatch.setattr(fused_pair, "unavailable", lambda: None)
+    monkeypatch.setattr(fused_pair, "measure_pair", broken)
+    logged = []
+    out = measure_pair_or_skip(lay, 32, 16, [66], power_seconds=0, log=logged.append)
+    assert out == {"measured": False,
+                   "reason": "the pair failed: RuntimeError: Mosaic GPU lowering failed"}
+    assert logged and "the pair failed" in logged[0]

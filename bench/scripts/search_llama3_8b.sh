@@ -1,8 +1,12 @@
 #!/bin/bash
-# Issue 7 on the GPU: profile the LLaMA-3-8B shape, search a plan, and time the searched
-# plan beside the hand-written one (the first LAYERS layers; ratios from one process each),
-# and check the plan's predicted layer makespan against the measured one.
-# Usage: OUT=dir [LAYERS=8] [PLAN=searched.json: skip profile and search] \
+# Issues 7 and 18 on the GPU: profile the LLaMA-3-8B shape (with PAIR_SHARES, also the fused
+# GEMM + attention pair over those G, which the search then reads: it overlaps only where the
+# measured pair beat back to back), search a plan, and time the searched plan beside the
+# hand-written one (the first LAYERS layers, WORKLOADS, MODES; ratios from one process each,
+# the searched plan's first workload with a timeline), and check the plan's predicted layer
+# makespan against the measured one (CHECK=0: skip).
+# Usage: OUT=dir [LAYERS=8] [PLAN=searched.json: skip profile and search] [PAIR_SHARES=44,88]
+#        [WORKLOADS=512/512] [MODES=non-overlap,overlap] [HANDWRITTEN=1] [LIMIT_STEP=120] [CHECK=1]
 #        bash bench/scripts/search_llama3_8b.sh
 set -u
 OUT=${OUT:?set OUT}
@@ -10,19 +14,25 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 quiet() { grep -v "^[WI]1" | tail -n "$1"; }
 if [ -z "${PLAN:-}" ]; then
   timeout "${LIMIT_PROFILE:-380}" python3 -m nanojax profile --b-dense 2048 --granularity 256 \
-    --shares 0.25,0.5,1.0 --out "$OUT/profile_llama3-8b_1xh200.json" 2>&1 | tr '\r' '\n' | quiet 6
+    --shares 0.25,0.5,1.0 ${PAIR_SHARES:+--pair-shares "$PAIR_SHARES" --pair-power-seconds 0.5} \
+    --out "$OUT/profile_llama3-8b_1xh200.json" 2>&1 | tr '\r' '\n' | quiet 6
   echo "profile rc=${PIPESTATUS[0]} (124: timed out)"
   timeout 120 python3 -m nanojax search --profile "$OUT/profile_llama3-8b_1xh200.json" \
     --out "$OUT/plan_llama3-8b_searched.json" --max-k 3 --time-limit 30 \
     --png "$OUT/plan_llama3-8b_searched.png" 2>&1 | quiet 8
   PLAN=$OUT/plan_llama3-8b_searched.json
 fi
-for plan in llama3-8b-1gpu "$PLAN"; do
+# HANDWRITTEN=0: the searched plan alone (its first workload's iteration drawn either way)
+plans=("$PLAN"); [ "${HANDWRITTEN:-1}" = 0 ] || plans=(llama3-8b-1gpu "$PLAN")
+for plan in "${plans[@]}"; do
   name=$(basename "$plan" .json)
-  timeout 120 python3 -m nanojax bench step --model random:llama3-8b --num-layers "${LAYERS:-8}" \
-    --plan "$plan" --b-dense 2048 --workloads 512/512 --modes non-overlap,overlap --quiet \
-    --json "$OUT/step_${name}.json" 2>&1 | quiet 4
+  draw=(); [ "$plan" = "$PLAN" ] && draw=(--timeline "$OUT/timeline_searched.png")
+  timeout "${LIMIT_STEP:-120}" python3 -m nanojax bench step --model random:llama3-8b \
+    --num-layers "${LAYERS:-8}" --plan "$plan" --b-dense 2048 --workloads "${WORKLOADS:-512/512}" \
+    --modes "${MODES:-non-overlap,overlap}" --quiet --json "$OUT/step_${name}.json" \
+    "${draw[@]}" 2>&1 | quiet 8
 done
+[ "${CHECK:-1}" = 0 ] && { ls -la "$OUT"; exit 0; }
 # the searched plan's predicted layer makespan against the measured one: the step at half
 # the layers too, and the difference per layer (no embedding, LM head or sampling in it)
 half=$(( ${LAYERS:-8} / 2 ))
