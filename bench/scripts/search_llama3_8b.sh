@@ -8,6 +8,9 @@
 # Usage: OUT=dir [LAYERS=8] [PLAN=searched.json: skip profile and search] [PAIR_SHARES=44,88]
 #        [WORKLOADS=512/512] [MODES=non-overlap,overlap] [HANDWRITTEN=1] [LIMIT_STEP=120] [CHECK=1]
 #        bash bench/scripts/search_llama3_8b.sh
+# With the Mosaic GPU decode kernel (today's Hopper default) the profile compiles a kernel per
+# attention size and share: at 32 layers it ran past 400 s (2026-12-03, §64), so give it a
+# call of its own (LIMIT_PROFILE near the call's 600 s) and run the steps with PLAN= after.
 set -u
 OUT=${OUT:?set OUT}
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -15,7 +18,7 @@ quiet() { grep -v "^[WI]1" | tail -n "$1"; }
 if [ -z "${PLAN:-}" ]; then
   timeout "${LIMIT_PROFILE:-380}" python3 -m nanojax profile --b-dense 2048 --granularity 256 \
     --shares 0.25,0.5,1.0 ${PAIR_SHARES:+--pair-shares "$PAIR_SHARES" --pair-power-seconds 0.5} \
-    --out "$OUT/profile_llama3-8b_1xh200.json" 2>&1 | tr '\r' '\n' | quiet 6
+    --out "$OUT/profile_llama3-8b_1xh200.json" 2>&1 | tr '\r' '\n' | quiet 12
   echo "profile rc=${PIPESTATUS[0]} (124: timed out)"
   timeout 120 python3 -m nanojax search --profile "$OUT/profile_llama3-8b_1xh200.json" \
     --out "$OUT/plan_llama3-8b_searched.json" --max-k 3 --time-limit 30 \
