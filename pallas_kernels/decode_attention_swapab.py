@@ -138,7 +138,8 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
 
     num_programs: the persistent grid, one program per SM (None: every SM).
     warpgroups: independent workers per program; stages: blocks of block_k keys in
-    flight per worker (None: 2 stages; 3 workers on a bounded grid, 2 on the full one:
+    flight per worker (None: 2 stages; 3 workers on a bounded grid, 2 on the full one
+    (4 for float8 pages there without split-KV: 0.61-0.64x bf16's time, results §63, §65):
     on the H200 at B 512, ctx 1024 that read 94% of copy bandwidth at 66 programs and 66%
     at 44, against 75% / 51% with 2 workers, and 102% on the full grid against 98%;
     bench/results/decode_kernel/sweep_h200.json). splits: key ranges per (sequence, kv head) combined afterwards

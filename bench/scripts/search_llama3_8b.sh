@@ -9,7 +9,7 @@
 #        [WORKLOADS=512/512] [MODES=non-overlap,overlap] [HANDWRITTEN=1] [LIMIT_STEP=120] [CHECK=1]
 #        bash bench/scripts/search_llama3_8b.sh
 # With the Mosaic GPU decode kernel (today's Hopper default) the profile compiles a kernel per
-# attention size and share: at 32 layers it ran past 400 s (2026-12-03, §64), so give it a
+# attention size and share: with a pair it ran past 400 s (2026-12-03, §64), so give it a
 # call of its own (LIMIT_PROFILE near the call's 600 s) and run the steps with PLAN= after.
 set -u
 OUT=${OUT:?set OUT}
