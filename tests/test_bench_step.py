@@ -195,14 +195,20 @@ def test_step_bench_modes_agree_on_the_cpu(tmp_path):
                                                      "stream": 1},
                          {"op": "o_proj", "batch": 1}, {"op": "mlp", "batch": 1},
                          {"op": "o_proj", "batch": 0}, {"op": "mlp", "batch": 0}]}
-    saved = []
+    saved, drawn = [], []
+    events_file = tmp_path / "t.events.json"
+
+    def checkpoint(partial):  # what a run cut after this mode would keep
+        saved.append(partial)
+        drawn.append(sorted(json.loads(events_file.read_text())))
     modes = ["non-overlap", "overlap", "overlap:0.25:nogroups:gemm0.5",
              "overlap:1.0:keepinputs", "overlap:1.0:keepall"]
     out = run_step_bench(bundle, plan, [64], ["32/32"], modes,
                          num_pages=512, max_model_len=256, repeats=1, progress=False,
-                         timeline_png=str(tmp_path / "t.png"), checkpoint=saved.append,
+                         timeline_png=str(tmp_path / "t.png"), checkpoint=checkpoint,
                          f32_reference=True)
     assert len(saved) == len(modes) and saved[-1]["partial"]
+    assert drawn[0] == ["non-overlap"] and drawn[1] == ["non-overlap", "overlap"]
     for r in out["results"]:
         assert r["same_tokens_as_non-overlap"] == 1.0
         assert r["logits_max_diff_over_std"] < 1e-4
@@ -212,7 +218,7 @@ def test_step_bench_modes_agree_on_the_cpu(tmp_path):
         assert r["timeline"]["span_us"] > 0
     assert "overlap_over_non_overlap" in out["ratios"][0]
     assert (tmp_path / "t.png").stat().st_size > 10_000
-    events = json.loads((tmp_path / "t.events.json").read_text())
+    events = json.loads(events_file.read_text())
     assert set(events) == set(modes)
 
 

@@ -296,6 +296,16 @@ def _capture_timeline(step, fwd, params, batch: SyntheticBatch, num_pages: int,
     return timeline.capture(once)
 
 
+def _write_timelines(timelines: dict, png: str, title: str) -> None:
+    """The captured modes' events (PNG.events.json) and their plot (PNG)."""
+    from nanojax.profiling import timeline
+    Path(png).with_suffix(".events.json").write_text(json.dumps(timelines))
+    try:
+        timeline.plot(timelines, png, title)
+    except ImportError:  # matplotlib absent: the events file can be plotted elsewhere
+        pass
+
+
 def _ratios(results: list, b_dense_list: list[int], workloads: list[str]) -> list[dict]:
     ratios = []
     for b_dense in b_dense_list:
@@ -420,6 +430,9 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
                     timelines[mode] = _capture_timeline(step, fwd, params, mode_batches[w],
                                                         num_pages, page_size, mode_kv_dtype)
                     r["timeline"] = timeline.summarize(timelines[mode])
+                    # written as each mode is captured: a run cut by its limit keeps them
+                    _write_timelines(timelines, timeline_png, f"one iteration, B_dense "
+                                     f"{b_dense_list[0]}, workload {workloads[0]}")
                 results.append(r)
                 bar.update(1)
             del step, fwd
@@ -429,11 +442,4 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
             _add_f32_distance(results, b_dense, outputs, f32_reference_outputs(
                 bundle, sized, batches, num_pages, page_size))
     bar.close()
-    if timeline_png and timelines:
-        Path(timeline_png).with_suffix(".events.json").write_text(json.dumps(timelines))
-        try:
-            timeline.plot(timelines, timeline_png,
-                          f"one iteration, B_dense {b_dense_list[0]}, workload {workloads[0]}")
-        except ImportError:  # matplotlib absent: the events file can be plotted elsewhere
-            pass
     return {"results": results, "ratios": _ratios(results, b_dense_list, workloads)}
