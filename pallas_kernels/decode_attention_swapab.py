@@ -125,15 +125,27 @@ class SwapABCall(NamedTuple):
     finish: Callable
 
 
+def longest_first(context_lens, num_rows=None):
+    """The sequences by context length, longest first, rows past num_rows last: the order
+    in which the workers take them (worker w takes the w-th, then the (w + workers)-th ...),
+    so that each worker's total is about the mean plus one sequence even where lengths
+    vary (round-robin over the rows as given can leave one worker a tail of long ones)."""
+    lens = context_lens.astype(jnp.int32)
+    if num_rows is not None:
+        lens = jnp.where(jnp.arange(lens.shape[0]) < num_rows, lens, -1)
+    return jnp.argsort(-lens, stable=True).astype(jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=(
     "num_programs", "block_k", "stages", "warpgroups", "splits", "columns", "approx_math",
-    "interpret"))
+    "longest_first_order", "interpret"))
 def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
                             num_programs: int | None = None, block_k: int = 64,
                             stages: int | None = None, warpgroups: int | None = None,
                             splits: int | None = None, columns: int | None = None,
                             approx_math: bool = True, k_scale=None, v_scale=None,
-                            num_rows=None, interpret: bool = False):
+                            num_rows=None, longest_first_order: bool = False,
+                            interpret: bool = False):
     """q [B, H, D]; pages [N, KVH, ps, D]; page_table [B, P]; context_lens [B] -> [B, H, D].
 
     num_programs: the persistent grid, one program per SM (None: every SM).
@@ -148,6 +160,8 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
     num_rows: a traced int32 scalar: only rows [0, num_rows) are attended; the others'
     outputs are left unspecified (the engine's decode call, whose prefill rows the
     chunked-prefill kernel serves: half of the 8B step's rows at 512/512). None: all B.
+    longest_first_order: the workers take the sequences longest first (longest_first), not
+    in row order (opt-in: not yet timed on a GPU).
 
     float8_e4m3fn pages take per-kv-head float32 scales k_scale, v_scale [KVH] (real
     key = page value x k_scale[h]): each block is widened to f16 (exact), keys into
@@ -161,7 +175,8 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
                        num_programs=num_programs, block_k=block_k, stages=stages,
                        warpgroups=warpgroups, splits=splits, columns=columns,
                        k_scale=k_scale, v_scale=v_scale, num_rows=num_rows,
-                       interpret=interpret)
+                       order=longest_first(context_lens, num_rows) if longest_first_order
+                       else None, interpret=interpret)
     wgs = call.warpgroups
     threads = dict(num_threads=wgs, thread_name="wg") if wgs > 1 else {}
     out = plgpu.kernel(
@@ -186,9 +201,11 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
                 num_programs: int | None = None, block_k: int = 64,
                 stages: int | None = None, warpgroups: int | None = None,
                 splits: int | None = None, columns: int | None = None,
-                k_scale=None, v_scale=None, num_rows=None,
+                k_scale=None, v_scale=None, num_rows=None, order=None,
                 interpret: bool = False) -> SwapABCall:
-    """The launch decode_attention_swapab makes (same arguments), unlaunched."""
+    """The launch decode_attention_swapab makes (same arguments), unlaunched. order: int32
+    [B], a permutation of the rows: the sequences in the order the workers take them
+    (None: row order); with num_rows, its first num_rows entries must be those rows."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     if (why := unsupported(q, k_pages)) is not None:
         raise ValueError(why)
@@ -326,6 +343,9 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
 
     def kernel(program, q_ref, k_ref, v_ref, pt_ref, len_ref, rows_ref, ks_ref, vs_ref,
                *rest):
+        ord_ref = None
+        if order is not None:
+            ord_ref, *rest = rest
         if splits == 1:
             o_ref, *rest = rest
         else:
@@ -349,20 +369,25 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
             v16 = v16s.at[wg]
         qbar0, bar0 = wg * 2, wg * stages
 
+        def coords(it):  # item it's (sequence, kv head, split), sequences in `order`
+            # (the kv head and split need no sequence: item_coords gives them directly)
+            bb, hh, sp = item_coords(it)
+            return (bb if ord_ref is None else ord_ref[bb]), hh, sp
+
         def item_of(i):  # the worker's i-th item
             return worker + i * workers
 
         def load_q(i):  # item i's query tile into buffer i % 2
-            bb, hh, _ = item_coords(item_of(i))
+            bb, hh, _ = coords(item_of(i))
             src = q_ref.at[pl.ds(bb * h + hh * g, ncol)] if q_as_rows else q_ref.at[bb, hh]
             plgpu.copy_gmem_to_smem(src, q_smem.at[lax.rem(i, 2)],
                                     q_bars.at[qbar0 + lax.rem(i, 2)])
 
         def ctx_of(i):
-            return len_ref[item_coords(item_of(i))[0]]
+            return len_ref[coords(item_of(i))[0]]
 
         def pages(i, j, ctx):  # page numbers of item i's block j (clamped to its last page)
-            bb = item_coords(item_of(i))[0]
+            bb = coords(item_of(i))[0]
             last = jnp.maximum((ctx + ps - 1) // ps - 1, 0)
             return tuple(pt_ref[bb, jnp.minimum(j * ppb + p, last)] for p in range(ppb))
 
@@ -450,7 +475,7 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
 
                 @pl.when(last)
                 def _finish():
-                    bb, hh, sp = item_coords(item_of(i))
+                    bb, hh, sp = coords(item_of(i))
                     tot = col_reduce(l, red, "add")
                     o = acc / bcast_cols(jnp.where(tot > 0, tot, 1.0), acc.shape)
                     if fp8:
@@ -505,7 +530,8 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
     operands = (qg, k_pages.reshape(n_pages * kvh, ps, d),
                 v_pages.reshape(n_pages * kvh, ps, d), page_table.astype(jnp.int32),
                 context_lens.astype(jnp.int32),
-                jnp.full((1,), b if num_rows is None else num_rows, jnp.int32), *scales)
+                jnp.full((1,), b if num_rows is None else num_rows, jnp.int32), *scales,
+                *(() if order is None else (order.astype(jnp.int32),)))
 
     def finish(out):
         if splits == 1:

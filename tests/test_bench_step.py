@@ -228,8 +228,8 @@ def test_step_modes_parse_into_their_options():
     assert m == {"base": "overlap", "attention_share": 0.25, "gemm_share": 0.5,
                  "scheduling_groups": False, "keep": "inputs", "xla_grouped": False,
                  "shard_map": False, "logit_rows": "engine", "merge_dots": None,
-                 "fused_append": None, "command_buffers": None, "kv_cache_dtype": None,
-                 "decode_kernel": None}
+                 "fused_append": None, "command_buffers": None,
+                 "decode_longest_first": None, "kv_cache_dtype": None, "decode_kernel": None}
     assert parse_mode("non-overlap::alllogits")["logit_rows"] == "all"
     assert parse_mode("overlap:0.5:seqlogits")["logit_rows"] == "seqs"
     assert parse_mode("overlap:1.0:keepall")["keep"] == "values"
@@ -239,6 +239,11 @@ def test_step_modes_parse_into_their_options():
     assert parse_mode("non-overlap::xlagrouped")["xla_grouped"] is True
     assert parse_mode("non-overlap::nodotmerge")["merge_dots"] is False
     assert parse_mode("non-overlap::dotmerge")["merge_dots"] is True
+    assert parse_mode("non-overlap::longestfirst")["decode_longest_first"] is True
+    from nanojax.bench.step import _variant
+    from nanojax.config import KernelConfig
+    _, _, options = _variant({"nano_ops": []}, "non-overlap::longestfirst", KernelConfig())
+    assert options["kernels"].decode_longest_first
     assert parse_mode("non-overlap::fusedappend")["fused_append"] is True
     assert parse_mode("non-overlap::nofusedappend")["fused_append"] is False
     assert parse_mode("non-overlap::cmdbuf")["command_buffers"] is True

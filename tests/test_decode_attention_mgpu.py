@@ -59,9 +59,10 @@ def test_kernel_on_gpu(programs, block_k, stages, wgs):
     assert rel_error(out, q, k, v, pt, lens) < REL_TOL_BF16
 
 
-@pytest.mark.parametrize("kernel,block_q", [("mosaic", None), ("mosaic-rows", None),
-                                             ("mosaic", 4)])
-def test_the_attention_backend_can_route_decode_rows_to_it(kernel, block_q):
+@pytest.mark.parametrize("kernel,block_q,longest", [
+    ("mosaic", None, False), ("mosaic-rows", None, False), ("mosaic", 4, False),
+    ("mosaic", 4, True)])  # the swap-AB kernel's workers taking sequences longest first
+def test_the_attention_backend_can_route_decode_rows_to_it(kernel, block_q, longest):
     """pallas_backend(decode_kernel="mosaic" (swap-AB) or "mosaic-rows"): a dense batch of
     decodes and a prefill chunk (each token a decode row at its own position; with
     block_q, the chunk in the chunked-prefill kernel's query blocks and the swap-AB kernel
@@ -83,7 +84,8 @@ def test_the_attention_backend_can_route_decode_rows_to_it(kernel, block_q):
                for _ in range(2))
     inv = inverse_frequencies(64, cfg.rope_theta)
     backend = pallas_backend(KernelConfig(decode_kernel=kernel, interpret=True,
-                                          prefill_block_q=block_q or 16))
+                                          prefill_block_q=block_q or 16,
+                                          decode_longest_first=longest))
     assert (meta.prefill_blocks is not None) == bool(block_q)
     out = backend.attend(q, kv, meta, inv)
     ref = attend_reference(q.astype(jnp.float32), tuple(x.astype(jnp.float32) for x in kv),

@@ -10,7 +10,8 @@ import pytest
 
 from decode_checks import rel_error
 from pallas_kernels.decode_attention_swapab import (combine_splits, decode_attention_swapab,
-                                                    default_splits, unsupported)
+                                                    default_splits, longest_first,
+                                                    unsupported)
 from pallas_kernels.mosaic_gpu_support import on_hopper
 
 REL_TOL_BF16 = 1e-2  # bf16 inputs and output, f32 accumulation
@@ -94,6 +95,32 @@ def test_rows_past_num_rows_are_skipped_interpret(num_rows):
     assert not np.array_equal(rest, np.asarray(full[num_rows:-1], np.float32))
 
 
+def test_longest_first_orders_the_live_rows_by_length():
+    lens = jnp.array([5, 90, 0, 90, 300, 7, 1000], jnp.int32)
+    np.testing.assert_array_equal(longest_first(lens), [6, 4, 1, 3, 5, 0, 2])
+    # rows past num_rows (the prefill rows of the engine's decode call) go last
+    order = np.asarray(jax.jit(longest_first)(lens, jnp.int32(4)))
+    np.testing.assert_array_equal(order[:4], [1, 3, 0, 2])
+    assert sorted(order) == list(range(7))
+
+
+@pytest.mark.parametrize("kw", [dict(num_programs=2, warpgroups=2),  # 12 items, 4 workers
+                                dict(num_programs=1, warpgroups=2, splits=2)])
+def test_longest_first_gives_the_row_order_result_interpret(kw):
+    """Which worker runs an item changes nothing in its arithmetic: the same outputs bit
+    for bit, with and without num_rows."""
+    q, k, v, pt, lens = _case(11, 6, 2, 4, 64, 16, 6)
+    rows = decode_attention_swapab(q, k, v, pt, lens, interpret=True, **kw)
+    first = decode_attention_swapab(q, k, v, pt, lens, interpret=True,
+                                    longest_first_order=True, **kw)
+    np.testing.assert_array_equal(np.asarray(first, np.float32), np.asarray(rows, np.float32))
+    part = jax.jit(lambda n: decode_attention_swapab(
+        q, k, v, pt, lens, num_rows=n, longest_first_order=True, interpret=True, **kw))(
+        jnp.int32(4))
+    np.testing.assert_array_equal(np.asarray(part[:4], np.float32),
+                                  np.asarray(rows[:4], np.float32))
+
+
 def test_split_count_and_combine():
     assert default_splits(512, 8, 1024, 132 * 2) == 1  # 4,096 items fill 264 workers
     assert default_splits(16, 8, 4096, 132 * 2) == 2  # 128 items: 2 ranges each
@@ -160,6 +187,7 @@ def test_the_query_goes_as_rows_where_the_tma_takes_them(b, h, kvh, d, rows):
     (16, 4096, 132, "bf16"),  # few sequences: the split-KV path
     (1024, 4096, 132, "bf16"),  # a large batch (16 GiB of pages)
     (512, 1024, 66, "fp8"), (16, 4096, 132, "fp8"),  # float8 pages, both paths
+    (2048, 512, 132, "fp8:longest"), (16, 4096, 66, "bf16:longest"),  # longest first
 ])
 def test_benchmark_shapes_lower_for_cuda(b, ctx, programs, page_dtype):
     """LLaMA-3-8B attention (32/8 heads, D 128, bf16 query, pages of 16): the CUDA
@@ -167,10 +195,12 @@ def test_benchmark_shapes_lower_for_cuda(b, ctx, programs, page_dtype):
     on the CPU; the engine's row count (num_rows) is traced."""
     sd = jax.ShapeDtypeStruct
     n = b * ctx // 16
+    page_dtype, _, order = page_dtype.partition(":")
     pages = jnp.bfloat16 if page_dtype == "bf16" else jnp.float8_e4m3fn
     scales = {} if page_dtype == "bf16" else dict(k_scale=jnp.ones(8), v_scale=jnp.ones(8))
     f = jax.jit(lambda *a: decode_attention_swapab(*a[:5], num_programs=programs,
-                                                   num_rows=a[5], **scales))
+                                                   num_rows=a[5], **scales,
+                                                   longest_first_order=bool(order)))
     exported = jax.export.export(f, platforms=["cuda"])(
         sd((b, 32, 128), jnp.bfloat16), sd((n, 8, 16, 128), pages),
         sd((n, 8, 16, 128), pages), sd((b, ctx // 16), jnp.int32), sd((b,), jnp.int32),

@@ -27,7 +27,7 @@ LOGIT_ROWS = ("engine", "all", "seqs")
 _LOGIT_OPTIONS = {"alllogits": "all", "seqlogits": "seqs"}  # mode suffix -> LOGIT_ROWS
 # mode suffix (and "no" + it) -> the KernelConfig switch it turns on (off)
 _KERNEL_OPTIONS = {"dotmerge": "merge_dots", "fusedappend": "fused_append",
-                   "cmdbuf": "command_buffers"}
+                   "cmdbuf": "command_buffers", "longestfirst": "decode_longest_first"}
 # mode suffix -> the mode's KV cache dtype (--kv-cache-dtype name), in place of the run's:
 # bf16 and FP8 caches timed in one process
 _KV_OPTIONS = {"bf16kv": "bf16", "fp8kv": "fp8"}
@@ -118,12 +118,15 @@ def _sampled(batch: SyntheticBatch, out):
 def parse_mode(mode: str) -> dict:
     """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs|keepall][:gemmSHARE]
     [:xlagrouped][:dotmerge|nodotmerge][:fusedappend|nofusedappend][:cmdbuf|nocmdbuf]
-    [:alllogits|seqlogits][:bf16kv|fp8kv][:tritondecode|mosaicdecode]
+    [:longestfirst|nolongestfirst][:alllogits|seqlogits][:bf16kv|fp8kv]
+    [:tritondecode|mosaicdecode]
     ('xlagrouped': an MoE step's expert GEMMs through XLA's ragged_dot instead of the Mosaic
     GPU grouped GEMM, the A/B of models/moe.py; 'dotmerge' / 'nodotmerge': XLA's dot merger
     on / off (KernelConfig.merge_dots); 'fusedappend' / 'nofusedappend': the cache written
     by the fused RoPE + append kernel or by XLA's scatters (KernelConfig.fused_append);
     'cmdbuf' / 'nocmdbuf': XLA command buffers on / off (KernelConfig.command_buffers);
+    'longestfirst' / 'nolongestfirst': the swap-AB decode kernel's workers take the
+    sequences longest first / in row order (KernelConfig.decode_longest_first);
     'alllogits': the LM head on all B_dense tokens, 'seqlogits': on the batch's sequences
     padded to a multiple of 8, instead of the engine's rows, the A/B of LOGIT_ROWS; with
     'seqlogits' each workload's row count is its own shape, compiled at its first call;
@@ -142,7 +145,8 @@ def parse_mode(mode: str) -> dict:
     out = {"base": base, "attention_share": None, "gemm_share": None,
            "scheduling_groups": True, "keep": "", "xla_grouped": False, "shard_map": False,
            "logit_rows": "engine", "merge_dots": None, "fused_append": None,
-           "command_buffers": None, "kv_cache_dtype": None, "decode_kernel": None}
+           "command_buffers": None, "decode_longest_first": None, "kv_cache_dtype": None,
+           "decode_kernel": None}
     try:
         if opts and opts[0]:
             out["attention_share"] = float(opts[0])

@@ -401,7 +401,8 @@ def decode_programs(kernel: str, share: float | None, num_sms: int, ctas_per_sm:
 def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, share: float | None = None,
                   num_sms: int = 132, ctas_per_sm: int = 4, block_q: int = 16,
                   decode_kernel: str = "auto", decode_prefetch: bool | None = None,
-                  interpret: bool = False, decode_fn: Callable | None = None):
+                  decode_longest_first: bool = False, interpret: bool = False,
+                  decode_fn: Callable | None = None):
     """GPU path: the Pallas paged kernels. share: the decode kernel's resource share.
     decode_fn: called in place of the chosen decode kernel, with its arguments (the
     pipeline's fused GEMM + attention launch, nanojax/pipeline/fused.py).
@@ -416,6 +417,8 @@ def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, share: float | Non
     decode = _decode_kernel(kernel)
     if kernel == "triton":
         decode = functools.partial(decode, prefetch=decode_prefetch)
+    if kernel == "mosaic" and decode_longest_first:
+        decode = functools.partial(decode, longest_first_order=True)
     if ks is not None:  # FP8 pages (Triton or swap-AB, see choose_decode_kernel)
         decode = functools.partial(decode, k_scale=ks, v_scale=vs)
     if decode_fn is not None:
@@ -477,6 +480,7 @@ def pallas_backend(kernels: KernelConfig = KernelConfig()) -> PagedAttention:
     attend = functools.partial(attend_pallas, block_q=kernels.prefill_block_q,
                                decode_kernel=kernels.decode_kernel,
                                decode_prefetch=kernels.decode_prefetch,
+                               decode_longest_first=kernels.decode_longest_first,
                                interpret=kernels.interpret)
     append = (functools.partial(append_kv_pallas, interpret=kernels.interpret)
               if kernels.fused_append else append_kv)
