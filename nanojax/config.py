@@ -319,9 +319,9 @@ class KernelConfig:
         "Triton decode kernel: load the next block before computing this one (default: "
         "on for grids of two programs per SM or fewer)"))
     decode_longest_first: bool = dataclasses.field(default=False, metadata=_opt(
-        "Mosaic GPU swap-AB decode kernel: its workers take the sequences longest first "
-        "instead of in row order, so varied context lengths (the traces) leave no worker "
-        "a tail of long ones (off: not yet timed on a GPU)"))
+        "Mosaic GPU swap-AB decode kernel: its workers take the sequences longest first, "
+        "dealt in a snake, instead of round-robin in row order, so varied context lengths "
+        "(the traces) leave no worker a tail of long ones (off: not yet timed on a GPU)"))
     prefill_kernel: bool = dataclasses.field(default=True, metadata=_opt(
         "GPU: prefill tokens through the chunked-prefill kernel (query blocks of a chunk "
         "share one pass over the pages) instead of as rows of the decode kernel, each "
