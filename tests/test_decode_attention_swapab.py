@@ -222,3 +222,27 @@ def test_kernel_on_gpu(programs, kw):
     if fp8:
         k, v = _dequantized(k, scales[0]), _dequantized(v, scales[1])
     assert rel_error(out, q, k, v, pt, lens) < REL_TOL_BF16
+
+
+def test_longest_first_in_a_snake_evens_the_workers_on_a_trace():
+    """The count behind longest_first's docstring: key blocks per worker (528: 132
+    programs x 4) on the 8B step's lmsys batch at B_dense 2048, the items dealt as the
+    kernel deals them: round-robin in row order, or longest first in a snake."""
+    from nanojax.config import named_shape
+    from nanojax.profiling.synthetic import engine_batch_rows, synthetic_batch, workload_lengths
+    lengths = workload_lengths("lmsys", 2048)
+    batch = synthetic_batch(named_shape("llama3-8b"), 2048, lengths, 16, 131071, 128, (1024,),
+                            prefill_block_q=16, prefill_max_seqs=64,
+                            rows=engine_batch_rows({"lmsys": lengths}, 2048, (1024,)))
+    ctx = np.asarray(batch.meta.positions)[:batch.num_decodes] + 1
+    workers, kvh = 528, 8
+
+    def busiest(seq_order, snake):  # the busiest worker's key blocks over the mean
+        blocks = np.repeat(np.maximum(1, -(-ctx[seq_order] // 64)), kvh)
+        rnd, pos = np.divmod(np.arange(len(blocks)), workers)
+        if snake:
+            pos = np.where(rnd % 2 == 0, pos, workers - 1 - pos)
+        per = np.bincount(pos, blocks, minlength=workers)
+        return per.max() / per.mean()
+    order = np.asarray(longest_first(jnp.asarray(ctx, jnp.int32)))
+    assert busiest(np.arange(len(ctx)), False) > 1.4 and busiest(order, True) < 1.15
