@@ -380,10 +380,9 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
             v16 = v16s.at[wg]
         qbar0, bar0 = wg * 2, wg * stages
 
-        def coords(it):  # item it's (sequence, kv head, split), sequences in `order`
-            # (the kv head and split need no sequence: item_coords gives them directly)
-            bb, hh, sp = item_coords(it)
-            return (bb if ord_ref is None else ord_ref[bb]), hh, sp
+        def row_of(bb):  # the q and output row of sequence bb (the lengths and the page
+            # table come permuted by `order`: the per-block loads need no lookup)
+            return bb if ord_ref is None else ord_ref[bb]
 
         def item_of(i):  # the worker's i-th item
             if ord_ref is None:
@@ -391,16 +390,17 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
             return i * workers + snake_pos(i, worker)
 
         def load_q(i):  # item i's query tile into buffer i % 2
-            bb, hh, _ = coords(item_of(i))
+            bb, hh, _ = item_coords(item_of(i))
+            bb = row_of(bb)
             src = q_ref.at[pl.ds(bb * h + hh * g, ncol)] if q_as_rows else q_ref.at[bb, hh]
             plgpu.copy_gmem_to_smem(src, q_smem.at[lax.rem(i, 2)],
                                     q_bars.at[qbar0 + lax.rem(i, 2)])
 
         def ctx_of(i):
-            return len_ref[coords(item_of(i))[0]]
+            return len_ref[item_coords(item_of(i))[0]]
 
         def pages(i, j, ctx):  # page numbers of item i's block j (clamped to its last page)
-            bb = coords(item_of(i))[0]
+            bb = item_coords(item_of(i))[0]
             last = jnp.maximum((ctx + ps - 1) // ps - 1, 0)
             return tuple(pt_ref[bb, jnp.minimum(j * ppb + p, last)] for p in range(ppb))
 
@@ -488,7 +488,8 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
 
                 @pl.when(last)
                 def _finish():
-                    bb, hh, sp = coords(item_of(i))
+                    bb, hh, sp = item_coords(item_of(i))
+                    bb = row_of(bb)
                     tot = col_reduce(l, red, "add")
                     o = acc / bcast_cols(jnp.where(tot > 0, tot, 1.0), acc.shape)
                     if fp8:
@@ -540,9 +541,13 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
                plgpu.Barrier(num_barriers=wgs * 2),
                plgpu.Barrier(num_arrivals=ppb, num_barriers=wgs * stages),
                plgpu.Barrier(num_arrivals=ppb, num_barriers=wgs * stages)]
+    # with an order the kernel sees the lengths and the page table in that order (one
+    # gather here), and maps back to q's and the output's rows once per item
+    seq_pt, seq_lens = ((page_table, context_lens) if order is None
+                        else (page_table[order], context_lens[order]))
     operands = (qg, k_pages.reshape(n_pages * kvh, ps, d),
-                v_pages.reshape(n_pages * kvh, ps, d), page_table.astype(jnp.int32),
-                context_lens.astype(jnp.int32),
+                v_pages.reshape(n_pages * kvh, ps, d), seq_pt.astype(jnp.int32),
+                seq_lens.astype(jnp.int32),
                 jnp.full((1,), b if num_rows is None else num_rows, jnp.int32), *scales,
                 *(() if order is None else (order.astype(jnp.int32),)))
 
