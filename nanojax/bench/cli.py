@@ -200,7 +200,7 @@ def cmd_schedule(args) -> int:
 
 def cmd_step(args) -> int:
     from checkpoints.loader import load_model
-    from nanojax.bench.step import parse_mode, run_step_bench
+    from nanojax.bench.step import mode_options, parse_mode, run_step_bench
     from nanojax.errors import NanojaxError
     from nanojax.pipeline.plan import MODES, load_plan
     try:  # check the arguments before the model loads
@@ -210,11 +210,8 @@ def cmd_step(args) -> int:
             parse_mode(m)
     except ValueError as e:
         raise NanojaxError(f"bad --b-dense or --modes ({e}): B_dense values are integers; a "
-                           f"mode is one of {MODES}, optionally ':SHARE' in (0, 1], "
-                           "':nogroups', ':keepinputs' or ':keepall', ':gemmSHARE', "
-                           "':xlagrouped', ':[no]dotmerge', ':[no]fusedappend', ':[no]cmdbuf' and "
-                           "':alllogits' or ':seqlogits'"
-                           ) from None
+                           f"mode is one of {MODES}, optionally ':SHARE' in (0, 1], then "
+                           f"any of {mode_options()}") from None
     if any(b <= 0 for b in b_dense):
         raise NanojaxError(f"B_dense must be positive, got {args.b_dense}")
     if args.max_num_seqs is not None and args.max_num_seqs <= 0:

@@ -115,6 +115,16 @@ def _sampled(batch: SyntheticBatch, out):
     return tokens[:batch.num_seqs], logits
 
 
+def mode_options() -> str:
+    """The options a mode may carry after BASE[:SHARE], for error messages (from the same
+    tables parse_mode reads)."""
+    return ", ".join(["':nogroups'", "':keepinputs' or ':keepall'", "':gemmSHARE'",
+                      "':xlagrouped'", "':shardmap'",
+                      *(f"':[no]{o}'" for o in _KERNEL_OPTIONS),
+                      *(" or ".join(f"':{o}'" for o in t)
+                        for t in (_LOGIT_OPTIONS, _KV_OPTIONS, _DECODE_OPTIONS))])
+
+
 def parse_mode(mode: str) -> dict:
     """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs|keepall][:gemmSHARE]
     [:xlagrouped][:dotmerge|nodotmerge][:fusedappend|nofusedappend][:cmdbuf|nocmdbuf]
