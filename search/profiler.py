@@ -11,7 +11,9 @@
    through the timing loop as the executor threads it (no copy of the cache per call).
 2. The interference table (GPU, streams on): the MLP and attention at share R, each on its
    own side stream in one XLA scheduling group so that they run together (as the
-   executor runs them); from the trace, each kernel's time together over its time alone
+   executor runs them, attention with the executor's side-stream kernel: Triton's where
+   the main stream's is Mosaic GPU, whose custom calls inside async computations compiled
+   for minutes, see nanojax/pipeline/executor.py); from the trace, each kernel's time together over its time alone
    is its normalized performance P (NanoFlow's Table 3).
 
 3. The fused pair (`pair_shares`, issue 18): one launch of a GEMM nano-op on G programs
@@ -40,6 +42,7 @@ from nanojax.config import KernelConfig
 from nanojax.engine.forward import default_forward
 from nanojax.layers.attention import slice_metadata
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
+from nanojax.pipeline.executor import side_stream_kernels
 from nanojax.profiling.synthetic import engine_batch_rows, synthetic_batch, workload_lengths
 from nanojax.profiling.timing import device_seconds, device_seconds_stateful
 from search.milp import SearchError
@@ -63,6 +66,9 @@ class LayerOps:
         self.max_pages = -(-max_model_len // page_size)
         forward = default_forward(cfg, kernels)
         self.attention = forward.attention
+        side = side_stream_kernels(kernels)  # what the executor runs on a side stream
+        self.side_attention = (self.attention if side == kernels
+                               else default_forward(cfg, side).attention)
         self.compiler_options = forward.compiler_options  # XLA options the step compiles with
         self.inv_freq = LlamaForCausalLM(cfg).inv_freq
         cuts = tuple(range(granularity, b_dense, granularity))
@@ -90,8 +96,9 @@ class LayerOps:
         k = jax.random.normal(key, (n, c.num_kv_heads, c.head_dim), self.dtype)
         return q, k, k, kv, meta
 
-    def fn(self, op: str, share: float = 1.0):
-        """The op; attention takes the cache first and returns it: (kv, out)."""
+    def fn(self, op: str, share: float = 1.0, side: bool = False):
+        """The op; attention takes the cache first and returns it: (kv, out). side: with
+        the side-stream attention kernel."""
         layer, lp = self.layer, self.lp
         if op == "qkv":
             return lambda x: layer.apply(lp, x, method=DecoderLayer.qkv)
@@ -99,17 +106,19 @@ class LayerOps:
             return lambda a, r: layer.apply(lp, a, r, method=DecoderLayer.attn_out)
         if op == "mlp":
             return lambda h: layer.apply(lp, h, method=DecoderLayer.mlp)
-        attend = self.attention.attend_at(share, self.num_sms)
+        backend = self.side_attention if side else self.attention
+        attend = backend.attend_at(share, self.num_sms)
 
         def attention(kv, q, k, v, meta):
-            kv = self.attention.append(k, v, kv, meta, self.inv_freq)
+            kv = backend.append(k, v, kv, meta, self.inv_freq)
             return kv, attend(q, kv, meta, self.inv_freq)
         return attention
 
-    def seconds(self, op: str, n: int, share: float = 1.0, iters: int = 10) -> float:
+    def seconds(self, op: str, n: int, share: float = 1.0, iters: int = 10,
+                side: bool = False) -> float:
         if op == "attention":
             q, k, v, kv, meta = self.inputs(op, n)
-            return device_seconds_stateful(self.fn(op, share), kv, q, k, v, meta,
+            return device_seconds_stateful(self.fn(op, share, side), kv, q, k, v, meta,
                                            iters=iters)
         return device_seconds(self.fn(op, share), *self.inputs(op, n), iters=iters,
                               compiler_options=self.compiler_options)
@@ -118,8 +127,9 @@ class LayerOps:
 def interference_table(lay: LayerOps, n: int, shares, alone=None, progress=None) -> dict:
     """The MLP (stream 2) beside attention (stream 1) at each share, both in one XLA
     scheduling group so that they run together, one call traced per share:
-    P = time alone / time together, for each kernel kind. alone: {"gemm": seconds,
-    "attention": {share: seconds}} already measured at n tokens (else measured here)."""
+    P = time alone / time together, for each kernel kind; attention with the side-stream
+    kernel (LayerOps.side_attention). alone: {"gemm": seconds, "attention": {share:
+    seconds}} of those kernels already measured at n tokens (else measured here)."""
     from nanojax.profiling import timeline
     from nanojax.pipeline.streams import (carry_metadata_to_stream_calls, on_stream,
                                           scheduling_group)
@@ -128,11 +138,13 @@ def interference_table(lay: LayerOps, n: int, shares, alone=None, progress=None)
         return {"measured": False, "reason": "this jax cannot group stream regions"}
     mlp, mlp_in = lay.fn("mlp"), lay.inputs("mlp", n)
     q, k, v, kv, meta = lay.inputs("attention", n)
-    alone = alone or {"gemm": lay.seconds("mlp", n),
-                      "attention": {r: lay.seconds("attention", n, r) for r in shares}}
+    alone = alone or {}
+    alone = {"gemm": alone.get("gemm") or lay.seconds("mlp", n),
+             "attention": alone.get("attention") or {
+                 r: lay.seconds("attention", n, r, side=True) for r in shares}}
     rows = []
     for share in shares:
-        att = lay.fn("attention", share)
+        att = lay.fn("attention", share, side=True)
 
         def together(h, kv, q, k, v, meta):
             with scheduling_group(1):
@@ -281,9 +293,10 @@ def run_profile(bundle, b_dense: int, granularity: int, workload: str = "512/512
     bar.close()
     if streams_enabled(kernels.streams):
         n = sizes[(len(sizes) - 1) // 2]  # about half the dense batch, a profiled size
+        same = lay.side_attention is lay.attention  # else the side kernel is timed there
         table = interference_table(lay, n, shares, alone={
             "gemm": ops["mlp"]["times"][n],
-            "attention": {r: by_share[r][n] for r in shares}})
+            "attention": {r: by_share[r][n] for r in shares} if same else None})
     else:  # one stream: nothing runs together, so there is nothing to measure
         table = {"measured": False, "reason": "no concurrent streams on this backend"}
     out = {"version": 1, "b_dense": b_dense, "granularity": granularity,

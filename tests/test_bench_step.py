@@ -174,9 +174,13 @@ def test_the_fp8kv_mode_runs_with_an_fp8_cache():
     bundle = load_model("random:tiny")
     out = run_step_bench(bundle, _two_batch_plan(bundle.config), [64], ["48/16"],
                          ["non-overlap", "non-overlap::fp8kv"], num_pages=512,
-                         max_model_len=256, repeats=1, progress=False)
+                         max_model_len=256, repeats=1, progress=False, sustain_s=0.05)
     plain, fp8 = out["results"]
     assert plain["logits_max_diff_over_std"] == 0.0
+    for r in (plain, fp8):  # the rate held back to back (no nvidia-smi here: no power)
+        s = r["sustained"]
+        assert s["steps"] >= 5 and s["seconds"] >= 0.05 and s["power"] is None
+        assert s["tokens_per_s"] == pytest.approx(64 / s["step_s"])
     assert 1e-4 < fp8["logits_max_diff_over_std"] < 0.5
     assert "non-overlap::fp8kv_over_non-overlap" in out["ratios"][0]
 

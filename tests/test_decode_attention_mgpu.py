@@ -87,6 +87,9 @@ def test_the_attention_backend_can_route_decode_rows_to_it(kernel, block_q, long
                                           prefill_block_q=block_q or 16,
                                           decode_longest_first=longest))
     assert (meta.prefill_blocks is not None) == bool(block_q)
+    # the order a forward sorts once per step for every layer (None: the kernel sorts)
+    meta = backend.prepare(meta, kv[0].dtype)
+    assert (meta.decode_order is not None) == longest
     out = backend.attend(q, kv, meta, inv)
     ref = attend_reference(q.astype(jnp.float32), tuple(x.astype(jnp.float32) for x in kv),
                            meta, inv)
@@ -94,6 +97,27 @@ def test_the_attention_backend_can_route_decode_rows_to_it(kernel, block_q, long
     assert np.isfinite(o).all() and np.linalg.norm(o - r) / np.linalg.norm(r) < REL_TOL_BF16
     with pytest.raises(ConfigError, match="unknown decode kernel"):
         KernelConfig(decode_kernel="cuda")
+
+
+def test_longest_first_defaults_to_fp8_pages_and_prepare_sorts_only_where_it_runs():
+    from nanojax.config import KernelConfig
+    from nanojax.layers.attention import PagedMetadata, longest_first_on, pallas_backend
+    assert longest_first_on(None, jnp.float8_e4m3fn) and not longest_first_on(
+        None, jnp.bfloat16)
+    assert not longest_first_on(False, jnp.float8_e4m3fn) and longest_first_on(True,
+                                                                                jnp.bfloat16)
+    i = jnp.arange(4, dtype=jnp.int32)
+    meta = PagedMetadata(positions=jnp.array([3, 9, 0, 5], jnp.int32), slot_mapping=i,
+                         seq_ids=i, page_table=i[:, None], context_lens=i,
+                         num_decodes=jnp.int32(4))
+    fp8 = jnp.float8_e4m3fn
+    order = pallas_backend(KernelConfig()).prepare(meta, fp8).decode_order
+    np.testing.assert_array_equal(order, [1, 3, 0, 2])  # by position + 1, longest first
+    assert pallas_backend(KernelConfig()).prepare(meta, jnp.bfloat16).decode_order is None
+    assert pallas_backend(KernelConfig(decode_kernel="triton")).prepare(
+        meta, fp8).decode_order is None  # Triton's grid takes the rows as they come
+    assert pallas_backend(KernelConfig(decode_longest_first=False)).prepare(
+        meta, fp8).decode_order is None
 
 
 def test_a_share_is_whole_sms_for_mosaic_and_auto_picks_by_device_and_operands():

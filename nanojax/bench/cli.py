@@ -198,6 +198,17 @@ def cmd_schedule(args) -> int:
     return 0
 
 
+def _sustained_text(s: dict | None) -> str:
+    if not s:
+        return ""
+    p = s.get("power") or {}
+    frac = s.get("fraction_of_optimal")
+    return (f"  sustained {1e3 * s['step_s']:.2f} ms"
+            + (f" {100 * frac:.1f}%" if frac else "")
+            + (f" at {p['power_w_mean']:.0f} W, {p['sm_clock_mhz_mean']:.0f} MHz"
+               if p.get("samples") else ""))
+
+
 def cmd_step(args) -> int:
     from checkpoints.loader import load_model
     from nanojax.bench.step import mode_options, parse_mode, run_step_bench
@@ -239,7 +250,7 @@ def cmd_step(args) -> int:
                          progress=not args.quiet, f32_reference=args.f32_reference,
                          kernels=kernels, tp=args.tensor_parallel_size,
                          kv_cache_dtype=kv_cache_dtype, max_num_seqs=args.max_num_seqs,
-                         checkpoint=lambda part: write_json(args.json, {**record, **part}))
+                         sustain_s=args.sustain_seconds, checkpoint=lambda part: write_json(args.json, {**record, **part}))
     payload = {**record, "num_layers": bundle.config.num_layers, **out}
     if args.dump_hlo:
         payload["schedule"] = _schedules(args.dump_hlo)
@@ -256,7 +267,8 @@ def cmd_step(args) -> int:
         print(f"B_dense {r['b_dense']:>5} {r['workload']:>10} {r['mode']:>15}: "
               f"{1e3 * r['step_s']:8.2f} ms/step {r['tokens_per_s']:10.0f} tok/s"
               + (f"  {100 * frac:5.1f}% of optimal" if frac else "")
-              + f"  (pipelined {1e3 * r['pipelined_step_s']:.2f} ms)", file=sys.stderr)
+              + f"  (pipelined {1e3 * r['pipelined_step_s']:.2f} ms)"
+              + _sustained_text(r.get("sustained")), file=sys.stderr)
     print(json.dumps(out["ratios"]))
     write_json(args.json, payload)
     return 0
@@ -359,6 +371,11 @@ def register(sub) -> None:
                          "table, LM head rows), the runner's bucket of it (default: the most "
                          "sequences of any workload's batch at that B_dense)")
     st.add_argument("--repeats", type=int, default=10)
+    st.add_argument("--sustain-seconds", type=float, default=0.0, metavar="X",
+                    help="also run each mode and batch back to back for X seconds with the "
+                         "SM clock and board power sampled (nvidia-smi, GPU 0): the rate "
+                         "held at the card's power cap, where a 10-step burst may run "
+                         "faster (default: 0, off)")
     st.add_argument("--timeline", default=None,
                     help="write a Gantt PNG (and its events JSON) of one iteration per mode, "
                          "for the first B_dense and workload")

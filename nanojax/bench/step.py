@@ -108,6 +108,36 @@ def time_step(step, params, kv, batch: SyntheticBatch, repeats: int = 10):
             first)
 
 
+def sustain_step(step, params, kv, batch: SyntheticBatch, seconds: float, sampler=None,
+                 settle_s: float = 0.5):
+    """The step back to back (inputs on the device, a wait every 5 steps) for settle_s,
+    then for `seconds` more while `sampler` (profiling/pair_record.PowerSampler) records
+    the SM clock, board power and throttle reasons: (kv, {"step_s", "steps", "seconds",
+    "power": the sampler's summary or None}). On the H200 the step's GEMMs and its decode
+    kernel each reach the 700 W cap alone (../shared/probes), so a 10-step burst may run
+    faster than the rate a server holds; this is that rate, with the clock it ran at."""
+    on_device = jax.device_put(step_args(batch))
+
+    def run(until):
+        nonlocal kv
+        n = 0
+        while time.perf_counter() < until:
+            for _ in range(5):
+                kv, out = step(params, kv, *on_device)
+            jax.block_until_ready(out)
+            n += 5
+        return n
+
+    run(time.perf_counter() + settle_s)
+    if sampler is not None:
+        sampler.start()
+    t = time.perf_counter()
+    n = run(t + seconds)
+    elapsed = time.perf_counter() - t
+    power = sampler.stop() if sampler is not None else None
+    return kv, {"step_s": elapsed / n, "steps": n, "seconds": elapsed, "power": power}
+
+
 def _sampled(batch: SyntheticBatch, out):
     """A step's output restricted to the rows that sample (the padding rows' tokens are
     token 0's, however many there are): what two modes' outputs are compared on."""
@@ -256,13 +286,20 @@ def tp_gemm_rate(cfg: ModelConfig, b_dense: int, tp: int) -> dict:
 
 
 def _measure(step, fwd, params, batch: SyntheticBatch, num_pages: int, page_size: int,
-             repeats: int, kv_dtype=None) -> tuple[dict, tuple]:
+             repeats: int, kv_dtype=None, sustain_s: float = 0.0,
+             sampler=None) -> tuple[dict, tuple]:
     """Times one mode on one batch from a fresh cache: its row of the results (time,
-    whether it repeats itself) and its output (tokens, checked rows' logits)."""
+    whether it repeats itself, with sustain_s the sustained rate and its clock and power)
+    and its output (tokens, checked rows' logits)."""
     kv = fwd.init_kv(num_pages, page_size, kv_dtype)  # every mode: the same contents
     secs, pipelined, kv, out, first = time_step(step, params, kv, batch, repeats)
+    sustained = None
+    if sustain_s > 0:
+        kv, sustained = sustain_step(step, params, kv, batch, sustain_s, sampler)
+        sustained["tokens_per_s"] = len(batch.tokens) / sustained["step_s"]
     del kv
     return {"step_s": secs, "tokens_per_s": len(batch.tokens) / secs,
+            **({"sustained": sustained} if sustained else {}),
             "pipelined_step_s": pipelined,
             "pipelined_tokens_per_s": len(batch.tokens) / pipelined,
             # the same step twice on the same inputs: a race shows up here
@@ -282,6 +319,9 @@ def _roofline_fields(r: dict, cfg, roof: dict, tp: int = 1) -> None:
     r["fraction_of_optimal_at_790_tflops"] = r["tokens_per_s"] / (
         optimal_tokens_per_s(cfg, tp * CARD_TFLOPS * 1e12))
     r["optimal_tokens_per_s"] = roof["optimal_tokens_per_s"]
+    if "sustained" in r:
+        r["sustained"]["fraction_of_optimal"] = (r["sustained"]["tokens_per_s"]
+                                                 / roof["optimal_tokens_per_s"])
     r["gemm_tflops"] = roof["gemm_flops_per_s"] / 1e12
 
 
@@ -357,7 +397,8 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
                    max_model_len: int = 2048, repeats: int = 10, timeline_png: str | None = None,
                    progress: bool = True, checkpoint=None, f32_reference: bool = False,
                    kernels: KernelConfig = KernelConfig(), tp: int = 1,
-                   kv_cache_dtype: str = "auto", max_num_seqs: int | None = None) -> dict:
+                   kv_cache_dtype: str = "auto", max_num_seqs: int | None = None,
+                   sustain_s: float = 0.0) -> dict:
     """Every mode at every B_dense and workload, in one process: ratios between modes come
     from the same run. Optimal = the GEMM rate measured here at that B_dense.
     checkpoint(results) is called after every mode, so a run cut short keeps what it has.
@@ -367,7 +408,9 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
     kv_cache_dtype: the cache's element type (--kv-cache-dtype; the float32 reference
     keeps a float32 cache). max_num_seqs: the engine's sequence limit, whose row count
     the batches are padded to (engine_batch_rows; None: the most sequences of any
-    workload's batch at that B_dense, the smallest limit that admits every batch)."""
+    workload's batch at that B_dense, the smallest limit that admits every batch).
+    sustain_s: also run each mode and batch back to back this long with the SM clock and
+    board power sampled (GPU 0, nvidia-smi; sustain_step)."""
     from tqdm.auto import tqdm
 
     from nanojax.bench.roofline import measure_gemm_rate
@@ -385,6 +428,10 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
     block_q = (kernels.prefill_block_q if kernels.prefill_kernel
                and jax.default_backend() == "gpu" else None)
     results, timelines = [], {}
+    sampler = None
+    if sustain_s > 0 and jax.default_backend() == "gpu":
+        from nanojax.profiling.pair_record import PowerSampler
+        sampler = PowerSampler(gpu_index=0, ms=50, settle_s=0.0)
     bar = tqdm(total=len(b_dense_list) * len(workloads) * len(modes), desc="steps",
                disable=not progress)
     prepared = {}  # plain or shard_map -> the parameters placed for it
@@ -431,7 +478,7 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
             compile_s = time.perf_counter() - t0
             for w in workloads:
                 r, out = _measure(step, fwd, params, mode_batches[w], num_pages, page_size,
-                                  repeats, mode_kv_dtype)
+                                  repeats, mode_kv_dtype, sustain_s, sampler)
                 r = {"b_dense": b_dense, "workload": w, "mode": mode, "rows": rows, **r,
                      "compile_s": compile_s}
                 if pipe.fused_report:  # how each fused pair ran: one launch, or why not

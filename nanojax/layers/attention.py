@@ -46,6 +46,11 @@ class AttentionBackend(Attention, Protocol):
     def attend_at(self, share: float, num_sms: int = 132, ctas_per_sm: int = 4) -> Callable:
         """attend limited to a share of the GPU (where the kernel has a bounded grid)."""
 
+    def prepare(self, meta, kv_dtype):
+        """meta with what every layer's attend reads of it computed once per step, before
+        the layers (the swap-AB decode kernel's longest-first order); kv_dtype: the cache
+        pages' element type. A forward calls it on each batch (nano-batch) it attends."""
+
 
 def _softmax_attend(q, keys, values, mask, k_scale=None, v_scale=None):
     """q [T, H, D]; keys/values [T, L, KVH, D] (per-token key set); mask [T, L].
@@ -110,6 +115,9 @@ class PagedMetadata:
     # for the chunked-prefill kernel (None without it), see prefill_metadata
     prefill_blocks: jax.Array | None = None  # [NB, 3] int32 first token, tokens, row
     prefill_slot: jax.Array | None = None    # [T] int32 block * block_q + offset
+    # the rows in the order the decode kernel's workers take them (None: it orders them
+    # itself), set by the backend's prepare once per step
+    decode_order: jax.Array | None = None    # [T] int32
 
 
 def prefill_metadata(seq_ids: np.ndarray, positions: np.ndarray, num_decodes: int,
@@ -142,7 +150,8 @@ def slice_metadata(meta: PagedMetadata, a: int, b: int) -> PagedMetadata:
         seq_ids=meta.seq_ids[a:b],
         num_decodes=jnp.clip(meta.num_decodes - a, 0, b - a),
         prefill_blocks=blocks,
-        prefill_slot=None if meta.prefill_slot is None else meta.prefill_slot[a:b])
+        prefill_slot=None if meta.prefill_slot is None else meta.prefill_slot[a:b],
+        decode_order=None)  # the whole batch's: prepare the slice again
 
 
 def write_kv_pages(k_pages, v_pages, k, v, slot_mapping, k_scale=None, v_scale=None):
@@ -398,10 +407,37 @@ def decode_programs(kernel: str, share: float | None, num_sms: int, ctas_per_sm:
     return max(1, round(share * num_sms * per_sm))
 
 
+def decode_rows(meta: PagedMetadata):
+    """The decode kernel's context length per row and its live row count: with query
+    blocks the decodes (the other rows 0, the count num_decodes), without them every
+    token at its own position (count None: all)."""
+    if meta.prefill_blocks is None:
+        return meta.positions + 1, None
+    is_decode = jnp.arange(meta.positions.shape[0]) < meta.num_decodes
+    return jnp.where(is_decode, meta.positions + 1, 0), meta.num_decodes
+
+
+def longest_first_on(decode_longest_first: bool | None, kv_dtype) -> bool:
+    """KernelConfig.decode_longest_first, None resolved: on for FP8 pages."""
+    return is_fp8(kv_dtype) if decode_longest_first is None else decode_longest_first
+
+
+def prepare_pallas(meta: PagedMetadata, kv_dtype, decode_kernel: str = "auto",
+                   decode_longest_first: bool | None = None) -> PagedMetadata:
+    """The Pallas backend's prepare: the swap-AB kernel's longest-first order, sorted once
+    per step where it may run (every layer's stream region sorted its own copy: 32 sorts,
+    ~0.5 ms of the 8B step; bench/results §66)."""
+    if decode_kernel not in ("auto", "mosaic") or not longest_first_on(decode_longest_first,
+                                                                        kv_dtype):
+        return meta
+    from pallas_kernels.decode_attention_swapab import longest_first
+    return dataclasses.replace(meta, decode_order=longest_first(*decode_rows(meta)))
+
+
 def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, share: float | None = None,
                   num_sms: int = 132, ctas_per_sm: int = 4, block_q: int = 16,
                   decode_kernel: str = "auto", decode_prefetch: bool | None = None,
-                  decode_longest_first: bool = False, interpret: bool = False,
+                  decode_longest_first: bool | None = None, interpret: bool = False,
                   decode_fn: Callable | None = None):
     """GPU path: the Pallas paged kernels. share: the decode kernel's resource share.
     decode_fn: called in place of the chosen decode kernel, with its arguments (the
@@ -417,8 +453,8 @@ def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, share: float | Non
     decode = _decode_kernel(kernel)
     if kernel == "triton":
         decode = functools.partial(decode, prefetch=decode_prefetch)
-    if kernel == "mosaic" and decode_longest_first:
-        decode = functools.partial(decode, longest_first_order=True)
+    if kernel == "mosaic" and longest_first_on(decode_longest_first, k_pages.dtype):
+        decode = functools.partial(decode, longest_first_order=True, order=meta.decode_order)
     if ks is not None:  # FP8 pages (Triton or swap-AB, see choose_decode_kernel)
         decode = functools.partial(decode, k_scale=ks, v_scale=vs)
     if decode_fn is not None:
@@ -426,17 +462,18 @@ def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, share: float | Non
     num_programs = decode_programs(kernel, share, num_sms, ctas_per_sm)
     q = apply_rope(q, meta.positions, inv_freq)
     rows = meta.page_table[meta.seq_ids]
+    lens, num_rows = decode_rows(meta)
     if meta.prefill_blocks is None:
-        return decode(q, k_pages, v_pages, rows, meta.positions + 1,
-                      num_programs=num_programs, interpret=interpret)
+        return decode(q, k_pages, v_pages, rows, lens, num_programs=num_programs,
+                      interpret=interpret)
     from pallas_kernels.prefill_attention import prefill_attention_impl
     is_decode = jnp.arange(q.shape[0]) < meta.num_decodes
     if kernel == "mosaic" and decode_fn is None:  # the decodes come first: the swap-AB
         # kernel skips the other rows' (sequence, kv head) items (their outputs unwritten,
         # the where below drops them) instead of loading and storing them with no keys
-        decode = functools.partial(decode, num_rows=meta.num_decodes)
-    dec = decode(q, k_pages, v_pages, rows, jnp.where(is_decode, meta.positions + 1, 0),
-                 num_programs=num_programs, interpret=interpret)
+        decode = functools.partial(decode, num_rows=num_rows)
+    dec = decode(q, k_pages, v_pages, rows, lens, num_programs=num_programs,
+                 interpret=interpret)
     pre = prefill_attention_impl(q, k_pages, v_pages, meta.page_table, meta.positions,
                                  meta.prefill_blocks, meta.prefill_slot, block_q=block_q,
                                  k_scale=ks, v_scale=vs, interpret=interpret)
@@ -452,6 +489,7 @@ class PagedAttention:
     prefill_block_q: int | None = None
     append: Callable = append_kv
     takes_share: bool = False
+    prepare: Callable = lambda meta, kv_dtype: meta  # noqa: E731 (nothing to share)
     prefill_max_seqs: int = KernelConfig().prefill_max_seqs
     # attend's cost follows the batch's longest context, not the page table's width (it
     # loops over key blocks): the runner can then launch one width and compile less
@@ -484,5 +522,7 @@ def pallas_backend(kernels: KernelConfig = KernelConfig()) -> PagedAttention:
                                interpret=kernels.interpret)
     append = (functools.partial(append_kv_pallas, interpret=kernels.interpret)
               if kernels.fused_append else append_kv)
+    prepare = functools.partial(prepare_pallas, decode_kernel=kernels.decode_kernel,
+                                decode_longest_first=kernels.decode_longest_first)
     return PagedAttention(attend, block_q, append, takes_share=True,
-                          prefill_max_seqs=kernels.prefill_max_seqs)
+                          prefill_max_seqs=kernels.prefill_max_seqs, prepare=prepare)

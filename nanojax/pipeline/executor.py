@@ -181,6 +181,9 @@ class PipelineForward(UnrolledForward):
                if op["batch"] < len(ranges[op["op"]])]
         model = self.model
         x = model.apply(params, tokens, method=LlamaForCausalLM.embed_tokens)
+        # each attention nano-batch's metadata, sliced and prepared once for all layers
+        metas = [self.prepared(slice_metadata(meta, a, b), kv[0])
+                 for a, b in ranges["attention"]]
         new_kv = []
         chain = None  # the last main-stream nano-op's output: the next one waits for it
 
@@ -220,21 +223,23 @@ class PipelineForward(UnrolledForward):
                     pair["gemm"] if g == "attention" else ("attention", pair["attention"]))
                 if other in by_key:  # both sides in this batch (a short one may lack one)
                     paired.add(other)
-                    kv_layer = self._pair(op, by_key[other], pair, lp, x, meta, ranges, out,
-                                          kv_layer, placed)
+                    kv_layer = self._pair(op, by_key[other], pair, lp, x, metas, ranges,
+                                          out, kv_layer, placed)
                     continue
                 gid = self.groups.get((g, k))
                 # the scope names the nano-op in the HLO's metadata (bench/hlo_schedule.py)
                 with scheduling_group(None if gid is None else li * 1000 + gid), \
                         jax.named_scope(f"nanoop_{g}_b{k}"):
-                    kv_layer = self._nano_op(op, lp, x, meta, ranges, out, kv_layer, placed)
+                    kv_layer = self._nano_op(op, lp, x, metas, ranges, out, kv_layer,
+                                             placed)
             x = _gather(out[groups[-1]], ranges[groups[-1]], 0, t)
             new_kv.append(kv_layer)
         return model.apply(params, x[logit_idx], method=LlamaForCausalLM.logits), new_kv
 
-    def _nano_op(self, op, lp, x, meta, ranges, out, kv_layer, placed):
+    def _nano_op(self, op, lp, x, metas, ranges, out, kv_layer, placed):
         """Emits one nano-op; returns the layer's KV pages (changed by attention only).
-        A GEMM nano-op's share bounds its matmuls' grid where enabled (layers/matmul.py)."""
+        A GEMM nano-op's share bounds its matmuls' grid where enabled (layers/matmul.py).
+        metas: each attention nano-batch's metadata."""
         g, k = op["op"], op["batch"]
         share = float(op.get("share", 1.0))
         stream = op.get("stream", 0)
@@ -249,7 +254,7 @@ class PipelineForward(UnrolledForward):
             out[g][k] = placed(f, stream, lp, *args)
         elif g == "attention":
             q, kk, vv = _gather(out["qkv"], ranges["qkv"], a, b)
-            m = slice_metadata(meta, a, b)
+            m = metas[k]
             backend = self.side_attention if side else self.attention
             attend = backend.attend_at(share, self.num_sms, self.ctas_per_sm)
 
@@ -295,7 +300,7 @@ class PipelineForward(UnrolledForward):
         method = DecoderLayer.mlp_partial if "mlp_allreduce" in out else DecoderLayer.mlp
         return lambda lp, h: layer.apply(lp, h, method=method)
 
-    def _pair(self, first, second, pair, lp, x, meta, ranges, out, kv_layer, placed):
+    def _pair(self, first, second, pair, lp, x, metas, ranges, out, kv_layer, placed):
         """A fused pair (plan.py): one launch where it can run (fused.py), else its two
         nano-ops in plan order. Either way the reason lands in fused_report."""
         g, k = pair["gemm"]
@@ -308,9 +313,10 @@ class PipelineForward(UnrolledForward):
             self._report(name, pair, why)
             for op in (first, second):
                 with jax.named_scope(f"nanoop_{op['op']}_b{op['batch']}"):
-                    kv_layer = self._nano_op(op, lp, x, meta, ranges, out, kv_layer, placed)
+                    kv_layer = self._nano_op(op, lp, x, metas, ranges, out, kv_layer,
+                                             placed)
             return kv_layer
-        m = slice_metadata(meta, a, b)
+        m = metas[j]
         backend, inv_freq = self.attention, self.model.inv_freq
         status = {}
 
