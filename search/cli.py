@@ -190,6 +190,7 @@ def _overlap_decision(prof, best: dict, serial: float, pair: dict | None) -> dic
 
 def cmd_profile(args) -> int:
     from checkpoints.loader import load_model
+    from search.milp import SearchError
     from search.profiler import run_profile
     if args.tp > 1 and args.model.startswith("random:"):
         # only one shard's shape is profiled (random weights): never load the whole model
@@ -216,15 +217,28 @@ def cmd_profile(args) -> int:
     if any(g <= 0 for g in pair_shares):
         raise SystemExit(f"nanojax: --pair-shares must be positive integers (GEMM programs "
                          f"G of the fused pair), got {args.pair_shares}")
+    from nanojax.profiling.pair_record import GEMMS
+    bad = sorted(set(args.pair_gemms.split(",") if args.pair_gemms else ()) - set(GEMMS))
+    if bad:
+        raise SystemExit(f"nanojax: --pair-gemms: unknown {bad}; choose from {list(GEMMS)}")
     from nanojax.profiling.synthetic import workload_lengths
     workload_lengths(args.workload, 2048)  # a bad workload fails before the profile runs
-    prof = run_profile(bundle, args.b_dense, args.granularity, args.workload, shares,
-                       iters=args.iters, tp=args.tp, kernels=kernel_config_from_args(args),
-                       pair_shares=pair_shares, pair_power_seconds=args.pair_power_seconds)
-    prof["command"] = " ".join(["nanojax"] + sys.argv[1:])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(prof, indent=1))
-    print(f"nanojax: wrote {args.out}", file=sys.stderr)
+    command = " ".join(["nanojax"] + sys.argv[1:])
+
+    def write(prof):
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({**prof, "command": command}, indent=1))
+        print(f"nanojax: wrote {args.out}", file=sys.stderr)
+    pair_gemms = args.pair_gemms.split(",") if args.pair_gemms else None
+    try:
+        prof = run_profile(bundle, args.b_dense, args.granularity, args.workload, shares,
+                           iters=args.iters, tp=args.tp,
+                           kernels=kernel_config_from_args(args), pair_shares=pair_shares,
+                           pair_power_seconds=args.pair_power_seconds,
+                           pair_gemms=pair_gemms, checkpoint=write)
+    except SearchError as e:
+        raise SystemExit(f"nanojax: {e}") from None
+    write(prof)
     return 0
 
 
@@ -319,6 +333,10 @@ def register(sub) -> None:
                          "back to back at the model's nano-batch shapes, clock and power "
                          "sampled; stored as the profile's 'pair', which nanojax search "
                          "reads (skipped with the reason off Hopper)")
+    pr.add_argument("--pair-gemms", default="", metavar="NAME,...",
+                    help="with --pair-shares: the GEMM nano-ops to pair, of qkv, o, gate_up, "
+                         "down (default: all; each compiles its fused launch per G, minutes "
+                         "on the H200)")
     pr.add_argument("--pair-power-seconds", type=float, default=1.0,
                     help="with --pair-shares: seconds each case runs while nvidia-smi "
                          "samples clock and power (0: off)")

@@ -213,9 +213,10 @@ def shard_bundle(bundle, tp: int):
 
 
 def pair_spec(lay: LayerOps, b_dense: int, granularity: int, pair_shares,
-              power_seconds: float = 1.0):
+              power_seconds: float = 1.0, gemms=None):
     """The fused pair's shapes for this profile: a GEMM nano-batch of half the dense batch
-    (a multiple of the granularity), beside half its decodes at their mean context."""
+    (a multiple of the granularity), beside half its decodes at their mean context.
+    gemms: the GEMM nano-ops to pair (None: qkv, o, gate_up and down)."""
     import numpy as np
 
     from nanojax.profiling.fused_pair import model_spec
@@ -223,12 +224,18 @@ def pair_spec(lay: LayerOps, b_dense: int, granularity: int, pair_shares,
     d = lay.dense.num_decodes
     ctx = np.asarray(lay.dense.meta.positions)[:d] + 1 if d else np.array([lay.page_size])
     ctx = int(-(-float(ctx.mean()) // lay.page_size) * lay.page_size)
-    return model_spec(lay.cfg, tokens, max(1, d // 2), ctx, pair_shares,
+    spec = model_spec(lay.cfg, tokens, max(1, d // 2), ctx, pair_shares,
                       power_seconds=power_seconds)
+    if gemms:
+        unknown = sorted(set(gemms) - set(spec.gemms))
+        if unknown:
+            raise SearchError(f"pair GEMMs {unknown} unknown; choose from {list(spec.gemms)}")
+        spec.gemms = {g: spec.gemms[g] for g in gemms}
+    return spec
 
 
 def measure_pair_or_skip(lay, b_dense, granularity, pair_shares, power_seconds=1.0,
-                         log=None) -> dict:
+                         log=None, gemms=None) -> dict:
     """The profile's "pair": the fused pair's record, or {"measured": False, "reason"}."""
     import sys
 
@@ -238,7 +245,7 @@ def measure_pair_or_skip(lay, b_dense, granularity, pair_shares, power_seconds=1
     if why is not None:
         log(f"nanojax: fused pair not measured: {why}")
         return {"measured": False, "reason": why}
-    spec = pair_spec(lay, b_dense, granularity, pair_shares, power_seconds)
+    spec = pair_spec(lay, b_dense, granularity, pair_shares, power_seconds, gemms)
     try:
         return measure_pair(spec, "nanojax profile --pair-shares", log=log)
     except Exception as e:  # keep the minutes of op profile: the search then plans no overlap
@@ -251,9 +258,12 @@ def run_profile(bundle, b_dense: int, granularity: int, workload: str = "512/512
                 shares=(0.25, 0.5, 1.0), iters: int = 10, progress: bool = True,
                 num_pages: int = 16384, tp: int = 1,
                 kernels: KernelConfig = KernelConfig(), pair_shares=(),
-                pair_power_seconds: float = 1.0) -> dict:
+                pair_power_seconds: float = 1.0, pair_gemms=None, checkpoint=None) -> dict:
     """pair_shares: the GEMM programs G to measure the fused pair at (empty: not
-    measured, no "pair")."""
+    measured, no "pair"); pair_gemms: its GEMM nano-ops (None: all four). checkpoint(out)
+    is called with the op profile before the pair is measured (minutes with the Mosaic
+    GPU kernels: a run cut short there keeps the op profile, which the search reads as
+    "no pair measured")."""
     from tqdm.auto import tqdm
 
     from nanojax.pipeline.streams import streams_enabled
@@ -304,6 +314,9 @@ def run_profile(bundle, b_dense: int, granularity: int, workload: str = "512/512
            "interference": table, "environment": environment(),
            "kernels": dataclasses.asdict(kernels)}
     if pair_shares:
+        if checkpoint:
+            checkpoint({**out, "pair": {"measured": False,
+                                        "reason": "the run ended while the pair was measured"}})
         out["pair"] = measure_pair_or_skip(lay, b_dense, granularity, pair_shares,
-                                           pair_power_seconds)
+                                           pair_power_seconds, gemms=pair_gemms)
     return out

@@ -442,6 +442,8 @@ def test_throughput_bench_compares_modes_in_one_run(tmp_path):
      "--shares must be numbers"),
     (["profile", "--model", "random:tiny", "--pair-shares", "66,x", "--out", "p.json"],
      "--pair-shares must be positive integers"),
+    (["profile", "--model", "random:tiny", "--pair-shares", "66", "--pair-gemms", "gate,up",
+      "--out", "p.json"], "--pair-gemms: unknown ['gate', 'up']"),
 ])
 def test_bench_and_profile_refuse_bad_arguments_before_loading(argv, msg, capsys):
     from nanojax.cli import main

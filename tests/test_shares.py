@@ -104,8 +104,12 @@ def test_profiler_writes_a_profile_the_search_reads(tmp_path):
     from checkpoints.loader import load_model
     from search.milp import search
     from search.profiler import run_profile
+    kept = []  # the op profile is handed out before the pair runs (minutes on a GPU)
     prof = run_profile(load_model("random:tiny"), 32, 16, workload="24/16", shares=(0.5,),
-                       iters=2, progress=False, num_pages=256, pair_shares=(66,))
+                       iters=2, progress=False, num_pages=256, pair_shares=(66,),
+                       checkpoint=kept.append)
+    assert len(kept) == 1 and kept[0]["ops"] == prof["ops"]
+    assert kept[0]["pair"]["measured"] is False and "ended" in kept[0]["pair"]["reason"]
     assert prof["interference"]["measured"] is False
     assert prof["pair"] == {"measured": False, "reason": prof["pair"]["reason"]}
     assert "no Hopper GPU" in prof["pair"]["reason"]
@@ -141,6 +145,8 @@ def test_the_profiled_pair_takes_the_models_nano_batch_shapes():
     mean = float(np.mean(np.asarray(lay.dense.meta.positions)[:d] + 1))
     assert spec.ctx % lay.page_size == 0 and mean <= spec.ctx < mean + lay.page_size
     assert spec.heads == (cfg.num_heads, cfg.num_kv_heads) and spec.head_dim == cfg.head_dim
+    some = pair_spec(lay, 32, 16, [44], gemms=["gate_up", "qkv"])  # --pair-gemms
+    assert some.gemms == {"gate_up": (h, 2 * ffn), "qkv": spec.gemms["qkv"]}
 
 
 def test_a_failing_pair_leaves_the_profile_with_its_reason(monkeypatch):

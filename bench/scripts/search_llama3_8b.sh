@@ -6,6 +6,7 @@
 # the searched plan's first workload with a timeline), and check the plan's predicted layer
 # makespan against the measured one (CHECK=0: skip).
 # Usage: OUT=dir [LAYERS=8] [PLAN=searched.json: skip profile and search] [PAIR_SHARES=44,88]
+#        [PAIR_GEMMS=gate_up: the pair's GEMMs, default all four]
 #        [WORKLOADS=512/512] [MODES=non-overlap,overlap] [HANDWRITTEN=1] [LIMIT_STEP=120] [CHECK=1]
 #        bash bench/scripts/search_llama3_8b.sh
 # With the Mosaic GPU decode kernel (today's Hopper default) the profile compiles a kernel per
@@ -18,6 +19,7 @@ quiet() { grep -v "^[WI]1" | tail -n "$1"; }
 if [ -z "${PLAN:-}" ]; then
   timeout "${LIMIT_PROFILE:-380}" python3 -m nanojax profile --b-dense 2048 --granularity 256 \
     --shares 0.25,0.5,1.0 ${PAIR_SHARES:+--pair-shares "$PAIR_SHARES" --pair-power-seconds 0.5} \
+    ${PAIR_GEMMS:+--pair-gemms "$PAIR_GEMMS"} \
     --out "$OUT/profile_llama3-8b_1xh200.json" 2>&1 | tr '\r' '\n' | quiet 12
   echo "profile rc=${PIPESTATUS[0]} (124: timed out)"
   timeout 120 python3 -m nanojax search --profile "$OUT/profile_llama3-8b_1xh200.json" \
