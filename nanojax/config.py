@@ -318,13 +318,12 @@ class KernelConfig:
     decode_prefetch: bool | None = dataclasses.field(default=None, metadata=_opt(
         "Triton decode kernel: load the next block before computing this one (default: "
         "on for grids of two programs per SM or fewer)"))
-    decode_longest_first: bool | None = dataclasses.field(default=None, metadata=_opt(
+    decode_longest_first: bool = dataclasses.field(default=True, metadata=_opt(
         "Mosaic GPU swap-AB decode kernel: its workers take the sequences longest first, "
         "dealt in a snake, instead of round-robin in row order, so varied context lengths "
-        "(the traces) leave no worker a tail of long ones (default: on for FP8 pages, whose "
-        "kernel is bound per worker: the 8B step at B_dense 2048 ran 1.039x on sharegpt, "
-        "1.006x on lmsys, its decode kernel 1.37x faster there; off for bf16 pages, already "
-        "at copy speed: 0.977-1.015x; bench/results §66)"))
+        "(the traces) leave no worker a tail of long ones. The 8B step at B_dense 2048, "
+        "back to back at the card's power cap: FP8 pages 1.014-1.034x (decode kernel 1.29x "
+        "faster on lmsys), bf16 1.003-1.028x (kernel 1.07x); bench/results §66"))
     prefill_kernel: bool = dataclasses.field(default=True, metadata=_opt(
         "GPU: prefill tokens through the chunked-prefill kernel (query blocks of a chunk "
         "share one pass over the pages) instead of as rows of the decode kernel, each "

@@ -164,7 +164,7 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
     outputs are left unspecified (the engine's decode call, whose prefill rows the
     chunked-prefill kernel serves: half of the 8B step's rows at 512/512). None: all B.
     longest_first_order: the workers take the sequences longest first (longest_first), not
-    in row order. order: that order already computed (int32 [B], longest_first of these
+    in row order (the engine's default, KernelConfig.decode_longest_first). order: that order already computed (int32 [B], longest_first of these
     context_lens and num_rows): a step's layers share one sort instead of one each (XLA
     does not merge them across the executor's stream regions: 32 sorts, ~0.5 ms of the
     8B step); None: sorted here.

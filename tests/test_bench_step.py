@@ -246,8 +246,11 @@ def test_step_modes_parse_into_their_options():
     assert parse_mode("non-overlap::longestfirst")["decode_longest_first"] is True
     from nanojax.bench.step import _variant
     from nanojax.config import KernelConfig
-    _, _, options = _variant({"nano_ops": []}, "non-overlap::longestfirst", KernelConfig())
+    _, _, options = _variant({"nano_ops": []}, "non-overlap::longestfirst",
+                             KernelConfig(decode_longest_first=False))
     assert options["kernels"].decode_longest_first
+    _, _, options = _variant({"nano_ops": []}, "non-overlap::nolongestfirst", KernelConfig())
+    assert not options["kernels"].decode_longest_first  # the default is on
     assert parse_mode("non-overlap::fusedappend")["fused_append"] is True
     assert parse_mode("non-overlap::nofusedappend")["fused_append"] is False
     assert parse_mode("non-overlap::cmdbuf")["command_buffers"] is True

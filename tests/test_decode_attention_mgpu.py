@@ -99,13 +99,9 @@ def test_the_attention_backend_can_route_decode_rows_to_it(kernel, block_q, long
         KernelConfig(decode_kernel="cuda")
 
 
-def test_longest_first_defaults_to_fp8_pages_and_prepare_sorts_only_where_it_runs():
+def test_prepare_sorts_the_decode_rows_once_where_the_swapab_kernel_may_run():
     from nanojax.config import KernelConfig
-    from nanojax.layers.attention import PagedMetadata, longest_first_on, pallas_backend
-    assert longest_first_on(None, jnp.float8_e4m3fn) and not longest_first_on(
-        None, jnp.bfloat16)
-    assert not longest_first_on(False, jnp.float8_e4m3fn) and longest_first_on(True,
-                                                                                jnp.bfloat16)
+    from nanojax.layers.attention import PagedMetadata, pallas_backend
     i = jnp.arange(4, dtype=jnp.int32)
     meta = PagedMetadata(positions=jnp.array([3, 9, 0, 5], jnp.int32), slot_mapping=i,
                          seq_ids=i, page_table=i[:, None], context_lens=i,
@@ -113,7 +109,8 @@ def test_longest_first_defaults_to_fp8_pages_and_prepare_sorts_only_where_it_run
     fp8 = jnp.float8_e4m3fn
     order = pallas_backend(KernelConfig()).prepare(meta, fp8).decode_order
     np.testing.assert_array_equal(order, [1, 3, 0, 2])  # by position + 1, longest first
-    assert pallas_backend(KernelConfig()).prepare(meta, jnp.bfloat16).decode_order is None
+    np.testing.assert_array_equal(
+        pallas_backend(KernelConfig()).prepare(meta, jnp.bfloat16).decode_order, order)
     assert pallas_backend(KernelConfig(decode_kernel="triton")).prepare(
         meta, fp8).decode_order is None  # Triton's grid takes the rows as they come
     assert pallas_backend(KernelConfig(decode_longest_first=False)).prepare(

@@ -417,18 +417,14 @@ def decode_rows(meta: PagedMetadata):
     return jnp.where(is_decode, meta.positions + 1, 0), meta.num_decodes
 
 
-def longest_first_on(decode_longest_first: bool | None, kv_dtype) -> bool:
-    """KernelConfig.decode_longest_first, None resolved: on for FP8 pages."""
-    return is_fp8(kv_dtype) if decode_longest_first is None else decode_longest_first
-
-
 def prepare_pallas(meta: PagedMetadata, kv_dtype, decode_kernel: str = "auto",
-                   decode_longest_first: bool | None = None) -> PagedMetadata:
+                   decode_longest_first: bool = True) -> PagedMetadata:
     """The Pallas backend's prepare: the swap-AB kernel's longest-first order, sorted once
-    per step where it may run (every layer's stream region sorted its own copy: 32 sorts,
-    ~0.5 ms of the 8B step; bench/results §66)."""
-    if decode_kernel not in ("auto", "mosaic") or not longest_first_on(decode_longest_first,
-                                                                        kv_dtype):
+    per step where that kernel may run (under "auto" also where it then does not: one
+    unused sort of ~10 us). Sorted in each layer's stream region instead, it was 32 sorts,
+    ~0.5 ms of the 8B step (bench/results §66). kv_dtype: unused here (the order serves
+    either page type)."""
+    if decode_kernel not in ("auto", "mosaic") or not decode_longest_first:
         return meta
     from pallas_kernels.decode_attention_swapab import longest_first
     return dataclasses.replace(meta, decode_order=longest_first(*decode_rows(meta)))
@@ -437,7 +433,7 @@ def prepare_pallas(meta: PagedMetadata, kv_dtype, decode_kernel: str = "auto",
 def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, share: float | None = None,
                   num_sms: int = 132, ctas_per_sm: int = 4, block_q: int = 16,
                   decode_kernel: str = "auto", decode_prefetch: bool | None = None,
-                  decode_longest_first: bool | None = None, interpret: bool = False,
+                  decode_longest_first: bool = True, interpret: bool = False,
                   decode_fn: Callable | None = None):
     """GPU path: the Pallas paged kernels. share: the decode kernel's resource share.
     decode_fn: called in place of the chosen decode kernel, with its arguments (the
@@ -453,7 +449,7 @@ def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, share: float | Non
     decode = _decode_kernel(kernel)
     if kernel == "triton":
         decode = functools.partial(decode, prefetch=decode_prefetch)
-    if kernel == "mosaic" and longest_first_on(decode_longest_first, k_pages.dtype):
+    if kernel == "mosaic" and decode_longest_first:
         decode = functools.partial(decode, longest_first_order=True, order=meta.decode_order)
     if ks is not None:  # FP8 pages (Triton or swap-AB, see choose_decode_kernel)
         decode = functools.partial(decode, k_scale=ks, v_scale=vs)
