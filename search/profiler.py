@@ -235,8 +235,9 @@ def pair_spec(lay: LayerOps, b_dense: int, granularity: int, pair_shares,
 
 
 def measure_pair_or_skip(lay, b_dense, granularity, pair_shares, power_seconds=1.0,
-                         log=None, gemms=None) -> dict:
-    """The profile's "pair": the fused pair's record, or {"measured": False, "reason"}."""
+                         log=None, gemms=None, saved=None) -> dict:
+    """The profile's "pair": the fused pair's record, or {"measured": False, "reason"}.
+    saved: handed the record so far after each GEMM (measure_pair)."""
     import sys
 
     from nanojax.profiling.fused_pair import measure_pair, unavailable
@@ -247,7 +248,7 @@ def measure_pair_or_skip(lay, b_dense, granularity, pair_shares, power_seconds=1
         return {"measured": False, "reason": why}
     spec = pair_spec(lay, b_dense, granularity, pair_shares, power_seconds, gemms)
     try:
-        return measure_pair(spec, "nanojax profile --pair-shares", log=log)
+        return measure_pair(spec, "nanojax profile --pair-shares", log=log, saved=saved)
     except Exception as e:  # keep the minutes of op profile: the search then plans no overlap
         why = f"the pair failed: {type(e).__name__}: {str(e)[:500]}"
         log(f"nanojax: fused pair not measured: {why}")
@@ -317,6 +318,7 @@ def run_profile(bundle, b_dense: int, granularity: int, workload: str = "512/512
         if checkpoint:
             checkpoint({**out, "pair": {"measured": False,
                                         "reason": "the run ended while the pair was measured"}})
-        out["pair"] = measure_pair_or_skip(lay, b_dense, granularity, pair_shares,
-                                           pair_power_seconds, gemms=pair_gemms)
+        out["pair"] = measure_pair_or_skip(
+            lay, b_dense, granularity, pair_shares, pair_power_seconds, gemms=pair_gemms,
+            saved=checkpoint and (lambda rec: checkpoint({**out, "pair": rec})))
     return out

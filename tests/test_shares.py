@@ -157,7 +157,9 @@ def test_a_failing_pair_leaves_the_profile_with_its_reason(monkeypatch):
     from search.profiler import LayerOps, measure_pair_or_skip
     lay = LayerOps(load_model("random:tiny"), 32, 16, "24/16", num_pages=256)
 
-    def broken(spec, command, log=None):
+    def broken(spec, command, log=None, saved=None):
+        if saved:  # what a pair that stalls after its first GEMM leaves
+            saved({"gemms": {"gate_up": {"shares": [{"G": 66}]}}, "partial": True})
         raise RuntimeError("Mosaic GPU lowering failed")
     monkeypatch.setattr(fused_pair, "unavailable", lambda: None)
     monkeypatch.setattr(fused_pair, "measure_pair", broken)
@@ -166,3 +168,8 @@ def test_a_failing_pair_leaves_the_profile_with_its_reason(monkeypatch):
     assert out == {"measured": False,
                    "reason": "the pair failed: RuntimeError: Mosaic GPU lowering failed"}
     assert logged and "the pair failed" in logged[0]
+    # handed out as it goes: run_profile writes it into the profile on disk
+    kept = []
+    measure_pair_or_skip(lay, 32, 16, [66], power_seconds=0, log=logged.append,
+                         saved=kept.append)
+    assert kept == [{"gemms": {"gate_up": {"shares": [{"G": 66}]}}, "partial": True}]

@@ -94,9 +94,11 @@ def sustained(fn, args, seconds: float, sampler: PowerSampler | None):
 
 
 def measure_pair(spec: PairSpec, command: str, out: str | None = None,
-                 log=lambda s: print(s, flush=True)) -> dict:
-    """The pair record at spec's shapes; written to `out` after each GEMM when given (a
-    run cut short keeps its rows)."""
+                 log=lambda s: print(s, flush=True), saved=None) -> dict:
+    """The pair record at spec's shapes. After each GEMM's timed cases, and again after
+    its correctness check, the record so far ("partial": true) is written to `out` and
+    handed to saved(record), when given: a run cut short keeps its rows (on the H200 one
+    profile sat in a check until its limit, results §66)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -139,6 +141,14 @@ def measure_pair(spec: PairSpec, command: str, out: str | None = None,
     result = header("nanojax fused launch", command, str(dev), n_prog, spec, page_size=ps,
                     attention_workers_fused=fused.WARPGROUPS,
                     kv_layout=f"pages of {ps} keys, page table a random permutation")
+    def save(partial=True):
+        result["partial"] = partial
+        if out is not None:
+            with open(out, "w") as f:
+                json.dump(result, f, indent=1)
+        if saved is not None:
+            saved(dict(result))
+
     result["attention_full"] = measure("attention_full", lambda *x: (
         swapab.decode_attention_swapab(*x, num_programs=n_prog)), att)
     att_alone = {}  # the attention alone on N - G programs is the same beside every GEMM
@@ -171,10 +181,10 @@ def measure_pair(spec: PairSpec, command: str, out: str | None = None,
             except Exception as e:  # noqa: BLE001  (recorded in the JSON)
                 log(f"{name} G={g}: {e!r}"[:300])
                 add_share(entry, error_row(g, e))
+        save()
         # checked once per GEMM at its best share, so a wrong kernel cannot pass as a fast one
         entry["fused_rel_error"] = ({"error": "no share ran"} if entry["best_G"] is None
                                     else rel_error(a, b, entry["best_G"]))
-        if out is not None:
-            with open(out, "w") as f:
-                json.dump(result, f, indent=1)
+        save()
+    save(partial=False)
     return result
