@@ -297,6 +297,9 @@ def _measure(step, fwd, params, batch: SyntheticBatch, num_pages: int, page_size
     if sustain_s > 0:
         kv, sustained = sustain_step(step, params, kv, batch, sustain_s, sampler)
         sustained["tokens_per_s"] = len(batch.tokens) / sustained["step_s"]
+        if (sustained["power"] or {}).get("samples"):  # what a power-capped step spends
+            sustained["joules_per_token"] = (sustained["power"]["power_w_mean"]
+                                             / sustained["tokens_per_s"])
     del kv
     return {"step_s": secs, "tokens_per_s": len(batch.tokens) / secs,
             **({"sustained": sustained} if sustained else {}),
