@@ -515,3 +515,30 @@ def test_merge_throughput_takes_ratios_from_rows_of_one_process(tmp_path):
     assert [(r["ours"], r["peer_from"], r["ratio"]) for r in res["ours_over_peer_across_calls"]
             ] == [("c/engine_warm.json", "c/engine_peer.json", 10.0)]
     assert (tmp_path / "m.png").stat().st_size > 10_000
+
+
+def test_held_step_plot_draws_the_held_results_and_refuses_a_file_without_them(tmp_path):
+    """bench/scripts/plot_held_step.py: one bar per held (workload, mode), labelled with
+    its power and clock; a step file without --sustain-seconds is named as such."""
+    import importlib.util
+    import json
+    spec = importlib.util.spec_from_file_location("plot_held_step",
+                                                  "bench/scripts/plot_held_step.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    held = {"step_s": 0.06, "fraction_of_optimal": 0.74,
+            "power": {"samples": 40, "power_w_mean": 691.0, "sm_clock_mhz_mean": 1565.0}}
+    rec = {"model": "m", "num_layers": 2, "results": [
+        {"b_dense": 64, "workload": w, "mode": m, "sustained": held}
+        for w in ("a", "b") for m in ("x", "y")] + [
+        {"b_dense": 64, "workload": "c", "mode": "x"}]}  # not held: left out
+    rows = mod.held_rows(rec)
+    assert [(r["workload"], r["mode"]) for r in rows] == [("a", "x"), ("a", "y"), ("b", "x"),
+                                                          ("b", "y")]
+    assert rows[0]["ms"] == pytest.approx(60.0) and rows[0]["watts"] == 691.0
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(rec))
+    assert mod.main([str(path), "--out", str(tmp_path / "h.png")]) == 0
+    assert (tmp_path / "h.png").stat().st_size > 1000
+    path.write_text(json.dumps({"results": [rec["results"][-1]]}))
+    assert mod.main([str(path), "--out", str(tmp_path / "n.png")]) == 2
