@@ -164,10 +164,11 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
     outputs are left unspecified (the engine's decode call, whose prefill rows the
     chunked-prefill kernel serves: half of the 8B step's rows at 512/512). None: all B.
     longest_first_order: the workers take the sequences longest first (longest_first), not
-    in row order (the engine's default, KernelConfig.decode_longest_first). order: that order already computed (int32 [B], longest_first of these
-    context_lens and num_rows): a step's layers share one sort instead of one each (XLA
-    does not merge them across the executor's stream regions: 32 sorts, ~0.5 ms of the
-    8B step); None: sorted here.
+    in row order (the engine's default, KernelConfig.decode_longest_first). order: that
+    order already computed (int32 [B], longest_first of these context_lens and num_rows;
+    given, it is used whatever longest_first_order says): a step's layers share one sort
+    instead of one each (XLA does not merge them across the executor's stream regions:
+    32 sorts, ~0.5 ms of the 8B step); None: sorted here where longest_first_order.
 
     float8_e4m3fn pages take per-kv-head float32 scales k_scale, v_scale [KVH] (real
     key = page value x k_scale[h]): each block is widened to f16 (exact), keys into
@@ -181,9 +182,9 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
                        num_programs=num_programs, block_k=block_k, stages=stages,
                        warpgroups=warpgroups, splits=splits, columns=columns,
                        k_scale=k_scale, v_scale=v_scale, num_rows=num_rows,
-                       order=(order if order is not None else
-                              longest_first(context_lens, num_rows))
-                       if longest_first_order else None, interpret=interpret)
+                       order=order if order is not None else (
+                           longest_first(context_lens, num_rows) if longest_first_order
+                           else None), interpret=interpret)
     wgs = call.warpgroups
     threads = dict(num_threads=wgs, thread_name="wg") if wgs > 1 else {}
     out = plgpu.kernel(

@@ -175,6 +175,9 @@ def _overlap_decision(prof, best: dict, serial: float, pair: dict | None) -> dic
         from search.pair import best_gain
         gain = best_gain(pair)
         out["pair_best_gain_over_back_to_back"] = gain
+        if gain is None:
+            out["pair_unread"] = ("no GEMM of the pair file passed its correctness check "
+                                  "(search/pair.py, checked_gemms): its times were not read")
         if gain is not None and gain < 1:
             out.update(chosen=False, reason=(
                 f"the measured GEMM + attention pair is at best {gain:.3f}x back to back "

@@ -89,7 +89,9 @@ class LayerOps:
                     jax.random.normal(key, (n, c.hidden_size), self.dtype))
         d = min(n, self.dense.num_decodes)
         self.mix[n] = (d, n - d)
-        meta = slice_metadata(jax.device_put(self.dense.meta), 0, n)
+        # prepared as the executor prepares a nano-batch's (the decode order, once a step)
+        meta = self.attention.prepare(slice_metadata(jax.device_put(self.dense.meta), 0, n),
+                                      self.dtype)
         shape = (self.num_pages, c.num_kv_heads, self.page_size, c.head_dim)
         kv = (jax.random.normal(key, shape, self.dtype), jax.random.normal(key, shape, self.dtype))
         q = jax.random.normal(key, (n, c.num_heads, c.head_dim), self.dtype)

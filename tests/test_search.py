@@ -300,3 +300,19 @@ def test_the_search_plans_no_overlap_where_the_measured_pair_loses(tmp_path, gai
         (tmp_path / "bad.json").write_text("{}")
         main(["search", "--profile", str(tmp_path / "profile.json"), "--pair",
               str(tmp_path / "bad.json"), "--out", str(tmp_path / "x.json")])
+
+
+def test_a_fused_pair_is_read_only_where_its_launch_passed_the_check():
+    """nanojax's own pair records: a GEMM whose launch was not checked (a run cut short)
+    or failed the check is not read; a reference file (PyTorch's) has no check."""
+    from search.pair import best_gain, checked_gemms, pair_rows
+    rec = _pair_record(gain=1.25)
+    assert set(checked_gemms(rec)) == {"mlp"}  # no impl: a reference file
+    rec["impl"] = "nanojax fused launch"
+    rec["partial"] = True
+    assert checked_gemms(rec) == {} and pair_rows(rec) == [] and best_gain(rec) is None
+    rec["gemms"]["mlp"]["fused_rel_error"] = {"G": 66, "gemm": 3e-3,
+                                              "attention_vs_swapab": 0.5}  # wrong attention
+    assert checked_gemms(rec) == {}
+    rec["gemms"]["mlp"]["fused_rel_error"]["attention_vs_swapab"] = 2e-3
+    assert set(checked_gemms(rec)) == {"mlp"} and best_gain(rec) == pytest.approx(1.25)

@@ -110,7 +110,8 @@ def time_step(step, params, kv, batch: SyntheticBatch, repeats: int = 10):
 
 def sustain_step(step, params, kv, batch: SyntheticBatch, seconds: float, sampler=None,
                  settle_s: float = 0.5):
-    """The step back to back (inputs on the device, a wait every 5 steps) for settle_s,
+    """The step back to back (inputs on the device, issued 5 at a time with the previous 5
+    still queued, so the device never waits for the host) for settle_s,
     then for `seconds` more while `sampler` (profiling/pair_record.PowerSampler) records
     the SM clock, board power and throttle reasons: (kv, {"step_s", "steps", "seconds",
     "power": the sampler's summary or None}). On the H200 the step's GEMMs and its decode
@@ -120,12 +121,14 @@ def sustain_step(step, params, kv, batch: SyntheticBatch, seconds: float, sample
 
     def run(until):
         nonlocal kv
-        n = 0
+        n, queued = 0, None
         while time.perf_counter() < until:
             for _ in range(5):
                 kv, out = step(params, kv, *on_device)
-            jax.block_until_ready(out)
-            n += 5
+            if queued is not None:
+                jax.block_until_ready(queued)
+            queued, n = out, n + 5
+        jax.block_until_ready(queued)
         return n
 
     run(time.perf_counter() + settle_s)
@@ -484,6 +487,8 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
                                   repeats, mode_kv_dtype, sustain_s, sampler)
                 r = {"b_dense": b_dense, "workload": w, "mode": mode, "rows": rows, **r,
                      "compile_s": compile_s}
+                if tp > 1 and "sustained" in r:  # the sampler reads GPU 0 alone
+                    r["sustained"].pop("joules_per_token", None)
                 if pipe.fused_report:  # how each fused pair ran: one launch, or why not
                     r["fused_pairs"] = dict(pipe.fused_report)
                 if roof:
