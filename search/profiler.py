@@ -13,8 +13,8 @@
    own side stream in one XLA scheduling group so that they run together (as the
    executor runs them, attention with the executor's side-stream kernel: Triton's where
    the main stream's is Mosaic GPU, whose custom calls inside async computations compiled
-   for minutes, see nanojax/pipeline/executor.py); from the trace, each kernel's time together over its time alone
-   is its normalized performance P (NanoFlow's Table 3).
+   for minutes, see nanojax/pipeline/executor.py); from the trace, each kernel's time
+   together over its time alone is its normalized performance P (NanoFlow's Table 3).
 
 3. The fused pair (`pair_shares`, issue 18): one launch of a GEMM nano-op on G programs
    beside decode attention on the rest, timed against each side alone and back to back
@@ -90,8 +90,7 @@ class LayerOps:
         d = min(n, self.dense.num_decodes)
         self.mix[n] = (d, n - d)
         # prepared as the executor prepares a nano-batch's (the decode order, once a step)
-        meta = self.attention.prepare(slice_metadata(jax.device_put(self.dense.meta), 0, n),
-                                      self.dtype)
+        meta = self.attention.prepare(slice_metadata(jax.device_put(self.dense.meta), 0, n))
         shape = (self.num_pages, c.num_kv_heads, self.page_size, c.head_dim)
         kv = (jax.random.normal(key, shape, self.dtype), jax.random.normal(key, shape, self.dtype))
         q = jax.random.normal(key, (n, c.num_heads, c.head_dim), self.dtype)

@@ -439,6 +439,8 @@ def test_throughput_bench_compares_modes_in_one_run(tmp_path):
       "--modes", "overlap:0.5:gemm1.5"], "':gemmSHARE'"),
     (["bench", "step", "--model", "random:tiny", "--plan", "llama3-8b-1gpu",  # each option
       "--modes", "non-overlap::longestfirst:longestfirst"], "':[no]longestfirst'"),  # once
+    *((["bench", "step", "--model", "random:tiny", "--plan", "llama3-8b-1gpu",
+        "--sustain-seconds", x], "--sustain-seconds must be in") for x in ("nan", "inf", "-1")),
     (["profile", "--model", "random:tiny", "--granularity", "0", "--out", "p.json"],
      "positive multiple of --granularity"),
     (["profile", "--model", "random:tiny", "--shares", "a", "--out", "p.json"],

@@ -88,7 +88,7 @@ def test_the_attention_backend_can_route_decode_rows_to_it(kernel, block_q, long
                                           decode_longest_first=longest))
     assert (meta.prefill_blocks is not None) == bool(block_q)
     # the order a forward sorts once per step for every layer (None: the kernel sorts)
-    meta = backend.prepare(meta, kv[0].dtype)
+    meta = backend.prepare(meta)
     assert (meta.decode_order is not None) == longest
     out = backend.attend(q, kv, meta, inv)
     ref = attend_reference(q.astype(jnp.float32), tuple(x.astype(jnp.float32) for x in kv),
@@ -106,15 +106,12 @@ def test_prepare_sorts_the_decode_rows_once_where_the_swapab_kernel_may_run():
     meta = PagedMetadata(positions=jnp.array([3, 9, 0, 5], jnp.int32), slot_mapping=i,
                          seq_ids=i, page_table=i[:, None], context_lens=i,
                          num_decodes=jnp.int32(4))
-    fp8 = jnp.float8_e4m3fn
-    order = pallas_backend(KernelConfig()).prepare(meta, fp8).decode_order
+    order = pallas_backend(KernelConfig()).prepare(meta).decode_order
     np.testing.assert_array_equal(order, [1, 3, 0, 2])  # by position + 1, longest first
-    np.testing.assert_array_equal(
-        pallas_backend(KernelConfig()).prepare(meta, jnp.bfloat16).decode_order, order)
     assert pallas_backend(KernelConfig(decode_kernel="triton")).prepare(
-        meta, fp8).decode_order is None  # Triton's grid takes the rows as they come
+        meta).decode_order is None  # Triton's grid takes the rows as they come
     assert pallas_backend(KernelConfig(decode_longest_first=False)).prepare(
-        meta, fp8).decode_order is None
+        meta).decode_order is None
 
 
 def test_a_share_is_whole_sms_for_mosaic_and_auto_picks_by_device_and_operands():

@@ -225,6 +225,8 @@ def cmd_step(args) -> int:
                            f"any of {mode_options()}") from None
     if any(b <= 0 for b in b_dense):
         raise NanojaxError(f"B_dense must be positive, got {args.b_dense}")
+    if not 0 <= args.sustain_seconds < 3600:  # NaN and inf too: a held run must end
+        raise NanojaxError(f"--sustain-seconds must be in [0, 3600), got {args.sustain_seconds}")
     if args.max_num_seqs is not None and args.max_num_seqs <= 0:
         raise NanojaxError(f"--max-num-seqs must be positive, got {args.max_num_seqs}")
     plan = load_plan(args.plan)
@@ -250,7 +252,8 @@ def cmd_step(args) -> int:
                          progress=not args.quiet, f32_reference=args.f32_reference,
                          kernels=kernels, tp=args.tensor_parallel_size,
                          kv_cache_dtype=kv_cache_dtype, max_num_seqs=args.max_num_seqs,
-                         sustain_s=args.sustain_seconds, checkpoint=lambda part: write_json(args.json, {**record, **part}))
+                         sustain_s=args.sustain_seconds,
+                         checkpoint=lambda part: write_json(args.json, {**record, **part}))
     payload = {**record, "num_layers": bundle.config.num_layers, **out}
     if args.dump_hlo:
         payload["schedule"] = _schedules(args.dump_hlo)

@@ -90,13 +90,9 @@ class UnrolledForward:
     def init_kv(self, num_pages: int, page_size: int, dtype=None):
         return init_kv_pages(self.cfg, num_pages, page_size, dtype=dtype)
 
-    def prepared(self, meta, kv_layer):
-        """meta as every layer's attention reads it: AttentionBackend.prepare, once a step
-        (kv_layer: any layer's cache, or the stacked one; its page type is read)."""
-        return self.attention.prepare(meta, kv_parts(kv_layer)[0].dtype)
-
     def __call__(self, params, tokens, kv, meta, logit_idx):
-        return self.model.apply(params, tokens, kv, self.prepared(meta, kv[0]),
+        # AttentionBackend.prepare: what every layer's attention reads, once a step
+        return self.model.apply(params, tokens, kv, self.attention.prepare(meta),
                                 self.attention, logit_indices=logit_idx)
 
 
@@ -123,7 +119,7 @@ class ScanForward(UnrolledForward):
         # its attention a gather at shifted page ids. Scanned as xs/ys instead, every step
         # copied the whole cache (755 MB for the CPU default: ~0.5 s a token).
         k_all, v_all, k_scale, v_scale = kv_parts(kv)
-        meta = self.prepared(meta, kv)
+        meta = self.attention.prepare(meta)
         n_layers, n_pages = k_all.shape[:2]
         flat = (k_all.reshape(-1, *k_all.shape[2:]), v_all.reshape(-1, *v_all.shape[2:]))
         page_size = k_all.shape[3]

@@ -46,10 +46,10 @@ class AttentionBackend(Attention, Protocol):
     def attend_at(self, share: float, num_sms: int = 132, ctas_per_sm: int = 4) -> Callable:
         """attend limited to a share of the GPU (where the kernel has a bounded grid)."""
 
-    def prepare(self, meta, kv_dtype):
+    def prepare(self, meta):
         """meta with what every layer's attend reads of it computed once per step, before
-        the layers (the swap-AB decode kernel's longest-first order); kv_dtype: the cache
-        pages' element type. A forward calls it on each batch (nano-batch) it attends."""
+        the layers (the swap-AB decode kernel's longest-first order). A forward calls it on
+        each batch (nano-batch) it attends."""
 
 
 def _softmax_attend(q, keys, values, mask, k_scale=None, v_scale=None):
@@ -417,13 +417,12 @@ def decode_rows(meta: PagedMetadata):
     return jnp.where(is_decode, meta.positions + 1, 0), meta.num_decodes
 
 
-def prepare_pallas(meta: PagedMetadata, kv_dtype, decode_kernel: str = "auto",
+def prepare_pallas(meta: PagedMetadata, decode_kernel: str = "auto",
                    decode_longest_first: bool = True) -> PagedMetadata:
     """The Pallas backend's prepare: the swap-AB kernel's longest-first order, sorted once
     per step where that kernel may run (under "auto" also where it then does not: one
     unused sort of ~10 us). Sorted in each layer's stream region instead, it was 32 sorts,
-    ~0.5 ms of the 8B step (bench/results §66). kv_dtype: unused here (the order serves
-    either page type)."""
+    ~0.5 ms of the 8B step (bench/results §66). The order serves either page type."""
     if decode_kernel not in ("auto", "mosaic") or not decode_longest_first:
         return meta
     from pallas_kernels.decode_attention_swapab import longest_first
@@ -485,7 +484,7 @@ class PagedAttention:
     prefill_block_q: int | None = None
     append: Callable = append_kv
     takes_share: bool = False
-    prepare: Callable = lambda meta, kv_dtype: meta  # noqa: E731 (nothing to share)
+    prepare: Callable = lambda meta: meta  # noqa: E731 (nothing to share)
     prefill_max_seqs: int = KernelConfig().prefill_max_seqs
     # attend's cost follows the batch's longest context, not the page table's width (it
     # loops over key blocks): the runner can then launch one width and compile less

@@ -182,7 +182,7 @@ class PipelineForward(UnrolledForward):
         model = self.model
         x = model.apply(params, tokens, method=LlamaForCausalLM.embed_tokens)
         # each attention nano-batch's metadata, sliced and prepared once for all layers
-        metas = [self.prepared(slice_metadata(meta, a, b), kv[0])
+        metas = [self.attention.prepare(slice_metadata(meta, a, b))
                  for a, b in ranges["attention"]]
         new_kv = []
         chain = None  # the last main-stream nano-op's output: the next one waits for it
