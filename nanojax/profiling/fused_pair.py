@@ -111,6 +111,10 @@ def measure_pair(spec: PairSpec, command: str, out: str | None = None,
     (qh, kvh), d, ps = spec.heads, spec.head_dim, spec.page_size
     sampler = (PowerSampler(spec.gpu_index, spec.sample_ms) if spec.power_seconds > 0
                else None)
+    start, say = time.perf_counter(), log
+
+    def log(line):  # stamped here: a pipe's buffering once lost the times (results §66)
+        say(f"{time.perf_counter() - start:6.1f} s {line}")
 
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
     n_pages = spec.batch * -(-spec.ctx // ps)
@@ -185,6 +189,7 @@ def measure_pair(spec: PairSpec, command: str, out: str | None = None,
         # checked once per GEMM at its best share, so a wrong kernel cannot pass as a fast one
         entry["fused_rel_error"] = ({"error": "no share ran"} if entry["best_G"] is None
                                     else rel_error(a, b, entry["best_G"]))
+        log(f"{name} check {entry['fused_rel_error']}")
         save()
     save(partial=False)
     return result
