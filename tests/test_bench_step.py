@@ -287,6 +287,18 @@ def test_timeline_summary_measures_overlap():
     assert s["attention_overlapped_by_gemm"] == pytest.approx(0.7)
     assert s["busy_fraction"]["gemm"] == pytest.approx(120 / 150)
     assert s["kernel_us"]["attention"] == 100
+    assert s["attention_in_fused_pair"] == 0.0
+
+
+def test_timeline_summary_counts_fused_pairs():
+    """The overlap mode's fused launch runs attention beside a GEMM in one kernel: the
+    summary says how much of the attention-carrying time that was."""
+    ev = [_event("s0", "gemm", 0, 100), _event("s0", "pair", 100, 60),
+          _event("s0", "attention", 160, 20), _event("s0", "other", 180, 10)]
+    s = timeline.summarize(ev)
+    assert s["attention_in_fused_pair"] == pytest.approx(60 / 80)
+    assert s["attention_overlapped_by_gemm"] == 0.0  # nothing on another stream
+    assert s["busy_fraction"]["pair"] == pytest.approx(60 / 190)
 
 
 def test_trace_parser_reads_gpu_streams(tmp_path):
@@ -375,7 +387,7 @@ def test_a_plan_forward_keeps_command_buffers_off_only_with_side_streams(monkeyp
 @pytest.mark.parametrize("name,kind", [
     ("decode_attention_swapab_mosaic_gpu_kernel", "attention"),
     ("_lambda__mosaic_gpu_kernel", "attention"),  # the swap-AB kernel before it was named
-    ("fused_gemm_attention_mosaic_gpu_kernel", "attention"),
+    ("fused_gemm_attention_mosaic_gpu_kernel", "pair"),
     ("body_mosaic_gpu_kernel", "gemm"),  # jax's grouped GEMM (MoE experts), unnamed
     ("matmul_mgpu_mosaic_gpu_kernel", "gemm"), ("fused_pair_gemm_mosaic_gpu_kernel", "gemm"),
     ("paged_decode_attention", "attention"), ("nvjet_sm90_tst_128x256", "gemm"),

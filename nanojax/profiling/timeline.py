@@ -1,7 +1,9 @@
 """Timeline of one iteration per stream, from a jax profiler trace: which kernel ran on
 which stream when, how much of the iteration the GPU spent in GEMMs (compute-bound) and in
-attention (memory-bound), and how much of the attention overlapped a GEMM. Rendered as a
-Gantt chart with busy-fraction curves, like NanoFlow's Figure 10.
+attention (memory-bound), and how much of the attention overlapped a GEMM: on another
+stream, or inside a fused GEMM + attention launch (kind "pair": the two on disjoint SMs, so
+counted as both). Rendered as a Gantt chart with busy-fraction curves, like NanoFlow's
+Figure 10.
 """
 from __future__ import annotations
 
@@ -15,8 +17,11 @@ from pathlib import Path
 
 import jax
 
-KINDS = ("gemm", "attention", "collective", "other")
+KINDS = ("gemm", "attention", "pair", "collective", "other")
 _PATTERNS = {
+    # the overlap pair in one launch (pallas_kernels/fused_gemm_attention_mgpu.py); its GEMM
+    # body alone is "fused_pair_gemm", a GEMM
+    "pair": re.compile(r"^fused_gemm_attention", re.I),
     # Pallas kernels carry a name: a Triton-lowered one its call's, a Mosaic GPU one its
     # kernel_name (or body function's) + "_mosaic_gpu_kernel". pallas_kernels/ names
     # theirs (decode_attention_swapab, fused_gemm_attention, matmul_mgpu, ...); events saved
@@ -30,7 +35,7 @@ _PATTERNS = {
 
 
 def classify(name: str, hlo_op: str = "") -> str:
-    for kind in ("attention", "collective", "gemm"):
+    for kind in ("pair", "attention", "collective", "gemm"):
         if _PATTERNS[kind].search(name) or _PATTERNS[kind].search(hlo_op):
             return kind
     return "other"
@@ -119,13 +124,17 @@ def _intersect(xs, ys):
 
 def summarize(events: list[dict]) -> dict:
     """Busy fraction of the iteration per kind (time any kernel of that kind ran), kernel
-    time per kind, and the share of attention time that ran while a GEMM ran."""
+    time per kind, the share of attention time that ran while a GEMM ran on another stream
+    (attention_overlapped_by_gemm), and the share of attention-carrying time (attention
+    kernels and fused pairs) spent in fused GEMM + attention launches
+    (attention_in_fused_pair)."""
     if not events:
         return {"span_us": 0.0}
     span = max(e["start_us"] + e["dur_us"] for e in events)
     by_kind = {k: _union([(e["start_us"], e["start_us"] + e["dur_us"])
                           for e in events if e["kind"] == k]) for k in KINDS}
     attn = _length(by_kind["attention"])
+    pair = _length(by_kind["pair"])
     coll = _length(by_kind["collective"])
     return {
         "collective_us": coll,
@@ -141,11 +150,13 @@ def summarize(events: list[dict]) -> dict:
                                              for e in events])) / span,
         "attention_overlapped_by_gemm": (_intersect(by_kind["attention"], by_kind["gemm"])
                                          / attn if attn else 0.0),
+        "attention_in_fused_pair": (pair / _length(_union(by_kind["pair"] + by_kind["attention"]))
+                                    if pair else 0.0),
     }
 
 
-_COLORS = {"gemm": "tab:blue", "attention": "tab:orange", "collective": "tab:green",
-           "other": "tab:gray"}
+_COLORS = {"gemm": "tab:blue", "attention": "tab:orange", "pair": "tab:purple",
+           "collective": "tab:green", "other": "tab:gray"}
 
 
 def plot(timelines: dict[str, list[dict]], png: str, title: str, bins: int = 400) -> None:
@@ -169,14 +180,16 @@ def plot(timelines: dict[str, list[dict]], png: str, title: str, bins: int = 400
         ax.set_yticks(range(len(streams)), [s[:28] for s in streams], fontsize=7)
         ax.set_xlim(0, span)
         s = summarize(ev)
+        fused = (f", in fused GEMM + attention launches {100 * s['attention_in_fused_pair']:.0f}%"
+                 if s["attention_in_fused_pair"] else "")
         ax.set_title(f"{mode}: {s['span_us'] / 1e3:.2f} ms; attention overlapped by GEMM "
-                     f"{100 * s['attention_overlapped_by_gemm']:.0f}%", fontsize=9)
+                     f"{100 * s['attention_overlapped_by_gemm']:.0f}%{fused}", fontsize=9)
         edges = np.linspace(0, span, bins + 1)
         for kind, label in (("gemm", "GEMM busy (compute)"),
                             ("attention", "attention busy (memory)")):
-            busy = np.zeros(bins)
+            busy = np.zeros(bins)  # a fused pair keeps both busy
             for a, b in _union([(e["start_us"] / 1e3, (e["start_us"] + e["dur_us"]) / 1e3)
-                                for e in ev if e["kind"] == kind]):
+                                for e in ev if e["kind"] in (kind, "pair")]):
                 busy += np.clip(np.minimum(edges[1:], b) - np.maximum(edges[:-1], a), 0, None)
             ux.plot(edges[:-1], busy / (span / bins), color=_COLORS[kind], label=label, lw=0.8)
         ux.set_xlim(0, span)
@@ -184,7 +197,7 @@ def plot(timelines: dict[str, list[dict]], png: str, title: str, bins: int = 400
         ux.legend(fontsize=7, loc="upper right")
     axes[-1].set_xlabel("ms")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLORS.values()]
-    fig.legend(handles, list(_COLORS), loc="upper right", fontsize=8, ncol=4)
+    fig.legend(handles, list(_COLORS), loc="upper right", fontsize=8, ncol=5)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     Path(png).parent.mkdir(parents=True, exist_ok=True)
