@@ -113,6 +113,15 @@ def cmd_search(args) -> int:
     from search.datasheet import non_overlap_time
     serial = non_overlap_time(prof)
     report["overlap"] = _overlap_decision(prof, best, serial, pair)
+    if args.overlap == "always" and not report["overlap"]["chosen"]:
+        if not prof.concurrent:
+            raise SearchError("--overlap always: the profile's GEMM + attention pair never "
+                              "ran together on this device, so there is no overlap to plan")
+        declined = report["overlap"]["reason"]
+        report["overlap"].update(chosen=True, forced=True, reason=(
+            f"--overlap always; the search would plan none: {declined}"))
+        print(f"nanojax: overlap kept by --overlap always (declined: {declined})",
+              file=sys.stderr)
     # (a profile whose pair never ran together is already planned with nothing overlapped)
     if not report["overlap"]["chosen"] and prof.concurrent and len(best["sizes"]) > 1:
         print(f"nanojax: no overlap: {report['overlap']['reason']}", file=sys.stderr)
@@ -306,6 +315,11 @@ def register(sub) -> None:
     s.add_argument("--max-k", type=int, default=4)
     s.add_argument("--time-limit", type=float, default=120.0, help="seconds per MILP")
     s.add_argument("--png", default=None, help="write the predicted schedule as a PNG")
+    s.add_argument("--overlap", choices=("auto", "always"), default="auto",
+                   help="auto: overlap only where the measured pair beat back to back and "
+                        "the plan is predicted to beat no overlap; always: keep the "
+                        "searched overlapped schedule even so (to time what the search "
+                        "declined; the plan's report says it was forced)")
     s.add_argument("--pair", default=None, metavar="FILE",
                    help="a measured GEMM + attention pair (bench/kernels/fused_pair.py's "
                         "JSON; default: the profile's own 'pair', from nanojax profile "

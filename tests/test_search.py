@@ -302,6 +302,32 @@ def test_the_search_plans_no_overlap_where_the_measured_pair_loses(tmp_path, gai
               str(tmp_path / "bad.json"), "--out", str(tmp_path / "x.json")])
 
 
+def test_overlap_always_keeps_what_the_search_declined(tmp_path):
+    """--overlap always: a losing measured pair still gives the overlapped schedule, fused
+    pairs and all, and the report says it was forced and why the search would decline."""
+    import json
+
+    from nanojax.cli import main
+    prof = _profile(*CASES[0])
+    d = {"b_dense": prof.b_dense, "granularity": prof.granularity,
+         "ops": {j: {"resource": prof.resource[j],
+                     "times": {str(n): t for n, t in prof.times[j].items()}}
+                 for j in OP_GROUPS}, "pair": _pair_record(0.95, 0.4)}
+    (tmp_path / "profile.json").write_text(json.dumps(d))
+    args = ["search", "--profile", str(tmp_path / "profile.json"), "--max-k", "3",
+            "--time-limit", "20"]
+    assert main([*args, "--out", str(tmp_path / "auto.json")]) == 0
+    assert main([*args, "--overlap", "always", "--out", str(tmp_path / "forced.json")]) == 0
+    auto = validate(json.loads((tmp_path / "auto.json").read_text()))
+    forced = validate(json.loads((tmp_path / "forced.json").read_text()))
+    assert not auto["predicted"]["report"]["overlap"]["chosen"]
+    decision = forced["predicted"]["report"]["overlap"]
+    assert decision["chosen"] and decision["forced"]
+    assert "would plan none" in decision["reason"] and "cannot pay" in decision["reason"]
+    assert len(forced["nano_batches"]["qkv"]) >= 2
+    assert any("fused" in op for op in forced["nano_ops"])
+
+
 def test_a_fused_pair_is_read_only_where_its_launch_passed_the_check():
     """nanojax's own pair records: a GEMM whose launch was not checked (a run cut short)
     or failed the check is not read; a reference file (PyTorch's) has no check."""
