@@ -267,3 +267,21 @@ def test_green_bench_record_on_the_cpu(tmp_path, monkeypatch):
     s = plot_fused_pair.series(rec, "o")
     assert s["gemm_sms"] == [44, 112] and s["gain"] == pytest.approx(
         [entry["back_to_back"]["ms"] / r["pair"]["ms"] for r in entry["shares"][::2]])
+
+
+def test_gemm_tiles_bench_names_a_bad_choice(capsys):
+    """bench/kernels/gemm_tiles.py: the tile shapes it times all fit one block's shared
+    memory, and an unknown GEMM or tile is refused by name."""
+    import gemm_tiles
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    from pallas_kernels import fused_gemm_attention_mgpu as fused
+    for tm, tn, tk, steps in gemm_tiles.TILES.values():
+        cfg = hm.TuningConfig(tile_m=tm, tile_n=tn, tile_k=tk, max_concurrent_steps=steps,
+                              epi_tile_m=64, epi_tile_n=64)
+        assert fused.gemm_smem_bytes(jnp.bfloat16, cfg) <= fused.SMEM_BYTES
+    for bad in (["--gemms", "qkv,lm_head"], ["--tiles", "64x64"]):
+        with pytest.raises(SystemExit):
+            gemm_tiles.parse_args(["--out", "x.json", *bad])
+        assert "unknown" in capsys.readouterr().err
