@@ -95,6 +95,10 @@ def test_plot_writes_a_png_with_and_without_the_green_record(records, tmp_path, 
     assert alone.stat().st_size > 20_000 and "absent.json" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="could be read"):
         plot_fused_pair.main([str(tmp_path / "a.json"), "--out", str(tmp_path / "n.png")])
+    # a profile of `nanojax profile --pair-shares` is read through its "pair"
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"ops": {}, "pair": json.loads(records[0].read_text())}))
+    assert plot_fused_pair.load(str(profile)) == plot_fused_pair.load(str(records[0]))
 
 
 def test_both_benches_take_the_same_shapes(capsys):

@@ -5,6 +5,8 @@ SM clock (MHz) and power (W) while the pair runs (dashed: back to back).
 
     python3 bench/kernels/plot_fused_pair.py FUSED.json [GREEN.json] --out fused_pair.png
 
+FUSED.json may also be a profile written by `nanojax profile --pair-shares` (its "pair").
+
 x is the GEMM's SM count the pair actually got (gemm_sms: G for the fused launch, the
 green context's rounded count for PyTorch). Rows that record an error are left out.
 """
@@ -25,10 +27,12 @@ def load(path: str | None) -> dict | None:
         return None
     try:
         with open(path) as f:
-            return json.load(f)
+            record = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         print(f"plot_fused_pair: skipping {path}: {e}", file=sys.stderr)
         return None
+    # a profile of `nanojax profile --pair-shares` carries the pair as its "pair"
+    return record["pair"] if isinstance(record.get("pair"), dict) else record
 
 
 def _power(c: dict | None, key: str) -> float:
