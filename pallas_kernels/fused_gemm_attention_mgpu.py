@@ -13,7 +13,8 @@ Design:
     warp-specialized pipeline (warpgroup 2 issues the TMA copies of A and B over K with
     40 registers, warpgroups 0 and 1 each own a 128 x 128 f32 WGMMA accumulator, side by
     side along N: 128 x 256 output tiles, the layout of matmul_mgpu.py / jax's Hopper
-    matmul). The attention branch is decode_attention_swapab.py's per-program body
+    matmul; 128 x 128 tiles with 6 K steps in flight where those fill the programs'
+    last wave better, gemm_config). The attention branch is decode_attention_swapab.py's per-program body
     (`swapab_call(...).body`) with 3 independent workers, as that kernel runs on a
     bounded grid anyway.
   * shared memory is allocated inside each branch (`pl.run_scoped`, collective over
@@ -66,6 +67,27 @@ def _swizzle_transforms(minor_elems: int, dtype):
             plgpu.SwizzleTransform(swz))
 
 
+def gemm_config(m: int, n: int, programs: int):
+    """The GEMM's tiling for an [m, n] output on `programs` programs: matmul_mgpu's 128 x
+    256 tiles, or 128 x 128 with 6 K steps in flight where the large tiles leave the last
+    wave mostly empty (under 85% of the programs busy on average) and the small ones fill
+    it better. qkv at 1,024 tokens on 132 SMs has 192 large tiles, 1.45 waves: its GEMM
+    part ran 1.33x XLA's GEMM with them, 1.15x with the small ones; where both fill their
+    waves the large tiles are faster (bench/kernels/gemm_tiles.py, results §67)."""
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    def filled(cta_n):
+        if m % 128 or n % cta_n:
+            return 0.0
+        tiles = (m // 128) * (n // cta_n)
+        return tiles / (-(-tiles // programs) * programs)
+    large = default_config()
+    if filled(2 * large.tile_n) < 0.85 and filled(128) > filled(2 * large.tile_n):
+        return hm.TuningConfig(tile_m=128, tile_n=64, tile_k=64, max_concurrent_steps=6,
+                               epi_tile_m=64, epi_tile_n=64)
+    return large
+
+
 def gemm_smem_bytes(dtype, config=None) -> int:
     """Shared memory of the GEMM branch: the A and B tiles in flight, two epilogue slots a
     consumer, and the pipeline's barriers (2 a step in flight, an estimate)."""
@@ -92,6 +114,8 @@ def scratch_bytes(types) -> int:
 def unsupported(a, b, q, k_pages, *, gemm_programs: int, num_programs: int,
                 config=None) -> str | None:
     """Why the fused kernel cannot take these operands or this split (None when it can)."""
+    if config is None and a.ndim == b.ndim == 2 and gemm_programs > 0:
+        config = gemm_config(a.shape[0], b.shape[1], gemm_programs)
     if (why := gemm_unsupported(a, b, config)) is not None:
         return f"GEMM: {why}"
     if (why := swapab.unsupported(q, k_pages)) is not None:
@@ -180,9 +204,9 @@ def gemm_part(a, b, *, num_programs: int | None = None, config=None,
     the same body, threads and lowering, to time it against XLA's GEMM and to learn what
     the pair costs beyond its parts."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    config = config or default_config()
     if num_programs is None:
         num_programs = getattr(jax.devices()[0], "core_count", None) or 132
+    config = config or gemm_config(a.shape[0], b.shape[1], num_programs)
     if (why := gemm_unsupported(a, b, config)) is not None:
         raise ValueError(f"GEMM: {why}")
 
@@ -212,10 +236,10 @@ def fused_gemm_attention(a, b, q, k_pages, v_pages, page_table, context_lens, *,
     attention (swap-AB, 3 workers a program; block_k, stages, splits, k_scale, v_scale as
     in decode_attention_swapab)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    config = config or default_config()
     if num_programs is None:
         num_programs = getattr(jax.devices()[0], "core_count", None) or 132
     g = gemm_programs
+    config = config or gemm_config(a.shape[0], b.shape[1], g)
     if (why := unsupported(a, b, q, k_pages, gemm_programs=g, num_programs=num_programs,
                            config=config)) is not None:
         raise ValueError(why)

@@ -11,7 +11,7 @@ from nanojax.reference import ReferenceGenerator
 
 @pytest.fixture(scope="module")
 def smol_reference(smollm2):
-    return ReferenceGenerator(smollm2.config, smollm2.params, max_len=512)
+    return ReferenceGenerator(smollm2.config, smollm2.params, max_len=256)  # the longest check: 220
 
 
 def _engine(bundle, **kw):
@@ -45,8 +45,9 @@ def test_chunked_prefill_and_preemption_match_reference(smollm2, smol_reference,
     assert eng.scheduler.num_preemptions > 0
     assert max(map(len, prompts)) > 32  # some prompt needed several chunks
     assert eng.allocator.num_free == eng.allocator.num_pages
-    for rid, p, o in zip(ids, prompts, outs):
-        assert done[rid].token_ids == smol_reference.generate(p, o, ignore_eos=True), rid
+    refs = smol_reference.generate_many(prompts, outs, ignore_eos=True)
+    for rid, ref in zip(ids, refs):
+        assert done[rid].token_ids == ref, rid
         assert done[rid].finish_reason == "length"
 
 
@@ -103,9 +104,9 @@ def test_llm_generate_64_requests_match_reference(smollm2, smol_reference):
         for i in range(64)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
     assert len(outs) == 64
-    for prompt, out in zip(prompts, outs):
-        ids = llm.tokenizer.encode(prompt)
-        ref = smol_reference.generate(ids, 16, stop_ids=llm.tokenizer.eos_token_ids)
+    refs = smol_reference.generate_many([llm.tokenizer.encode(p) for p in prompts], 16,
+                                        stop_ids=llm.tokenizer.eos_token_ids)
+    for out, ref in zip(outs, refs):
         assert out.token_ids == ref
         assert out.finish_reason == ("stop" if ref[-1] in llm.tokenizer.eos_token_ids
                                      else "length")
@@ -299,3 +300,22 @@ def test_input_staging_gives_the_same_tokens(tiny_bundle, staging):
     assert run(staging) == run("numpy")
     with pytest.raises(ConfigError, match="input_staging"):
         EngineConfig(input_staging="zero-copy")
+
+
+def test_reference_many_equals_one_at_a_time(tiny_bundle):
+    """ReferenceGenerator.generate_many (the one-sequence step vmapped over prompts, which
+    the long checks here use) gives generate()'s tokens: lengths, stops, ignore_eos."""
+    rng = np.random.default_rng(7)
+    prompts, outs = _random_workload(rng, 6, 500, 40, 12)
+    outs[0] = 12
+
+    def ref():
+        return ReferenceGenerator(tiny_bundle.config, tiny_bundle.params, max_len=64)
+    free = ref().generate_many(prompts, outs)
+    stop = [free[0][2]]  # the first row stops at its third token
+    for kw in ({}, {"stop_ids": stop}, {"stop_ids": stop, "ignore_eos": True}):
+        many = ref()
+        got = many.generate_many(prompts, outs, **kw)
+        assert got == [ref().generate(p, o, **kw) for p, o in zip(prompts, outs)]
+        assert got == many.generate_many(prompts, outs, **kw)  # from the memo
+        assert len(got[0]) == (3 if kw.get("stop_ids") and not kw.get("ignore_eos") else 12)

@@ -13,7 +13,7 @@ import pytest
 
 from decode_checks import rel_error
 from pallas_kernels.fused_gemm_attention_mgpu import (SMEM_BYTES, fused_gemm_attention,
-                                                      fused_reference, gemm_part,
+                                                      fused_reference, gemm_config, gemm_part,
                                                       gemm_smem_bytes, unsupported)
 from pallas_kernels.matmul_mgpu import matmul_reference
 from pallas_kernels.mosaic_gpu_support import on_hopper
@@ -103,6 +103,21 @@ def test_llama3_8b_nano_batch_pairs_lower_for_cuda(k, n):
                                                          num_programs=132))
         exported = jax.export.export(f, platforms=["cuda"])(*_nano_batch_args(k, n))
         assert "mosaic_gpu" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("m,n,programs,small", [
+    (1024, 6144, 132, True),    # qkv: 192 large tiles fill 73% of 2 waves; small 97%
+    (1024, 6144, 88, True),     # 73% against 87%
+    (1024, 6144, 66, False),    # 97%: the large tiles
+    (1024, 28672, 132, False),  # gate_up, o, down fill their waves with large tiles
+    (1024, 4096, 132, False), (512, 6144, 132, False),
+    (1024, 6272, 132, True)])   # N a multiple of 128, not of 256: only small tiles fit
+def test_gemm_tiles_follow_the_wave_fill(m, n, programs, small):
+    """gemm_config takes 128 x 128 tiles only where 128 x 256 leave the last wave mostly
+    empty and the small ones fill it better (bench/kernels/gemm_tiles.py measured why)."""
+    cfg = gemm_config(m, n, programs)
+    assert (cfg.tile_n == 64) is small
+    assert gemm_smem_bytes(jnp.bfloat16, cfg) <= SMEM_BYTES
 
 
 def test_gemm_part_alone_lowers_for_cuda():
