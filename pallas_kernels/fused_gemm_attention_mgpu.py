@@ -77,12 +77,12 @@ def gemm_config(m: int, n: int, programs: int):
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
     def filled(cta_n):
-        if m % 128 or n % cta_n:
+        if m % 128 or n % cta_n or programs <= 0:
             return 0.0
         tiles = (m // 128) * (n // cta_n)
         return tiles / (-(-tiles // programs) * programs)
     large = default_config()
-    if filled(2 * large.tile_n) < 0.85 and filled(128) > filled(2 * large.tile_n):
+    if programs > 0 and filled(2 * large.tile_n) < 0.85 and filled(128) > filled(2 * large.tile_n):
         return hm.TuningConfig(tile_m=128, tile_n=64, tile_k=64, max_concurrent_steps=6,
                                epi_tile_m=64, epi_tile_n=64)
     return large

@@ -118,8 +118,11 @@ def cmd_search(args) -> int:
             raise SearchError("--overlap always: the profile's GEMM + attention pair never "
                               "ran together on this device, so there is no overlap to plan")
         declined = report["overlap"]["reason"]
+        if len(best["sizes"]) == 1:  # stage I stopped at one: the best split there is
+            best = _best_split(prof, args.max_k, args.time_limit)
         report["overlap"].update(chosen=True, forced=True, reason=(
-            f"--overlap always; the search would plan none: {declined}"))
+            f"--overlap always; the search would plan none: {declined}"),
+            predicted_gain=serial / best["makespan"])
         print(f"nanojax: overlap kept by --overlap always (declined: {declined})",
               file=sys.stderr)
     # (a profile whose pair never ran together is already planned with nothing overlapped)
@@ -146,6 +149,22 @@ def cmd_search(args) -> int:
         plot_plan(plan, prof, args.png)
         print(f"nanojax: wrote {args.png}", file=sys.stderr)
     return 0
+
+
+def _best_split(prof, max_k: int, time_limit: float) -> dict:
+    """The best schedule of 2..max_k nano-batches (with stage II's shares where the
+    profile has them), for --overlap always where the search kept one."""
+    from search.milp import SearchError, stage1
+    ks = range(2, min(max_k, prof.b_dense // prof.granularity) + 1)
+    if not ks:
+        raise SearchError(f"--overlap always needs two or more nano-batches: --max-k is "
+                          f"{max_k} and B_dense {prof.b_dense} holds "
+                          f"{prof.b_dense // prof.granularity} of {prof.granularity}")
+    best = min((stage1(prof, k, time_limit) for k in ks), key=lambda s: s["makespan"])
+    if prof.share_times or prof.interference:
+        from search.shares import stage2
+        best = stage2(prof, best, time_limit=time_limit)
+    return best
 
 
 def _read_json(path) -> dict:

@@ -302,7 +302,7 @@ def test_the_search_plans_no_overlap_where_the_measured_pair_loses(tmp_path, gai
               str(tmp_path / "bad.json"), "--out", str(tmp_path / "x.json")])
 
 
-def test_overlap_always_keeps_what_the_search_declined(tmp_path):
+def test_overlap_always_keeps_what_the_search_declined(tmp_path, capsys):
     """--overlap always: a losing measured pair still gives the overlapped schedule, fused
     pairs and all, and the report says it was forced and why the search would decline."""
     import json
@@ -326,6 +326,16 @@ def test_overlap_always_keeps_what_the_search_declined(tmp_path):
     assert "would plan none" in decision["reason"] and "cannot pay" in decision["reason"]
     assert len(forced["nano_batches"]["qkv"]) >= 2
     assert any("fused" in op for op in forced["nano_ops"])
+    # where stage I kept one nano-batch, the best split of two or more is taken; with
+    # --max-k 1 there is none, and the search says so
+    from search.cli import _best_split
+    from search.milp import Profile
+    split = _best_split(Profile.from_dict(d), 2, 20)
+    assert len(split["sizes"]) == 2 and sum(split["sizes"]) == d["b_dense"]
+    assert main([*args[:-4], "--max-k", "1", "--overlap", "always",
+                 "--out", str(tmp_path / "one.json")]) != 0
+    assert not (tmp_path / "one.json").exists()
+    assert "two or more nano-batches" in capsys.readouterr().err
 
 
 def test_a_fused_pair_is_read_only_where_its_launch_passed_the_check():

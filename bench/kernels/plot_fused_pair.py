@@ -32,7 +32,8 @@ def load(path: str | None) -> dict | None:
         print(f"plot_fused_pair: skipping {path}: {e}", file=sys.stderr)
         return None
     # a profile of `nanojax profile --pair-shares` carries the pair as its "pair"
-    return record["pair"] if isinstance(record.get("pair"), dict) else record
+    return (record["pair"] if isinstance(record, dict) and isinstance(record.get("pair"), dict)
+            else record)
 
 
 def _power(c: dict | None, key: str) -> float:
