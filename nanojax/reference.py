@@ -71,11 +71,7 @@ class ReferenceGenerator:
     def _generate(self, prompt_ids, max_new_tokens, temperature, seed, stop_ids,
                   ignore_eos) -> list[int]:
         n = len(prompt_ids)
-        if n == 0:
-            raise ValueError("empty prompt")
-        if n + max_new_tokens > self.max_len:
-            raise ValueError(f"prompt ({n}) + max_new_tokens ({max_new_tokens}) exceeds "
-                             f"the reference cache length {self.max_len}")
+        self._check_length(n, max_new_tokens)
         logits, cache = self._prefill(prompt_ids)
         rng = np.random.default_rng(seed)
         out: list[int] = []
@@ -90,6 +86,13 @@ class ReferenceGenerator:
                                       jnp.asarray([n + i], jnp.int32), cache, jnp.int32(0))
         return out
 
+
+    def _check_length(self, n: int, max_new_tokens: int) -> None:
+        if n == 0:
+            raise ValueError("empty prompt")
+        if n + max_new_tokens > self.max_len:
+            raise ValueError(f"prompt ({n}) + max_new_tokens ({max_new_tokens}) exceeds "
+                             f"the reference cache length {self.max_len}")
 
     def _prefill(self, prompt_ids):
         """(logits of the last prompt token, the cache holding the prompt)."""
@@ -126,11 +129,7 @@ class ReferenceGenerator:
     def _generate_rows(self, prompts, news, stop_ids, ignore_eos) -> list[list[int]]:
         lens = [len(p) for p in prompts]
         for n, m in zip(lens, news):
-            if n == 0:
-                raise ValueError("empty prompt")
-            if n + m > self.max_len:
-                raise ValueError(f"prompt ({n}) + max_new_tokens ({m}) exceeds the "
-                                 f"reference cache length {self.max_len}")
+            self._check_length(n, m)
         rows, spare = len(prompts), self.max_len  # padding and finished rows write here
         # prefill one prompt at a time (generate()'s own call: vmapped, the contiguous
         # attention's per-token copy of the cache grows with the rows), decode together

@@ -67,6 +67,15 @@ def _swizzle_transforms(minor_elems: int, dtype):
             plgpu.SwizzleTransform(swz))
 
 
+def wave_fill(m: int, n: int, cta_n: int, programs: int, tile_m: int = 128) -> float:
+    """The programs' average busy share over the waves of tile_m x cta_n output tiles of
+    an [m, n] product (0.0 where the tiles do not divide it or no program runs)."""
+    if m % tile_m or n % cta_n or programs <= 0:
+        return 0.0
+    tiles = (m // tile_m) * (n // cta_n)
+    return tiles / (-(-tiles // programs) * programs)
+
+
 def gemm_config(m: int, n: int, programs: int):
     """The GEMM's tiling for an [m, n] output on `programs` programs: matmul_mgpu's 128 x
     256 tiles, or 128 x 128 with 6 K steps in flight where the large tiles leave the last
@@ -76,13 +85,10 @@ def gemm_config(m: int, n: int, programs: int):
     waves the large tiles are faster (bench/kernels/gemm_tiles.py, results §67)."""
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
-    def filled(cta_n):
-        if m % 128 or n % cta_n or programs <= 0:
-            return 0.0
-        tiles = (m // 128) * (n // cta_n)
-        return tiles / (-(-tiles // programs) * programs)
     large = default_config()
-    if programs > 0 and filled(2 * large.tile_n) < 0.85 and filled(128) > filled(2 * large.tile_n):
+    fill_large, fill_small = (wave_fill(m, n, 2 * large.tile_n, programs),
+                              wave_fill(m, n, 128, programs))
+    if fill_large < 0.85 and fill_small > fill_large:
         return hm.TuningConfig(tile_m=128, tile_n=64, tile_k=64, max_concurrent_steps=6,
                                epi_tile_m=64, epi_tile_n=64)
     return large

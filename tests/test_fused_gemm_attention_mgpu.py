@@ -14,7 +14,8 @@ import pytest
 from decode_checks import rel_error
 from pallas_kernels.fused_gemm_attention_mgpu import (SMEM_BYTES, fused_gemm_attention,
                                                       fused_reference, gemm_config, gemm_part,
-                                                      gemm_smem_bytes, unsupported)
+                                                      gemm_smem_bytes, unsupported,
+                                                      wave_fill)
 from pallas_kernels.matmul_mgpu import matmul_reference
 from pallas_kernels.mosaic_gpu_support import on_hopper
 from test_decode_attention_swapab import _case
@@ -117,6 +118,8 @@ def test_gemm_tiles_follow_the_wave_fill(m, n, programs, small):
     empty and the small ones fill it better (bench/kernels/gemm_tiles.py measured why)."""
     cfg = gemm_config(m, n, programs)
     assert (cfg.tile_n == 64) is small
+    assert wave_fill(1024, 6144, 256, 132) == pytest.approx(192 / 264)  # qkv: 1.45 waves
+    assert wave_fill(1024, 6144, 256, 0) == wave_fill(1000, 6144, 256, 132) == 0.0
     assert gemm_smem_bytes(jnp.bfloat16, cfg) <= SMEM_BYTES
 
 

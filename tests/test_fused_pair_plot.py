@@ -285,7 +285,8 @@ def test_gemm_tiles_bench_names_a_bad_choice(capsys):
         cfg = hm.TuningConfig(tile_m=tm, tile_n=tn, tile_k=tk, max_concurrent_steps=steps,
                               epi_tile_m=64, epi_tile_n=64)
         assert fused.gemm_smem_bytes(jnp.bfloat16, cfg) <= fused.SMEM_BYTES
-    for bad in (["--gemms", "qkv,lm_head"], ["--tiles", "64x64"]):
+    for bad, says in ((["--gemms", "qkv,lm_head"], "unknown"), (["--tiles", "64x64"], "unknown"),
+                      (["--tokens", "1024,1e99"], "integers"), (["--tokens", "1000"], "128")):
         with pytest.raises(SystemExit):
             gemm_tiles.parse_args(["--out", "x.json", *bad])
-        assert "unknown" in capsys.readouterr().err
+        assert says in capsys.readouterr().err

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
 from nanojax.profiling.pair_record import GEMMS
 
@@ -32,7 +31,12 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=5)
     args = p.parse_args(argv)
     args.gemms, args.tiles = args.gemms.split(","), args.tiles.split(",")
-    args.tokens = [int(t) for t in args.tokens.split(",")]
+    try:
+        args.tokens = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        p.error(f"--tokens must be integers separated by commas, got {args.tokens!r}")
+    if any(t <= 0 or t % 128 for t in args.tokens):
+        p.error(f"--tokens must be positive multiples of 128 (the tile rows), got {args.tokens}")
     for name, known in (("gemm", GEMMS), ("tile", TILES)):
         bad = [x for x in getattr(args, name + "s") if x not in known]
         if bad:
@@ -75,7 +79,7 @@ def main(argv=None):
                     row["ms"] = device_seconds(fn, a, b, iters=args.iters,
                                                reps=args.reps) * 1e3
                     row["over_xla"] = row["ms"] / xla
-                    row["wave_efficiency"] = tiles / (math.ceil(tiles / n_prog) * n_prog)
+                    row["wave_efficiency"] = fused.wave_fill(m, n, 2 * tn, n_prog, tm)
                 except Exception as e:  # noqa: BLE001  (recorded: a shape that does not fit)
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(json.dumps(row), flush=True)
