@@ -39,7 +39,7 @@ def hf_tensor_names(cfg: ModelConfig) -> dict[tuple, tuple[str | tuple[str, ...]
         names[(p, "input_norm", "scale")] = (h + "input_layernorm.weight", False)
         names[(p, "post_attention_norm", "scale")] = (h + "post_attention_layernorm.weight", False)
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            names[(p, proj, "kernel")] = (h + f"self_attn.{proj}.weight", True)
+            names.update(_projection_names(cfg, (p, proj), h + f"self_attn.{proj}."))
         if cfg.attention_bias:
             for proj in ("q_proj", "k_proj", "v_proj"):
                 names[(p, proj, "bias")] = (h + f"self_attn.{proj}.bias", False)
@@ -47,7 +47,18 @@ def hf_tensor_names(cfg: ModelConfig) -> dict[tuple, tuple[str | tuple[str, ...]
             names.update(_moe_tensor_names(cfg, p, h))
             continue
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            names[(p, proj, "kernel")] = (h + f"mlp.{proj}.weight", True)
+            names.update(_projection_names(cfg, (p, proj), h + f"mlp.{proj}."))
+    return names
+
+
+def _projection_names(cfg: ModelConfig, path: tuple, hf_prefix: str) -> dict:
+    """A dense projection's tensors: the float kernel (stored transposed), or an FP8
+    checkpoint's weight [out, in] with its scales (as stored)."""
+    if cfg.quantization != "fp8":
+        return {(*path, "kernel"): (hf_prefix + "weight", True)}
+    names = {(*path, leaf): (hf_prefix + leaf, False) for leaf in ("weight", "weight_scale")}
+    if cfg.activation_scale == "static":
+        names[(*path, "input_scale")] = (hf_prefix + "input_scale", False)
     return names
 
 
@@ -76,7 +87,6 @@ def assemble_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], progress
     from nanojax.models import param_shapes
 
     expected = param_shapes(cfg)["params"]
-    dtype = np.dtype(jax.numpy.dtype(cfg.dtype))
     tree: dict = {}
     for path, (name, transpose) in hf_tensor_names(cfg).items():
         parts = [np.asarray(get(n)) for n in ((name,) if isinstance(name, str) else name)]
@@ -87,16 +97,44 @@ def assemble_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], progress
         want = expected
         for key in path:
             want = want[key]
+        if path[-1] in ("weight_scale", "input_scale"):
+            arr = _fit_scale(arr, tuple(want.shape), name)
         if tuple(arr.shape) != tuple(want.shape):
             raise CheckpointError(f"tensor {name} has shape {tuple(arr.shape)} but the config "
                                   f"needs {tuple(want.shape)} for {'/'.join(path)}")
         node = tree
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = np.ascontiguousarray(arr.astype(dtype))
+        node[path[-1]] = arr.astype(want.dtype, order="C")  # (ascontiguousarray: 0-d -> 1-d)
         if progress is not None:
             progress.update(1)
     return {"params": tree}
+
+
+def param_dtypes(cfg: ModelConfig) -> dict:
+    """The dtype each parameter has under cfg (the model dtype, or FP8 weights and f32
+    scales for a quantized config), as a tree like the parameters."""
+    from nanojax.models import param_shapes
+    return jax.tree_util.tree_map(lambda s: s.dtype, param_shapes(cfg))
+
+
+def cast_tree(cfg: ModelConfig, params: dict) -> dict:
+    """Host arrays cast leaf by leaf to the dtypes cfg gives them (FP8 weights stay FP8
+    when the model dtype changes)."""
+    return jax.tree_util.tree_map(lambda a, dt: np.asarray(a).astype(dt), params,
+                                  param_dtypes(cfg))
+
+
+def _fit_scale(arr: np.ndarray, shape: tuple, name: str) -> np.ndarray:
+    """An FP8 scale as the model keeps it: per channel [out] ([out, 1] in
+    compressed-tensors), a per-tensor scale ([] or [1]) broadcast to every channel."""
+    arr = np.asarray(arr, np.float32)
+    if arr.size == 1:
+        return np.broadcast_to(arr.reshape(()), shape)
+    if arr.size == int(np.prod(shape)):
+        return arr.reshape(shape)
+    raise CheckpointError(f"scale {name} has shape {tuple(arr.shape)}: per-tensor or per "
+                          f"output channel ({shape}) only (block-wise FP8 is not supported)")
 
 
 def check_tree(cfg: ModelConfig, params: dict) -> None:

@@ -35,11 +35,55 @@ def load_source(src: Path, dtype: str, tensor_parallel_size: int = 1) -> ModelBu
 
 
 def load_model(model: str, dtype: str | None = None, cache_dir=None,
-               num_layers: int | None = None, tensor_parallel_size: int = 1) -> ModelBundle:
+               num_layers: int | None = None, tensor_parallel_size: int = 1,
+               quantization: str | None = None) -> ModelBundle:
     """`model` is a registered name, `random:<shape>`, or a path. `num_layers` cuts a random
     shape to its first layers (quick GPU probes of a large shape). With
     tensor_parallel_size > 1, random weights and orbax checkpoints are made straight into
-    their shards (nanojax/parallel/tp.py); GGUF and HF files load on the host."""
+    their shards (nanojax/parallel/tp.py); GGUF and HF files load on the host.
+    quantization "fp8": the dense projections quantized at load (per output channel),
+    unless the checkpoint already is FP8 (compressed-tensors, 'fp8', or a nanojax one)."""
+    bundle = _load(model, dtype, cache_dir, num_layers, tensor_parallel_size, quantization)
+    return quantize_bundle(bundle, quantization)
+
+
+def quantize_bundle(bundle: ModelBundle, quantization: str | None) -> ModelBundle:
+    """The bundle with its dense projections in `quantization` (None: as loaded). Each
+    weight is quantized on its own (a jitted call per array, on the device it is on or
+    the default one for host arrays, returned to the host), so no second copy of the
+    whole model exists at once."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from nanojax.layers.fp8 import FP8_PROJECTIONS, quantize_params
+    cfg = bundle.config
+    if quantization is None or cfg.quantization == quantization:
+        return bundle
+    if cfg.quantization is not None:
+        raise CheckpointError(f"the checkpoint is quantized as {cfg.quantization}; it "
+                              f"cannot be re-quantized as {quantization}")
+    new_cfg = cfg.replace(quantization=quantization)  # validates (dense models only)
+    one = jax.jit(lambda node: quantize_params({"q_proj": node})["q_proj"])
+
+    def walk(node):
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for k, v in node.items():
+            if isinstance(v, dict) and "kernel" in v and k in FP8_PROJECTIONS:
+                q = one(v)
+                on_host = isinstance(v["kernel"], np.ndarray)
+                out[k] = jax.tree_util.tree_map(np.asarray, q) if on_host else q
+            else:
+                out[k] = walk(v)
+        return out
+    return dataclasses.replace(bundle, config=new_cfg, params=walk(bundle.params))
+
+
+def _load(model: str, dtype: str | None, cache_dir, num_layers: int | None,
+          tensor_parallel_size: int, quantization: str | None) -> ModelBundle:
     from checkpoints.embedded import ensure_smollm2
 
     dtype = dtype or default_dtype()
@@ -53,7 +97,8 @@ def load_model(model: str, dtype: str | None = None, cache_dir=None,
     if model.startswith(RANDOM_PREFIX):
         from nanojax.config import named_shape
         from nanojax.models import init_params
-        cfg = named_shape(model[len(RANDOM_PREFIX):], dtype)
+        # made quantized straight away (init_params): no float copy kept beside it
+        cfg = named_shape(model[len(RANDOM_PREFIX):], dtype).replace(quantization=quantization)
         if num_layers is not None:
             if num_layers < 1:
                 raise CheckpointError(f"num_layers must be positive, got {num_layers}")
@@ -71,7 +116,10 @@ def load_model(model: str, dtype: str | None = None, cache_dir=None,
 
 def convert(src: Path, dst: Path, dtype: str = "float32", overwrite: bool = False) -> Path:
     from checkpoints.orbax_store import save_orbax
-    return save_orbax(load_source(Path(src), dtype), Path(dst), overwrite=overwrite)
+    dst = Path(dst).absolute()
+    if dst.exists() and not overwrite:  # refused before the weights are read, not after
+        raise CheckpointError(f"destination {dst} already exists (use --overwrite)")
+    return save_orbax(load_source(Path(src), dtype), dst, overwrite=overwrite)
 
 
 def cpu_params(bundle: ModelBundle, kernels, on_gpu: bool, tensor_parallel_size: int = 1):
@@ -80,6 +128,7 @@ def cpu_params(bundle: ModelBundle, kernels, on_gpu: bool, tensor_parallel_size:
     collection (nanojax/layers/quant.py) beside the f32 tree; otherwise bundle.params."""
     cfg = bundle.config
     if (on_gpu or kernels.cpu_weights != "q4" or bundle.gguf is None or cfg.is_moe
+            or cfg.quantization is not None
             or tensor_parallel_size != 1 or cfg.dtype != "float32"
             or not Path(bundle.gguf).is_file()):
         return bundle.params

@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from checkpoints.bundle import ModelBundle, check_tree
+from checkpoints.bundle import ModelBundle, cast_tree, check_tree, param_dtypes
 from nanojax.config import ModelConfig
 from nanojax.errors import CheckpointError
 from nanojax.tokenizer import Tokenizer
@@ -78,8 +78,7 @@ def load_orbax(path: Path, dtype: str | None = None,
     check_tree(cfg, params)
     if dtype is not None and dtype != cfg.dtype:
         cfg = cfg.replace(dtype=dtype)
-        np_dtype = np.dtype(jax.numpy.dtype(dtype))
-        params = jax.tree_util.tree_map(lambda a: a.astype(np_dtype), params)
+        params = cast_tree(cfg, params)  # FP8 weights and their scales keep their dtypes
     tok = Tokenizer.load(path) if (path / "tokenizer.json").is_file() else None
     return ModelBundle(cfg, params, tok)
 
@@ -94,9 +93,8 @@ def _load_orbax_sharded(path: Path, cfg: ModelConfig, dtype: str | None,
     if dtype is not None and dtype != cfg.dtype:
         cfg = cfg.replace(dtype=dtype)
     shardings = model_shardings(cfg, tp)
-    want = jax.numpy.dtype(cfg.dtype)
-    args = jax.tree_util.tree_map(lambda s: ocp.ArrayRestoreArgs(sharding=s, dtype=want),
-                                  shardings)
+    args = jax.tree_util.tree_map(lambda s, dt: ocp.ArrayRestoreArgs(sharding=s, dtype=dt),
+                                  shardings, param_dtypes(cfg))
     try:
         params = ocp.PyTreeCheckpointer().restore(path / "params", restore_args=args)
     except Exception as e:

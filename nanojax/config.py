@@ -13,6 +13,8 @@ from typing import Any
 from nanojax.errors import ConfigError, UnsupportedError
 
 _DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("fp8",)                    # ModelConfig.quantization (layers/fp8.py)
+ACTIVATION_SCALES = ("dynamic", "static")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,12 @@ class ModelConfig:
     moe_intermediate_size: int = 0        # each expert's FFN width
     norm_topk_prob: bool = False          # renormalise the top-k weights (Mixtral: yes)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (0: none)
+    # Weight quantization of the dense projections (nanojax/layers/fp8.py): None, or "fp8"
+    # (e4m3 weights with per-channel scales, FP8 activations, f32 accumulation);
+    # activation_scale: "dynamic" (per token, computed on the fly) or "static" (each
+    # projection's input_scale, from an FP8 checkpoint)
+    quantization: str | None = None
+    activation_scale: str = "dynamic"
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -69,6 +77,15 @@ class ModelConfig:
                 raise ConfigError("an MoE config needs moe_intermediate_size > 0")
         elif self.num_experts_per_tok or self.shared_expert_intermediate_size:
             raise ConfigError("num_experts_per_tok / shared expert set without num_experts")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise UnsupportedError(f"quantization {self.quantization!r} is not supported "
+                                   f"(supported: {', '.join(QUANTIZATIONS)})")
+        if self.activation_scale not in ACTIVATION_SCALES:
+            raise ConfigError(f"activation_scale must be one of {ACTIVATION_SCALES}, "
+                              f"got {self.activation_scale!r}")
+        if self.quantization and self.is_moe:
+            raise UnsupportedError("FP8 quantization covers dense models only so far: the "
+                                   "MoE expert GEMMs have no FP8 kernel yet")
 
     def __hash__(self):  # rope_scaling is a dict: hash the serialised form
         return hash(json.dumps(self.to_dict(), sort_keys=True))

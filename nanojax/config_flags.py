@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 import typing
 
-from nanojax.config import EngineConfig, KernelConfig
+from nanojax.config import QUANTIZATIONS, EngineConfig, KernelConfig
 from nanojax.errors import ConfigError
 
 
@@ -23,6 +23,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "nanojax checkpoint, GGUF file or HF directory")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="parameter dtype (default: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="fp8: the dense projections' weights in e4m3 with per-channel "
+                        "scales and activations quantized per token (W8A8, quantized at "
+                        "load); an FP8 checkpoint (compressed-tensors, 'fp8') is FP8 "
+                        "without it. The LM head and embeddings stay in --dtype")
     p.add_argument("--cache-dir", default=None,
                    help="where the default model is cached (env NANOJAX_CACHE)")
     from nanojax import compile_cache

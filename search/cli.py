@@ -5,6 +5,7 @@ import json
 import sys
 from pathlib import Path
 
+from nanojax.config import QUANTIZATIONS
 from nanojax.config_flags import add_engine_args, kernel_config_from_args
 
 
@@ -229,9 +230,11 @@ def cmd_profile(args) -> int:
         from checkpoints.loader import default_dtype
         from nanojax.config import named_shape
         bundle = ModelBundle(named_shape(args.model.split(":", 1)[1],
-                                         args.dtype or default_dtype()), None, None)
+                                         args.dtype or default_dtype()).replace(
+            quantization=args.quantization), None, None)
     else:
-        bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
+        bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
+                            quantization=args.quantization)
     try:
         shares = [float(x) for x in args.shares.split(",")]
     except ValueError:
@@ -351,6 +354,8 @@ def register(sub) -> None:
                                         "interference table (GPU) -> profile JSON")
     pr.add_argument("--model", default="random:llama3-8b")
     pr.add_argument("--dtype", default=None)
+    pr.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                    help="fp8: profile the FP8 projections (W8A8, nanojax/layers/fp8.py)")
     pr.add_argument("--cache-dir", default=None)
     pr.add_argument("--b-dense", type=int, default=2048)
     pr.add_argument("--granularity", type=int, default=128)

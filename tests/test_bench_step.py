@@ -185,6 +185,24 @@ def test_the_fp8kv_mode_runs_with_an_fp8_cache():
     assert "non-overlap::fp8kv_over_non-overlap" in out["ratios"][0]
 
 
+def test_the_fp8w_mode_runs_fp8_weights_beside_the_float_ones():
+    """':fp8w' quantizes the run's weights for that mode alone (W8A8, layers/fp8.py): its
+    logits move off the float mode's by e4m3's rounding, not more, and with ':fp8kv' on
+    top further still; the float mode is untouched."""
+    from checkpoints.loader import load_model
+    from nanojax.bench.step import parse_mode, run_step_bench
+    assert parse_mode("non-overlap::fp8w:fp8kv")["quantization"] == "fp8"
+    bundle = load_model("random:tiny")
+    modes = ["non-overlap", "non-overlap::fp8w", "non-overlap::fp8w:fp8kv"]
+    out = run_step_bench(bundle, _two_batch_plan(bundle.config), [64], ["48/16"], modes,
+                         num_pages=512, max_model_len=256, repeats=1, progress=False)
+    plain, w8, w8kv = out["results"]
+    assert plain["logits_max_diff_over_std"] == 0.0
+    assert 1e-3 < w8["logits_max_diff_over_std"] < 0.5
+    assert w8kv["logits_max_diff_over_std"] != w8["logits_max_diff_over_std"]
+    assert "non-overlap::fp8w_over_non-overlap" in out["ratios"][0]
+
+
 def test_step_bench_modes_agree_on_the_cpu(tmp_path):
     from checkpoints.loader import load_model
     from nanojax.bench.step import run_step_bench
@@ -233,7 +251,8 @@ def test_step_modes_parse_into_their_options():
                  "scheduling_groups": False, "keep": "inputs", "xla_grouped": False,
                  "shard_map": False, "logit_rows": "engine", "merge_dots": None,
                  "fused_append": None, "command_buffers": None,
-                 "decode_longest_first": None, "kv_cache_dtype": None, "decode_kernel": None}
+                 "decode_longest_first": None, "kv_cache_dtype": None, "decode_kernel": None,
+                 "quantization": None}
     assert parse_mode("non-overlap::alllogits")["logit_rows"] == "all"
     assert parse_mode("overlap:0.5:seqlogits")["logit_rows"] == "seqs"
     assert parse_mode("overlap:1.0:keepall")["keep"] == "values"

@@ -1,4 +1,5 @@
-"""How much a KV cache dtype changes a model's output: greedy agreement and logits distance.
+"""How much a KV cache dtype (or a weight quantization) changes a model's output: greedy
+agreement and logits distance.
 
 Two measures, as vLLM's FP8 KV notes use:
 - greedy generation through the engine with each cache dtype (all prompts batched in one
@@ -188,6 +189,31 @@ def cache_value_stats(kv) -> dict:
                      "share_below_2^-6": float(np.mean(nz < 2.0 ** -6)),
                      "share_above_448": float(np.mean(nz > 448.0))}
     return out
+
+
+def measure_variants(variants: dict, baseline: str, prompts, max_tokens: int,
+                     group: int = 16, log=print) -> dict:
+    """Greedy agreement and teacher-forced logits distance of model variants against the
+    baseline variant, on the baseline's generations. variants: name -> (bundle, KV cache
+    dtype), e.g. the float model, the same model quantized at load (--quantization fp8),
+    and that with an FP8 cache."""
+    gens, secs = {}, {}
+    for name, (bundle, kv) in variants.items():
+        ids, gens[name], secs[name] = greedy_generations(bundle, prompts, max_tokens, kv)
+        log(f"generated with {name} in {secs[name]:.1f}s")
+    seqs = [p + g for p, g in zip(ids, gens[baseline])]
+    starts = [len(p) for p in ids]
+    scorers = {name: TeacherForced(*v) for name, v in variants.items()}
+    dist = {name: LogitsDistance() for name in variants if name != baseline}
+    t0 = time.perf_counter()
+    for batch in _groups(seqs, starts, group, 16):
+        ref = scorers[baseline](*batch)[0]
+        for name in dist:
+            dist[name].add(ref, scorers[name](*batch)[0])
+    return {"baseline": baseline, "prompts": len(prompts), "max_tokens": max_tokens,
+            "generate_seconds": secs, "teacher_forced_seconds": time.perf_counter() - t0,
+            "compared": {name: {**prefix_agreement(gens[baseline], gens[name]), **d.result()}
+                         for name, d in dist.items()}}
 
 
 def measure(bundle, prompts, max_tokens: int, dtypes: tuple[str, ...],

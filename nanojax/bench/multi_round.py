@@ -270,7 +270,7 @@ def cmd_multi_round(args, bundle) -> int:
     convs = make_conversations(args.num_prompts, max(1, args.multi_round),
                                bundle.config.vocab_size, args.input_len, args.output_len,
                                args.trace, config.max_model_len, args.seed)
-    record = run_record(config)
+    record = run_record(config, bundle.config)
     cmd = record["command"]
     results = {}
     for mode in modes:

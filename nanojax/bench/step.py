@@ -31,6 +31,7 @@ _KERNEL_OPTIONS = {"dotmerge": "merge_dots", "fusedappend": "fused_append",
 # mode suffix -> the mode's KV cache dtype (--kv-cache-dtype name), in place of the run's:
 # bf16 and FP8 caches timed in one process
 _KV_OPTIONS = {"bf16kv": "bf16", "fp8kv": "fp8"}
+_WEIGHT_OPTIONS = {"fp8w": "fp8"}  # the mode's dense projections quantized (layers/fp8.py)
 # mode suffix -> the mode's decode kernel (KernelConfig.decode_kernel)
 _DECODE_OPTIONS = {"tritondecode": "triton", "mosaicdecode": "mosaic"}
 
@@ -155,14 +156,15 @@ def mode_options() -> str:
                       "':xlagrouped'", "':shardmap'",
                       *(f"':[no]{o}'" for o in _KERNEL_OPTIONS),
                       *(" or ".join(f"':{o}'" for o in t)
-                        for t in (_LOGIT_OPTIONS, _KV_OPTIONS, _DECODE_OPTIONS))])
+                        for t in (_LOGIT_OPTIONS, _KV_OPTIONS, _DECODE_OPTIONS,
+                                  _WEIGHT_OPTIONS))])
 
 
 def parse_mode(mode: str) -> dict:
     """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs|keepall][:gemmSHARE]
     [:xlagrouped][:dotmerge|nodotmerge][:fusedappend|nofusedappend][:cmdbuf|nocmdbuf]
     [:longestfirst|nolongestfirst][:alllogits|seqlogits][:bf16kv|fp8kv]
-    [:tritondecode|mosaicdecode]
+    [:tritondecode|mosaicdecode][:fp8w]
     ('xlagrouped': an MoE step's expert GEMMs through XLA's ragged_dot instead of the Mosaic
     GPU grouped GEMM, the A/B of models/moe.py; 'dotmerge' / 'nodotmerge': XLA's dot merger
     on / off (KernelConfig.merge_dots); 'fusedappend' / 'nofusedappend': the cache written
@@ -174,7 +176,8 @@ def parse_mode(mode: str) -> dict:
     padded to a multiple of 8, instead of the engine's rows, the A/B of LOGIT_ROWS; with
     'seqlogits' each workload's row count is its own shape, compiled at its first call;
     'bf16kv' / 'fp8kv': the mode's KV cache in bf16 / FP8 whatever --kv-cache-dtype says;
-    'tritondecode' / 'mosaicdecode': the mode's decode kernel, whatever --decode-kernel says):
+    'tritondecode' / 'mosaicdecode': the mode's decode kernel, whatever --decode-kernel says;
+    'fp8w': the mode's dense projections in FP8, quantized from the run's weights):
     'overlap:0.25' runs the plan with every attention nano-op at share 0.25; 'nogroups'
     turns off the executor's XLA scheduling groups (the ablation that shows what they do);
     'shardmap' runs the step through the tensor-parallel shard_map path even at TP 1
@@ -189,7 +192,7 @@ def parse_mode(mode: str) -> dict:
            "scheduling_groups": True, "keep": "", "xla_grouped": False, "shard_map": False,
            "logit_rows": "engine", "merge_dots": None, "fused_append": None,
            "command_buffers": None, "decode_longest_first": None, "kv_cache_dtype": None,
-           "decode_kernel": None}
+           "decode_kernel": None, "quantization": None}
     try:
         if opts and opts[0]:
             out["attention_share"] = float(opts[0])
@@ -212,6 +215,8 @@ def parse_mode(mode: str) -> dict:
                 out["kv_cache_dtype"] = _KV_OPTIONS[o]
             elif o in _DECODE_OPTIONS and out["decode_kernel"] is None:
                 out["decode_kernel"] = _DECODE_OPTIONS[o]
+            elif o in _WEIGHT_OPTIONS and out["quantization"] is None:
+                out["quantization"] = _WEIGHT_OPTIONS[o]
             else:
                 raise ValueError
     except ValueError:
@@ -241,7 +246,8 @@ def _variant(plan: dict, mode: str, kernels: KernelConfig):
             kernels = kernels.replace(**{name: m[name]})
     return plan, m["base"], dict(scheduling_groups=m["scheduling_groups"], keep=m["keep"],
                                  kernels=kernels, shard_map=m["shard_map"],
-                                 logit_rows=m["logit_rows"], kv_cache_dtype=m["kv_cache_dtype"])
+                                 logit_rows=m["logit_rows"], kv_cache_dtype=m["kv_cache_dtype"],
+                                 quantization=m["quantization"])
 
 
 def f32_reference_outputs(bundle, plan: dict, batches: dict, num_pages: int,
@@ -382,7 +388,7 @@ def _ratios(results: list, b_dense_list: list[int], workloads: list[str]) -> lis
                 opts = parse_mode(m)    # kernels (issues 17, 22)
                 ab = (opts["shard_map"] or opts["xla_grouped"] or opts["logit_rows"] != "engine"
                       or opts["kv_cache_dtype"] is not None or opts["decode_kernel"]
-                      or any(opts[k] is not None for k in _KERNEL_OPTIONS.values()))
+                      or opts["quantization"] is not None or any(opts[k] is not None for k in _KERNEL_OPTIONS.values()))
                 if ab and base in t and m != base:
                     row[f"{m}_over_{base}"] = t[m] / t[base]
             ratios.append(row)
@@ -419,6 +425,7 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
     board power sampled (GPU 0, nvidia-smi; sustain_step)."""
     from tqdm.auto import tqdm
 
+    from checkpoints.loader import quantize_bundle
     from nanojax.bench.roofline import measure_gemm_rate
     from nanojax.layers.kv_fp8 import resolve_kv_cache_dtype
     from nanojax.parallel.tp import TensorParallelForward
@@ -459,15 +466,17 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
             shard = options.pop("shard_map")
             how = options.pop("logit_rows")
             mode_kv = options.pop("kv_cache_dtype")
+            quant = options.pop("quantization") or cfg.quantization
+            mode_cfg = cfg.replace(quantization=quant)
             mode_kv_dtype = (kv_dtype if mode_kv is None
                              else resolve_kv_cache_dtype(mode_kv, cfg.dtype))
             mode_batches = {w: with_logit_rows(b, how) for w, b in batches.items()}
-            fwd = pipe = PipelineForward(cfg, p, base, tp=tp, **options)
-            kind = tp > 1 or shard
-            if kind:  # the tensor-parallel path (':shardmap' takes it at TP 1)
+            fwd = pipe = PipelineForward(mode_cfg, p, base, tp=tp, **options)
+            kind = (tp > 1 or shard, mode_cfg.quantization)
+            if kind[0]:  # the tensor-parallel path (':shardmap' takes it at TP 1)
                 fwd = TensorParallelForward(fwd, tp)
             if kind not in prepared:
-                prepared[kind] = fwd.prepare(bundle.params)
+                prepared[kind] = fwd.prepare(quantize_bundle(bundle, quant).params)
             params = prepared[kind]
             step = make_step(fwd)
             b0 = mode_batches[workloads[0]]

@@ -13,21 +13,23 @@ from nanojax.engine.sampling import SamplingParams
 class LLM:
     """model: a name, path or `random:<shape>` (loaded here, straight into its shards under
     tensor parallelism), or a loaded ModelBundle. The engine's options come as an
-    EngineConfig (`config`) or as its fields (`b_dense=...`), not both."""
+    EngineConfig (`config`) or as its fields (`b_dense=...`), not both. quantization="fp8"
+    runs the dense projections in FP8 (W8A8, weights quantized at load; vLLM's flag)."""
 
     def __init__(self, model: str | ModelBundle = "smollm2-135m", dtype: str | None = None,
                  cache_dir=None, forward=None, config: EngineConfig | None = None,
-                 **engine_kw):
+                 quantization: str | None = None, **engine_kw):
         if config is not None and engine_kw:
             raise ValueError(f"give either config or engine options, not both "
                              f"({sorted(engine_kw)})")
         config = config or EngineConfig(**engine_kw)
+        from checkpoints.loader import load_model, quantize_bundle
         if isinstance(model, ModelBundle):
-            bundle = model
+            bundle = quantize_bundle(model, quantization)
         else:
-            from checkpoints.loader import load_model
             bundle = load_model(model, dtype=dtype, cache_dir=cache_dir,
-                                tensor_parallel_size=config.tensor_parallel_size)
+                                tensor_parallel_size=config.tensor_parallel_size,
+                                quantization=quantization)
         self.engine = LLMEngine(bundle, config, forward=forward)
         self.tokenizer = bundle.tokenizer
 

@@ -1,5 +1,5 @@
 """The dense building blocks of the decoder: RMSNorm and a Linear whose GEMM can be swapped
-(layers/matmul.py gives a GEMM at a resource share)."""
+(layers/matmul.py gives a GEMM at a resource share) or quantized (layers/fp8.py)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -8,6 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from nanojax.layers.fp8 import FP8, fp8_linear
 from nanojax.layers.quant import quantized_dot
 
 
@@ -28,9 +29,15 @@ class Linear(nn.Module):
     dtype: jnp.dtype
     use_bias: bool = False
     matmul: Callable | None = None  # None: jnp.dot (layers/matmul.py: a GEMM at a share)
+    # "fp8": e4m3 weight [out, in] + per-channel scales, FP8 activations (layers/fp8.py);
+    # its GEMM is XLA's FP8 GEMM whatever `matmul` says
+    quantization: str | None = None
+    static_input_scale: bool = False  # fp8: the checkpoint's input_scale, not per token
 
     @nn.compact
     def __call__(self, x):
+        if self.quantization == "fp8":
+            return self._bias(self._fp8(x))
         kernel = self.param("kernel", nn.initializers.normal(0.02),
                             (x.shape[-1], self.features), self.dtype)
         # output in the model dtype (GPUs accumulate bf16 GEMMs in f32 anyway): an f32
@@ -44,6 +51,18 @@ class Linear(nn.Module):
             y = quantized_dot(x, w).astype(self.dtype)
         else:
             y = (self.matmul or jnp.dot)(x.astype(self.dtype), kernel)
+        return self._bias(y)
+
+    def _fp8(self, x):
+        # real weights arrive quantized (checkpoints/quantize.py); these inits only shape
+        # the tree (random models are made in the float dtype, then quantized)
+        weight = self.param("weight", nn.initializers.zeros, (self.features, x.shape[-1]), FP8)
+        scale = self.param("weight_scale", nn.initializers.ones, (self.features,), jnp.float32)
+        in_scale = (self.param("input_scale", nn.initializers.ones, (), jnp.float32)
+                    if self.static_input_scale else None)
+        return fp8_linear(x.astype(self.dtype), weight, scale, in_scale, self.dtype)
+
+    def _bias(self, y):
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y

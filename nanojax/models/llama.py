@@ -9,6 +9,7 @@ parallelism.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -36,19 +37,23 @@ class DecoderLayer(nn.Module):
     grouped_gemm: str = "auto"  # an MoE FFN's expert GEMMs (KernelConfig.grouped_gemm)
 
     def setup(self):
-        c, dt, mm = self.cfg, _dtype(self.cfg), self.matmul
+        c, dt = self.cfg, _dtype(self.cfg)
+        # every dense projection: the model dtype's GEMM (at a share) or FP8 (config)
+        proj = functools.partial(Linear, dtype=dt, matmul=self.matmul,
+                                 quantization=c.quantization,
+                                 static_input_scale=c.activation_scale == "static")
         self.input_norm = RMSNorm(c.rms_norm_eps, dt)
-        self.q_proj = Linear(c.q_size, dt, c.attention_bias, mm)
-        self.k_proj = Linear(c.kv_size, dt, c.attention_bias, mm)
-        self.v_proj = Linear(c.kv_size, dt, c.attention_bias, mm)
-        self.o_proj = Linear(c.hidden_size, dt, matmul=mm)
+        self.q_proj = proj(c.q_size, use_bias=c.attention_bias)
+        self.k_proj = proj(c.kv_size, use_bias=c.attention_bias)
+        self.v_proj = proj(c.kv_size, use_bias=c.attention_bias)
+        self.o_proj = proj(c.hidden_size)
         self.post_attention_norm = RMSNorm(c.rms_norm_eps, dt)
         if c.is_moe:  # Mixtral / Qwen2-MoE: a routed mixture of experts is the FFN
-            self.moe = MoEBlock(c, mm, self.grouped_gemm)
+            self.moe = MoEBlock(c, self.matmul, self.grouped_gemm)
         else:
-            self.gate_proj = Linear(c.intermediate_size, dt, matmul=mm)
-            self.up_proj = Linear(c.intermediate_size, dt, matmul=mm)
-            self.down_proj = Linear(c.hidden_size, dt, matmul=mm)
+            self.gate_proj = proj(c.intermediate_size)
+            self.up_proj = proj(c.intermediate_size)
+            self.down_proj = proj(c.hidden_size)
 
     def qkv(self, x):
         """[T, hidden] -> q [T, H, D], k, v [T, KVH, D] (unrotated)."""
@@ -162,7 +167,16 @@ def param_shapes(cfg: ModelConfig):
 
 def init_params(cfg: ModelConfig, seed: int = 0, shardings=None):
     """Random weights (normal, std 0.02; norms at 1) for shape-only runs, made on device;
-    with shardings (a tree like param_shapes'), each device makes only its shards."""
-    model = LlamaForCausalLM(cfg)
-    init = jax.jit(lambda r: model.init(r, *_dummy_call(cfg)), out_shardings=shardings)
-    return init(jax.random.PRNGKey(seed))
+    with shardings (a tree like param_shapes'), each device makes only its shards. A
+    quantized config gets the float model's weights quantized (the same values as
+    quantizing at load), inside the same jit."""
+    from nanojax.layers.fp8 import quantize_params
+    float_cfg = cfg.replace(quantization=None, activation_scale="dynamic")
+    model = LlamaForCausalLM(float_cfg)
+
+    def make(rng):
+        params = model.init(rng, *_dummy_call(float_cfg))
+        if cfg.quantization:
+            params = quantize_params(params, cfg.activation_scale == "static")
+        return params
+    return jax.jit(make, out_shardings=shardings)(jax.random.PRNGKey(seed))

@@ -91,22 +91,35 @@ class TPLayout:
                 a = a.reshape(*lead, c.num_kv_heads, 1, c.head_dim)
                 a = xp.broadcast_to(a, (*lead, c.num_kv_heads, r, c.head_dim))
                 return a.reshape(*lead, c.num_kv_heads * r * c.head_dim)
+            def repeat_rows(a):  # an FP8 weight [..., KVH * D, in]: its rows
+                return xp.swapaxes(repeat(xp.swapaxes(a, -1, -2)), -1, -2)
             for i in range(c.num_layers):
                 layer = dict(p[f"layers_{i}"])
                 for name in ("k_proj", "v_proj"):
-                    layer[name] = {k: repeat(v) for k, v in layer[name].items()}
+                    layer[name] = {k: repeat_rows(v) if k == "weight" else
+                                   v if k == "input_scale" else repeat(v)
+                                   for k, v in layer[name].items()}
                 p[f"layers_{i}"] = layer
         return {"params": p}
 
 
 def param_spec(path, ndim: int) -> P:
     """The PartitionSpec of a parameter from its tree path (stacked layers included:
-    the split axis is counted from the end)."""
-    names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
+    the split axis is counted from the end). An FP8 projection's weight is [out, in]
+    (layers/fp8.py): its axes are the other way round, its scales follow `out`."""
+    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    names, leaf = set(keys), keys[-1] if keys else None
+    column, row = bool(names & set(_COLUMN)), bool(names & set(_ROW))
     axis = None
-    if names & set(_COLUMN):
+    if leaf == "input_scale" or (leaf == "weight_scale" and row):
+        axis = None  # one scale per tensor / per output channel of a row-split weight
+    elif leaf == "weight_scale":
         axis = ndim - 1
-    elif names & set(_ROW) and ndim >= 2:
+    elif leaf == "weight" and (column or row):
+        axis = ndim - 2 if column else ndim - 1
+    elif column:
+        axis = ndim - 1
+    elif row and ndim >= 2:
         axis = ndim - 2
     spec = [None] * ndim
     if axis is not None:

@@ -19,11 +19,14 @@ def environment() -> dict:
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
-def run_record(config=None) -> dict:
-    """command + environment (+ the config dataclass, as a dict) of this process."""
+def run_record(config=None, model_config=None) -> dict:
+    """command + environment (+ the config dataclass, as a dict, and the model's config:
+    its shape, dtype and quantization) of this process."""
     rec = {"command": " ".join(["nanojax"] + sys.argv[1:]), "env": environment()}
     if config is not None:
         rec["config"] = dataclasses.asdict(config)
+    if model_config is not None:
+        rec["model_config"] = model_config.to_dict()
     return rec
 
 

@@ -1,0 +1,25 @@
+#!/bin/bash
+# FP8 on one H200 (issue 42), one call: the FP8 projection against torch._scaled_mm at the
+# LLaMA-3-8B shapes (bench/kernels/fp8_gemm.py, torch and JAX in one process), then the
+# 32-layer step at B_dense 2048 with bf16 weights, FP8 weights (':fp8w', W8A8 quantized
+# from the same random weights) and FP8 weights + FP8 KV in one process, held 2 s per mode
+# and workload for power and clock, with a timeline; the step's optimized HLO is searched
+# for cuBLASLt's FP8 GEMM.
+# Usage: OUT=dir bash bench/repro/fp8/gemm_and_step_h200.sh
+set -u
+OUT=${OUT:?set OUT}
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+timeout "${LIMIT_GEMM:-150}" python3 bench/kernels/fp8_gemm.py --out "$OUT/fp8_gemm_h200.json" \
+  2>&1 | grep -v "^[WI]1" | cut -c1-400
+timeout "${LIMIT_STEP:-400}" python3 -m nanojax bench step --model random:llama3-8b \
+  --plan llama3-8b-1gpu --b-dense 2048 --workloads "${WORKLOADS:-512/512,sharegpt,lmsys,splitwise}" \
+  --modes "${MODES:-non-overlap,non-overlap::fp8w,non-overlap::fp8w:fp8kv,non-overlap::fp8w:dotmerge}" \
+  --repeats 10 --sustain-seconds "${SUSTAIN:-2}" --timeline "$OUT/timeline_fp8.png" \
+  --dump-hlo "$OUT/hlo" --quiet --json "$OUT/step_fp8_h200.json" 2>&1 | grep -v "^[WI]1" | tail -n 30
+for f in "$OUT"/hlo/*after_optimizations.txt; do
+  [ -f "$f" ] || continue
+  echo "$(basename "$f"): fp8 cublasLt calls $(grep -c 'cublas\$lt\$matmul\$f8' "$f"), other cublas $(grep -c 'custom_call_target="__cublas\$gemm\|custom_call_target="__cublas\$lt\$matmul"' "$f")"
+done > "$OUT/hlo_fp8_calls.txt"
+cat "$OUT/hlo_fp8_calls.txt" | head -20
+rm -rf "$OUT/hlo"
+ls -la "$OUT"

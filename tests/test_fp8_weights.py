@@ -1,0 +1,256 @@
+"""FP8 weights and activations (W8A8, nanojax/layers/fp8.py): the projection against its
+float32 reference, quantization at load (`--quantization fp8`), the FP8 checkpoint
+formats vLLM loads (compressed-tensors, 'fp8'), the orbax round trip, tensor parallelism's
+layout, and the engine's tokens against the plain reference on the quantized model."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from checkpoints.hf_import import load_hf_dir
+from checkpoints.hf_quantization import fp8_scheme
+from checkpoints.loader import load_model, quantize_bundle
+from checkpoints.orbax_store import load_orbax, save_orbax
+from nanojax.config import named_shape
+from nanojax.errors import UnsupportedError
+from nanojax.layers.fp8 import (FP8, FP8_MAX, fp8_linear, quantize_activation,
+                                quantize_weight, reference_linear)
+
+
+def _rand(shape, seed, scale=1.0):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32) * scale
+
+
+def test_weight_scales_map_each_channel_absmax_to_448():
+    kernel = _rand((64, 24), 0, 0.02).at[:, 3].set(0.0)  # [in, out]; one all-zero channel
+    w8, scale = quantize_weight(kernel)
+    assert w8.dtype == FP8 and w8.shape == (24, 64) and scale.shape == (24,)
+    amax = np.abs(np.asarray(w8, np.float32)).max(axis=1)
+    np.testing.assert_allclose(np.delete(amax, 3), FP8_MAX)
+    assert amax[3] == 0.0 and np.isfinite(np.asarray(scale)).all()
+    back = np.asarray(w8, np.float32) * np.asarray(scale)[:, None]
+    np.testing.assert_allclose(back.T, kernel, atol=0.02 * 4 / 16)  # e4m3: 3 mantissa bits
+
+
+def test_activations_are_scaled_per_token_or_by_the_static_scale():
+    x = _rand((5, 32), 1) * jnp.arange(1, 6)[:, None]  # rows of different magnitudes
+    x8, sx = quantize_activation(x)
+    assert sx.shape == (5, 1)
+    np.testing.assert_allclose(np.abs(np.asarray(x8, np.float32)).max(axis=1), FP8_MAX)
+    x8s, s = quantize_activation(x * 100, jnp.float32(0.01))  # saturates, never inf / NaN
+    assert s.shape == () and np.abs(np.asarray(x8s, np.float32)).max() == FP8_MAX
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_linear_matches_its_float32_reference(dtype):
+    x = _rand((16, 128), 2).astype(dtype)
+    kernel = _rand((128, 48), 3, 0.02)
+    w8, sw = quantize_weight(kernel)
+    got = np.asarray(fp8_linear(x, w8, sw), np.float32)
+    ref = np.asarray(reference_linear(x, w8, sw))
+    tol = 1e-5 if dtype == "float32" else 1e-2  # bf16: the output's own rounding
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < tol
+    exact = np.asarray(x, np.float32) @ np.asarray(kernel)
+    err = np.linalg.norm(got - exact) / np.linalg.norm(exact)
+    assert 5e-3 < err < 0.06  # e4m3 operands: a few percent, not more, and not zero
+
+
+def test_quantized_random_model_is_fp8_and_close_to_the_float_one(tiny_bundle):
+    fp8 = quantize_bundle(tiny_bundle, "fp8")
+    assert fp8.config.quantization == "fp8" and tiny_bundle.config.quantization is None
+    layer = fp8.params["params"]["layers_0"]
+    assert layer["q_proj"]["weight"].dtype == FP8 and "kernel" not in layer["q_proj"]
+    assert fp8.params["params"]["lm_head"]["kernel"].dtype == np.float32  # stays float
+    # made quantized (random:<shape> with quantization) == quantized after loading
+    direct = load_model("random:tiny", dtype="float32", quantization="fp8")
+    for a, b in zip(jax.tree_util.tree_leaves(direct.params), jax.tree_util.tree_leaves(fp8.params)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    from nanojax.reference import ReferenceGenerator
+    ids = list(range(1, 40))
+    ref = ReferenceGenerator(tiny_bundle.config, tiny_bundle.params, max_len=64).logits(ids)
+    got = ReferenceGenerator(fp8.config, fp8.params, max_len=64).logits(ids)
+    assert np.abs(got - ref).max() / ref.std() < 0.3
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.85
+
+
+def test_engine_tokens_equal_the_reference_on_the_fp8_model(tiny_bundle):
+    """The engine (paged cache, dense batch, layer-wise CPU forward) runs the quantized
+    model exactly as the one-sequence reference does: the same greedy tokens."""
+    from nanojax.engine.llm import LLM
+    from nanojax.engine.sampling import SamplingParams
+    from nanojax.reference import ReferenceGenerator
+    llm = LLM(tiny_bundle, quantization="fp8", b_dense=32, max_model_len=128)
+    bundle = quantize_bundle(tiny_bundle, "fp8")
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [300, 2, 41], list(range(100, 140))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0,
+                                                ignore_eos=True), use_tqdm=False)
+    ref = ReferenceGenerator(bundle.config, bundle.params, max_len=128)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == ref.generate(p, 10, ignore_eos=True)
+
+
+def test_requantizing_or_quantizing_moe_is_refused(tiny_bundle):
+    fp8 = quantize_bundle(tiny_bundle, "fp8")
+    assert quantize_bundle(fp8, "fp8") is fp8  # an FP8 checkpoint asked for FP8: as it is
+    with pytest.raises(UnsupportedError, match="MoE"):
+        named_shape("tiny-moe").replace(quantization="fp8")
+    with pytest.raises(UnsupportedError, match="int4"):
+        named_shape("tiny").replace(quantization="int4")
+    with pytest.raises(UnsupportedError, match="int4"):
+        quantize_bundle(tiny_bundle, "int4")
+
+
+def test_orbax_round_trip_keeps_fp8(tiny_bundle, tmp_path):
+    fp8 = quantize_bundle(tiny_bundle, "fp8")
+    dst = save_orbax(fp8, tmp_path / "ck")
+    back = load_orbax(dst, dtype="bfloat16")  # the model dtype changes, FP8 stays FP8
+    assert back.config.quantization == "fp8" and back.config.dtype == "bfloat16"
+    q = back.params["params"]["layers_1"]["down_proj"]
+    assert q["weight"].dtype == FP8 and q["weight_scale"].dtype == np.float32
+    np.testing.assert_array_equal(
+        np.asarray(q["weight"], np.float32),
+        np.asarray(fp8.params["params"]["layers_1"]["down_proj"]["weight"], np.float32))
+    assert back.params["params"]["embed"]["embedding"].dtype == jnp.bfloat16
+
+
+def test_tp_specs_split_fp8_weights_along_their_own_axes():
+    from jax.sharding import PartitionSpec as P
+
+    from nanojax.parallel.tp import TP_AXIS, TPLayout, param_spec
+    key = jax.tree_util.DictKey
+    spec = lambda *names, ndim=2: param_spec([key(n) for n in names], ndim)  # noqa: E731
+    assert spec("layers_0", "q_proj", "weight") == P(TP_AXIS, None)     # [out, in]: out
+    assert spec("layers_0", "q_proj", "weight_scale", ndim=1) == P(TP_AXIS)
+    assert spec("layers_0", "o_proj", "weight") == P(None, TP_AXIS)     # row-parallel: in
+    assert spec("layers_0", "o_proj", "weight_scale", ndim=1) == P(None)
+    assert spec("layers_0", "q_proj", "input_scale", ndim=0) == P()
+    assert spec("layers_0", "q_proj", "kernel") == P(None, TP_AXIS)     # float: [in, out]
+    # KV heads repeated for TP 4 > 2 KV heads: an FP8 weight's rows, its scales alike
+    cfg = named_shape("tiny", "float32").replace(quantization="fp8")
+    from nanojax.models import init_params
+    params = jax.tree_util.tree_map(np.asarray, init_params(cfg))
+    out = TPLayout(cfg, 4).transform(params, np)["params"]["layers_0"]["k_proj"]
+    w = params["params"]["layers_0"]["k_proj"]["weight"].astype(np.float32)  # [KVH * D, in]
+    d = cfg.head_dim
+    rep = out["weight"].astype(np.float32)
+    assert rep.shape == (2 * w.shape[0], w.shape[1])
+    np.testing.assert_array_equal(rep[:d], w[:d])
+    np.testing.assert_array_equal(rep[d:2 * d], w[:d])      # head 0 twice, then head 1
+    np.testing.assert_array_equal(rep[2 * d:3 * d], w[d:2 * d])
+    assert out["weight_scale"].shape == (2 * w.shape[0],)
+
+
+# ---- FP8 checkpoints as vLLM loads them ---------------------------------------------
+_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _float_hf_dir(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path / "float", safe_serialization=True)
+    return model
+
+
+def _write_fp8_dir(tmp_path, fmt: str, model):
+    """The float checkpoint rewritten in an FP8 format's documented safetensors layout:
+    e4m3 `weight` [out, in] + `weight_scale` (compressed-tensors: [out, 1] per channel;
+    'fp8': a per-tensor scalar, with a static `input_scale`)."""
+    import torch
+    from safetensors.torch import save_file
+    out = {}
+    for name, p in model.state_dict().items():
+        p = p.detach().float()
+        if not name.endswith(tuple(f"{n}.weight" for n in _PROJ)):
+            out[name] = p.contiguous()
+            continue
+        per_channel = fmt == "compressed-tensors"
+        amax = p.abs().amax(dim=1, keepdim=True) if per_channel else p.abs().amax()
+        scale = amax.clamp(min=1e-12) / FP8_MAX
+        out[name] = (p / scale).to(torch.float8_e4m3fn).contiguous()
+        out[name.replace(".weight", ".weight_scale")] = scale.reshape(-1, 1) if per_channel \
+            else scale.reshape(())
+        if not per_channel:
+            out[name.replace(".weight", ".input_scale")] = torch.tensor(0.02)
+    d = tmp_path / fmt
+    d.mkdir()
+    save_file(out, str(d / "model.safetensors"))
+    hf = json.loads((tmp_path / "float" / "config.json").read_text())
+    hf["quantization_config"] = {
+        "compressed-tensors": {
+            "quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                            "symmetric": True, "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                      "symmetric": True, "dynamic": True}}},
+            "ignore": ["lm_head"]},
+        "fp8": {"quant_method": "fp8", "activation_scheme": "static"}}[fmt]
+    (d / "config.json").write_text(json.dumps(hf))
+    return d
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "fp8"])
+def test_fp8_checkpoints_load_and_run_close_to_the_float_model(tmp_path, fmt):
+    import torch
+
+    from nanojax.reference import ReferenceGenerator
+    model = _float_hf_dir(tmp_path)
+    bundle = load_hf_dir(_write_fp8_dir(tmp_path, fmt, model), dtype="float32",
+                         progress=False)
+    cfg = bundle.config
+    assert cfg.quantization == "fp8"
+    assert cfg.activation_scale == ("static" if fmt == "fp8" else "dynamic")
+    q = bundle.params["params"]["layers_0"]["q_proj"]
+    assert q["weight"].dtype == FP8 and q["weight_scale"].shape == (64,)
+    if fmt == "compressed-tensors":  # per channel: the same values as quantizing at load
+        at_load = quantize_bundle(load_hf_dir(tmp_path / "float", dtype="float32",
+                                              progress=False), "fp8")
+        np.testing.assert_array_equal(
+            np.asarray(q["weight"], np.float32),
+            np.asarray(at_load.params["params"]["layers_0"]["q_proj"]["weight"], np.float32))
+    else:
+        assert float(q["input_scale"]) == pytest.approx(0.02)
+        assert len(set(np.asarray(q["weight_scale"]).tolist())) == 1  # per tensor
+    ids = list(np.random.default_rng(0).integers(0, 300, size=40))
+    ours = ReferenceGenerator(cfg, bundle.params, max_len=64).logits(ids)
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(ours - theirs).max() / theirs.std() < 0.5
+    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.8
+
+
+@pytest.mark.parametrize("qc,match", [
+    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "pack-quantized"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float",
+                                          "strategy": "group", "group_size": 128}}}},
+     "strategy 'group'"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float",
+                                          "strategy": "channel"}}},
+      "ignore": ["lm_head", "model.layers.0.mlp.down_proj"]}, "unquantized"),
+])
+def test_unsupported_quantized_checkpoints_are_refused_by_name(qc, match):
+    with pytest.raises(UnsupportedError, match=match):
+        fp8_scheme({"quantization_config": qc})
+    assert fp8_scheme({}) == (None, "dynamic")
+
+
+def test_cli_info_shows_the_quantization(capsys):
+    from nanojax.cli import main
+    assert main(["info", "random:tiny", "--quantization", "fp8"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["quantization"] == "fp8" and info["config"]["quantization"] == "fp8"
+    with pytest.raises(SystemExit):
+        main(["info", "random:tiny", "--quantization", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
