@@ -6,39 +6,88 @@ import json
 import sys
 import time
 
+from nanojax.config import QUANTIZATIONS
 from nanojax.config_flags import add_engine_args, add_model_args, engine_config_from_args
-from nanojax.errors import NanojaxError
+from nanojax.errors import ConfigError, NanojaxError
 from nanojax.pipeline.streams import add_stream_xla_flags
 
 
-def _positive_int(s: str) -> int:
-    v = int(s)
+def _parsed(convert, s: str, expected: str):
+    """argparse says "invalid <function name> value" for a ValueError: name the expectation."""
+    try:
+        return convert(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {s!r}") from None
+
+
+def integer(s: str) -> int:
+    return _parsed(int, s, "an integer")
+
+
+def number(s: str) -> float:
+    return _parsed(float, s, "a number")
+
+
+def positive_int(s: str) -> int:
+    v = _parsed(int, s, "a positive integer")
     if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
     return v
 
 
-def _nonneg_float(s: str) -> float:
-    v = float(s)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+def non_negative_float(s: str) -> float:
+    v = _parsed(float, s, "a number >= 0")
+    if not v >= 0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {s!r}")
     return v
+
+
+def token_ids_list(s: str) -> list[int]:
+    ids = _parsed(lambda t: [int(x) for x in t.split(",")], s,
+                  "comma-separated token ids such as 1,2,3")
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative token ids, got {s!r}")
+    return ids
+
+
+def _no_tokenizer(model: str) -> ConfigError:
+    return ConfigError(f"{model} has no tokenizer: give the prompt as token ids, e.g. "
+                       "--prompt-token-ids 1,2,3")
+
+
+def _check_generate_args(args):
+    """What can be refused without the model is refused before its load (seconds), and
+    the SamplingParams built here are the ones generate runs."""
+    from checkpoints.loader import RANDOM_PREFIX
+    from nanojax.engine.sampling import SamplingParams
+
+    if (args.prompt is None) == (args.prompt_token_ids is None):
+        raise ConfigError("give either a prompt or --prompt-token-ids (one of them)")
+    if args.prompt is not None and args.model.startswith(RANDOM_PREFIX):
+        raise _no_tokenizer(args.model)  # random:<shape> models come without one
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+
+
+def _prompt(args, tokenizer):
+    if args.prompt_token_ids is not None:
+        return args.prompt_token_ids  # fed as they are, as vLLM's prompt_token_ids
+    if tokenizer is None:
+        raise _no_tokenizer(args.model)
+    if args.no_chat_template:
+        return args.prompt
+    return tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
 
 
 def cmd_generate(args) -> int:
     from nanojax.engine.llm import LLM
-    from nanojax.engine.sampling import SamplingParams
 
+    params = _check_generate_args(args)
     t0 = time.time()
     llm = LLM(model=args.model, dtype=args.dtype, cache_dir=args.cache_dir,
-              config=engine_config_from_args(args))
+              quantization=args.quantization, config=engine_config_from_args(args))
     print(f"nanojax: loaded {args.model} in {time.time() - t0:.1f}s", file=sys.stderr)
-    if args.no_chat_template:
-        prompt = args.prompt
-    else:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    prompt = _prompt(args, llm.tokenizer)
     t1 = time.time()
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     dt = time.time() - t1
@@ -47,6 +96,8 @@ def cmd_generate(args) -> int:
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids,
                           "finish_reason": out.finish_reason}))
+    elif llm.tokenizer is None:  # no text to show: the ids, as --prompt-token-ids takes them
+        print(",".join(map(str, out.token_ids)))
     else:
         print(out.text)
     return 0
@@ -61,9 +112,11 @@ def cmd_convert(args) -> int:
 
 def cmd_info(args) -> int:
     from checkpoints.loader import load_model
-    bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
+    bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
+                        quantization=args.quantization)
     cfg = bundle.config
-    info = {"model": args.model, "config": cfg.to_dict(), "parameters": cfg.param_count(),
+    info = {"model": args.model, "quantization": cfg.quantization,
+            "config": cfg.to_dict(), "parameters": cfg.param_count(),
             "active_parameters": cfg.active_param_count(),
             "kv_bytes_per_token": cfg.kv_bytes_per_token()}
     if bundle.tokenizer is not None:
@@ -80,13 +133,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt")
-    g.add_argument("prompt")
+    g.add_argument("prompt", nargs="?", default=None,
+                   help="the prompt text (or give --prompt-token-ids)")
+    g.add_argument("--prompt-token-ids", type=token_ids_list, default=None, metavar="IDS",
+                   help="the prompt as comma-separated token ids (e.g. 1,2,3), fed raw; "
+                        "random:<shape> models, which have no tokenizer, take only these")
     add_model_args(g)
-    g.add_argument("--max-tokens", type=_positive_int, default=64)
-    g.add_argument("--temperature", type=_nonneg_float, default=0.0, help="0 is greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=positive_int, default=64)
+    g.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-p", type=number, default=1.0)
+    g.add_argument("--top-k", type=integer, default=-1)
+    g.add_argument("--seed", type=integer, default=None)
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt raw")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token_ids) on stdout")
@@ -105,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("model")
     i.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     i.add_argument("--cache-dir", default=None)
+    i.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="as generate/serve take it: show the model quantized")
     i.set_defaults(func=cmd_info)
 
     for register in _extra_commands():

@@ -12,6 +12,7 @@ from nanojax.errors import CheckpointError, NanojaxError
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves the template
 
 
 class ChatTemplateError(NanojaxError):
@@ -67,6 +68,11 @@ class Tokenizer:
         for key in ("bos_token", "eos_token"):
             if isinstance(config.get(key), dict):
                 config[key] = config[key].get("content")
+        template_path = directory / CHAT_TEMPLATE_FILE
+        if template_path.is_file():
+            # as in transformers, the file wins over the config's entry; kept in the
+            # config, so that save() writes it into a converted checkpoint
+            config["chat_template"] = template_path.read_text(encoding="utf-8")
         return cls(backend, config)
 
     # ---- text <-> ids ------------------------------------------------------------------
@@ -84,7 +90,8 @@ class Tokenizer:
         return self.backend.id_to_token(int(token_id))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = False):
+                            tokenize: bool = False, tools: list[dict] | None = None):
+        """tools: OpenAI function tools, handed to the template as transformers does."""
         if not self.chat_template:
             raise ChatTemplateError("this model's tokenizer has no chat template")
         if self._template is None:
@@ -96,15 +103,22 @@ class Tokenizer:
 
             env.globals["raise_exception"] = raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env.filters["tojson"] = _tojson  # transformers': tool templates rely on it
             self._template = env.from_string(self.chat_template)
         try:
             text = self._template.render(messages=messages,
                                          add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "",
-                                         eos_token=self.eos_token or "")
+                                         eos_token=self.eos_token or "", tools=tools)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from None
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """JSON as transformers' chat templates get it: not HTML-escaped like jinja's own."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 class IncrementalDetokenizer:

@@ -59,9 +59,13 @@ def test_kernel_on_gpu(programs, block_k, stages, wgs):
     assert rel_error(out, q, k, v, pt, lens) < REL_TOL_BF16
 
 
+SLOW = pytest.mark.slow  # the swap-AB kernel in the interpreter: 25-35 s a case on 2 cores
+
+
 @pytest.mark.parametrize("kernel,block_q,longest", [
-    ("mosaic", None, False), ("mosaic-rows", None, False), ("mosaic", 4, False),
-    ("mosaic", 4, True)])  # the swap-AB kernel's workers taking sequences longest first
+    pytest.param("mosaic", None, False, marks=SLOW), ("mosaic-rows", None, False),
+    pytest.param("mosaic", 4, False, marks=SLOW),
+    pytest.param("mosaic", 4, True, marks=SLOW)])  # swap-AB workers take the longest first
 def test_the_attention_backend_can_route_decode_rows_to_it(kernel, block_q, longest):
     """pallas_backend(decode_kernel="mosaic" (swap-AB) or "mosaic-rows"): a dense batch of
     decodes and a prefill chunk (each token a decode row at its own position; with

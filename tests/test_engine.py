@@ -30,6 +30,7 @@ def _random_workload(rng, n, vocab, max_prompt, max_out):
     return prompts, outs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_chunked_prefill_and_preemption_match_reference(smollm2, smol_reference,
                                                         async_scheduling):
@@ -89,6 +90,7 @@ def test_expected_length_follows_finished_requests(tiny_bundle):
                 admission="eager")
 
 
+@pytest.mark.slow
 def test_llm_generate_64_requests_match_reference(smollm2, smol_reference):
     """The issue's acceptance check: 64 chat prompts through LLM.generate, greedy."""
     from checkpoints.bundle import ModelBundle
@@ -113,6 +115,7 @@ def test_llm_generate_64_requests_match_reference(smollm2, smol_reference):
         assert out.text == llm.tokenizer.decode(ref)
 
 
+@pytest.mark.slow
 def test_seed_gives_same_text_in_any_batch(smollm2):
     params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, top_k=50, seed=1234,
                             ignore_eos=True)
@@ -188,6 +191,7 @@ def test_bad_requests_are_refused(smollm2):
 
 
 # ---- randomized workloads on a tiny random model: invariants, not token values ----------
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())

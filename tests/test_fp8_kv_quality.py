@@ -10,9 +10,12 @@ prompt's first divergence (this 32-prompt subset: 33%), teacher-forced top-1 agr
 token in 64 is common; the floors below sit under the measurement with margin, and a
 broken FP8 path (wrong scale, no saturation, a dtype mix-up) lands far outside them.
 """
+import pytest
+
 from nanojax.bench.kv_quality import QUALITY_PROMPTS, measure
 
 
+@pytest.mark.slow
 def test_fp8_kv_agrees_with_bf16_kv(smollm2):
     res = measure(smollm2, QUALITY_PROMPTS[:32], 64, ("fp8",), "bf16", log=lambda m: None,
                   calibrate=False)

@@ -66,6 +66,7 @@ def test_out_of_order_plan_is_refused():
         PipelineForward(cfg, plan)
 
 
+@pytest.mark.slow
 def test_all_modes_give_the_reference_tokens(smollm2):
     from nanojax.reference import ReferenceGenerator
     plan = _plan_for(smollm2.config, 32)

@@ -264,6 +264,7 @@ def test_fuzz_bad_requests(server, route, body, auth):
 
 
 # ---- load: 200+ requests, some cancelled mid-stream --------------------------------------
+@pytest.mark.slow
 def test_load_with_cancellations(server, smollm2):
     from prometheus_client.parser import text_string_to_metric_families
     tok = smollm2.tokenizer

@@ -52,6 +52,7 @@ def tiny():
     return _worker("tiny", json.dumps(tp_plan()))
 
 
+@pytest.mark.slow
 def test_tp_tokens_equal_tp1(tiny):
     g = tiny["greedy"]
     assert g["1"] == g["2"] == g["4"]
@@ -64,11 +65,13 @@ def test_tp_tokens_equal_tp1(tiny):
         assert lp[tp][0] == pytest.approx(lp["1"][0], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_every_mode_equal_under_tp(tiny):
     for mode, toks in tiny["modes"].items():
         assert toks == tiny["greedy"]["1"], mode
 
 
+@pytest.mark.slow
 def test_per_device_bytes_are_one_over_tp(tiny):
     for tp in (2, 4):
         mine, whole = tiny["bytes"][str(tp)]
@@ -77,6 +80,7 @@ def test_per_device_bytes_are_one_over_tp(tiny):
         assert mine * tp == whole
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one(tiny):
     """2 processes x 2 CPU devices on localhost (jax.distributed, gloo collectives), TP 4
     over both: process 0 schedules and broadcasts each step; the tokens equal TP 1's."""

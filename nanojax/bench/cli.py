@@ -31,11 +31,13 @@ def _run_peer(args, max_model_len: int) -> dict:
     return peer
 
 
-def _run_modes(args, bundle, reqs, config, modes: list[str], partial: dict) -> dict:
+def _run_modes(args, bundle, reqs, config, modes: list[str], partial: dict,
+               grammar_tokenizer=None) -> dict:
     """mode -> offline result (or {"error"} for a plan mode that failed)."""
     import gc
 
     from nanojax.bench.offline import run_offline
+    from nanojax.bench.workload import structured_workload
     from nanojax.engine.llm_engine import LLMEngine
     from nanojax.parallel.multihost import is_leader
     results = partial["results"]
@@ -51,12 +53,15 @@ def _run_modes(args, bundle, reqs, config, modes: list[str], partial: dict) -> d
             if mode in ("sync", "async"):
                 config = config.replace(async_scheduling=mode == "async")
             eng = LLMEngine(bundle, config, forward=forward)
+            if grammar_tokenizer is not None:  # --tokenizer
+                eng.use_grammar_tokenizer(grammar_tokenizer)
             if not is_leader():  # process 0 schedules; this one runs its steps
                 eng.runner.follow()
                 continue
             from nanojax.bench.offline import timeline_window
             results[mode] = run_offline(eng, reqs, progress=not args.quiet,
-                                        timeline=timeline_window(args, mode, modes))
+                                        timeline=timeline_window(args, mode, modes),
+                                        structured=structured_workload(args))
             eng.runner.stop_followers()
         except Exception as e:  # record the failure of one mode, measure the others
             if not args.plan:
@@ -124,21 +129,43 @@ def _add_roofline(payload: dict, results: dict, cfg, b_dense: int) -> None:
                 optimal_tokens_per_s(cfg, CARD_TFLOPS * 1e12))
 
 
+def _grammar_tokenizer(args, bundle):
+    """--tokenizer's tokenizer (for a model without one), else None; refused where the
+    model has its own or where a structured run has no tokenizer at all."""
+    from nanojax.bench.workload import load_tokenizer
+    from nanojax.errors import NanojaxError
+    if args.tokenizer is None:
+        if args.structured_fraction and bundle.tokenizer is None:
+            raise NanojaxError(f"--structured-fraction: {args.model} has no tokenizer to "
+                               "compile a grammar against; give --tokenizer NAME_OR_DIR")
+        return None
+    if bundle.tokenizer is not None:
+        raise NanojaxError(f"--tokenizer: {args.model} has its own tokenizer")
+    return load_tokenizer(args.tokenizer, args.cache_dir)  # the engine checks its vocab
+
+
 def cmd_throughput(args) -> int:
     import jax
 
     from nanojax.parallel.multihost import init_distributed, is_leader
 
     from checkpoints.loader import load_model
-    from nanojax.bench.workload import make_requests
+    from nanojax.bench.workload import make_requests, structured_workload
+    from nanojax.errors import NanojaxError
     config = engine_config_from_args(args)
     peer = _run_peer(args, config.max_model_len) if args.peer else None
     init_distributed(args)
     bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
-                        tensor_parallel_size=config.tensor_parallel_size)
+                        num_layers=args.num_layers,
+                        tensor_parallel_size=config.tensor_parallel_size,
+                        quantization=args.quantization)
     if args.multi_round or args.reuse_modes:  # conversations, KV reuse modes compared
+        if args.structured_fraction or args.tokenizer:
+            raise NanojaxError("--structured-fraction and --tokenizer apply to single-round "
+                               "runs, not --multi-round / --reuse-modes")
         from nanojax.bench.multi_round import cmd_multi_round
         return cmd_multi_round(args, bundle)
+    grammar_tokenizer = _grammar_tokenizer(args, bundle)
     reqs = make_requests(args.num_prompts, bundle.config.vocab_size, args.input_len,
                          args.output_len, args.trace, config.max_model_len, args.seed)
     if args.plan:  # the nano-batch pipeline: compare its ablation modes in one run
@@ -146,12 +173,15 @@ def cmd_throughput(args) -> int:
     else:
         modes = {"both": ["sync", "async"], "async": ["async"],
                  "sync": ["sync"]}[args.scheduling]
-    payload = {**run_record(config), "model": args.model, "plan": args.plan,
+    structured = structured_workload(args)
+    payload = {**run_record(config, bundle.config), "model": args.model, "plan": args.plan,
                "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len,
                             "output_len": args.output_len, "trace": args.trace,
-                            "seed": args.seed},
+                            "seed": args.seed, "structured_fraction": structured.fraction,
+                            "structured_schema": structured.schema,
+                            "grammar_tokenizer": args.tokenizer},
                "results": {}}
-    results = _run_modes(args, bundle, reqs, config, modes, payload)
+    results = _run_modes(args, bundle, reqs, config, modes, payload, grammar_tokenizer)
     if not is_leader():  # the other processes ran process 0's steps
         return 0
     if peer is not None:
@@ -239,10 +269,11 @@ def cmd_step(args) -> int:
             "--xla_dump_hlo_as_text", "--xla_dump_hlo_module_re=.*step.*"]).strip()
     bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
                         num_layers=args.num_layers,
-                        tensor_parallel_size=args.tensor_parallel_size)
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        quantization=args.quantization)
     kernels = kernel_config_from_args(args)
     kv_cache_dtype = getattr(args, "kv_cache_dtype", "auto")
-    record = {**run_record(kernels), "model": args.model, "plan": args.plan,
+    record = {**run_record(kernels, bundle.config), "model": args.model, "plan": args.plan,
               "tensor_parallel_size": args.tensor_parallel_size,
               "kv_cache_dtype": kv_cache_dtype, "max_num_seqs": args.max_num_seqs}
     out = run_step_bench(bundle, plan, b_dense, args.workloads.split(","),
@@ -312,7 +343,11 @@ def register(sub) -> None:
     add_model_args(t)
     add_workload_args(t)
     add_engine_args(t, skip=("async_scheduling",))
+    from nanojax.bench.workload import add_structured_args
+    add_structured_args(t)
     t.add_argument("--scheduling", choices=["async", "sync", "both"], default="async")
+    t.add_argument("--num-layers", type=int, default=None,
+                   help="random:<shape> cut to its first layers (a quicker probe)")
     t.add_argument("--plan", default=None,
                    help="run the nano-batch executor with this plan (name or JSON path)")
     t.add_argument("--modes", default="non-overlap,nanobatch-only,overlap",

@@ -10,7 +10,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from nanojax.bench.steady import steady_state
-from nanojax.bench.workload import BenchRequest
+from nanojax.bench.workload import BenchRequest, StructuredWorkload
 from nanojax.engine.gc_freeze import GcPauses
 from nanojax.engine.llm_engine import LLMEngine
 from nanojax.engine.sampling import SamplingParams
@@ -61,12 +61,40 @@ def _run(engine: LLMEngine, bar, window: TimelineWindow | None) -> tuple[dict, d
     return done, report
 
 
+def _params(requests: list[BenchRequest], structured: StructuredWorkload | None,
+            max_tokens: int | None = None) -> list[SamplingParams]:
+    """Greedy, EOS ignored (every request runs to its length); the structured workload's
+    rows under its constraint, which may end them earlier ("stop")."""
+    rows = structured.rows(len(requests)) if structured else [False] * len(requests)
+    return [SamplingParams(max_tokens=max_tokens or r.output_len, ignore_eos=True,
+                           temperature=0,
+                           structured_outputs=structured.constraint() if row else None)
+            for r, row in zip(requests, rows)]
+
+
+def _structured_report(structured: StructuredWorkload, outs: list) -> dict:
+    """How the constrained and the other requests ended ("stop": the grammar completed)."""
+    rows = structured.rows(len(outs))
+    reasons = {"constrained": {}, "unconstrained": {}}
+    for row, out in zip(rows, outs):
+        counts = reasons["constrained" if row else "unconstrained"]
+        counts[out.finish_reason] = counts.get(out.finish_reason, 0) + 1
+    return {"fraction": structured.fraction, "schema": structured.schema,
+            "requests": sum(rows), "finish_reasons": reasons}
+
+
 def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool = True,
-                warmup: bool = True, timeline: TimelineWindow | None = None) -> dict:
+                warmup: bool = True, timeline: TimelineWindow | None = None,
+                structured: StructuredWorkload | None = None,
+                keep_outputs: bool = False) -> dict:
     """Tokens are counted from the outputs actually produced, not from the request list.
     The result's "steady_state" is the report of bench/steady.py: fill, tokens/s, host time
     and preemptions in the window where the engine was saturated; with a timeline window,
-    "timeline" summarizes the profiled iterations (their events go to its path)."""
+    "timeline" summarizes the profiled iterations (their events go to its path).
+    structured: which requests are under a JSON schema ("structured" in the result: the
+    fraction, the schema and how they ended). keep_outputs: each request's output token
+    ids as "outputs" (tests)."""
+    t_warmup = time.perf_counter()
     if warmup and engine.offloader is not None:  # the KV offload's page copies
         engine.offloader.warmup()
     if warmup and engine.runner.fixed_shapes:  # every shape it can launch, before timing
@@ -74,17 +102,17 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
     elif warmup:  # compile the common shapes outside the timed region, with prompts that
         # share no prefix with the workload's (a warm-up must not seed the prefix cache)
         vocab = engine.model_config.vocab_size
-        for r in requests[: min(len(requests), engine.scheduler.max_num_seqs)]:
-            engine.add_request([(t + 1) % vocab for t in r.prompt_ids[:64]],
-                               SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
+        head = requests[: min(len(requests), engine.scheduler.max_num_seqs)]
+        for r, params in zip(head, _params(head, structured, max_tokens=4)):
+            engine.add_request([(t + 1) % vocab for t in r.prompt_ids[:64]], params)
         engine.run_to_completion()
+    warmup_s = time.perf_counter() - t_warmup
     compiles_before = engine.runner.num_compiles + engine.runner.num_sampler_compiles
     steps_before, tokens_before = engine.stats.steps, engine.stats.scheduled_tokens
     host_before, wait_before = engine.stats.host_s, engine.stats.wait_s
     engine.stats.trace = []  # one record per iteration, for the steady-state report
-    ids = [engine.add_request(r.prompt_ids, SamplingParams(max_tokens=r.output_len,
-                                                           ignore_eos=True, temperature=0))
-           for r in requests]
+    ids = [engine.add_request(r.prompt_ids, params)
+           for r, params in zip(requests, _params(requests, structured))]
     t0 = time.perf_counter()
     with (tqdm(total=len(ids), desc="requests", unit="req", disable=not progress) as bar,
           GcPauses() as gc_pauses):
@@ -113,6 +141,7 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
         "host_ms_per_iteration": 1e3 * (engine.stats.host_s - host_before) / iterations,
         "device_wait_share": (engine.stats.wait_s - wait_before) / wall,
         "preemptions": engine.scheduler.num_preemptions,
+        "warmup_s": warmup_s,  # compiling before the timed run (fixed shapes: all of it)
         "compiles_during_run": (engine.runner.num_compiles
                                 + engine.runner.num_sampler_compiles - compiles_before),
         # the collector's pauses on the engine thread (the loop runs with gc.freeze)
@@ -123,4 +152,7 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
                                      output_tokens / max(1, len(ids)) + 1),
         "output_digests": digests,  # per request, to compare modes' tokens
         **({"timeline": timeline_report} if timeline_report else {}),
+        **({"structured": _structured_report(structured, [done[i] for i in ids])}
+           if structured else {}),
+        **({"outputs": [done[i].token_ids for i in ids]} if keep_outputs else {}),
     }

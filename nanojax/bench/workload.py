@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import math
 
 import numpy as np
 
@@ -49,6 +51,97 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="splitwise, lmsys, sharegpt, or a TIMESTAMP,ContextTokens,"
                         "GeneratedTokens CSV")
     p.add_argument("--seed", type=int, default=0)
+
+
+# structured outputs' default benchmark constraint: an array of integers the grammar does
+# not let close before 100,000 items (llguidance counts them lazily: no compile cost), so a
+# constrained request runs to its output length like the others and the workloads compare
+# like with like; without minItems a random model closes some arrays after a few tokens
+DEFAULT_STRUCTURED_SCHEMA = {"type": "array", "items": {"type": "integer"}, "minItems": 100000}
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredWorkload:
+    """Which requests of a workload are constrained: `fraction` of them, spread evenly
+    (structured_rows), each under the JSON schema `schema`."""
+    fraction: float = 0.0
+    schema: dict = dataclasses.field(default_factory=lambda: dict(DEFAULT_STRUCTURED_SCHEMA))
+
+    def rows(self, num: int) -> list[bool]:
+        return structured_rows(num, self.fraction)
+
+    def constraint(self) -> dict:
+        """The SamplingParams.structured_outputs of a constrained request."""
+        return {"json": self.schema}
+
+
+def structured_rows(num: int, fraction: float) -> list[bool]:
+    """Request i is constrained where floor((i+1)F) > floor(iF): floor(num F) of them,
+    evenly spread and the same every run (F 0.25: every fourth, from the fourth)."""
+    return [math.floor((i + 1) * fraction) > math.floor(i * fraction) for i in range(num)]
+
+
+def structured_fraction(text: str) -> float:
+    """argparse type of --structured-fraction: a number in [0, 1] (not NaN)."""
+    try:
+        f = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= f <= 1.0:  # NaN fails both comparisons
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return f
+
+
+def json_schema(text: str) -> dict:
+    """argparse type of --structured-schema: a JSON object."""
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise argparse.ArgumentTypeError("a JSON schema must be an object")
+    return schema
+
+
+def add_structured_args(p: argparse.ArgumentParser) -> None:
+    """The offline benchmark's structured-outputs flags."""
+    p.add_argument("--structured-fraction", type=structured_fraction, default=0.0,
+                   metavar="F", help="constrain this fraction (0..1) of the requests, "
+                   "evenly spread, with a JSON schema (--structured-schema); default 0")
+    p.add_argument("--structured-schema", type=json_schema, default=None, metavar="JSON",
+                   help="the constrained requests' JSON schema (default: "
+                        f"{json.dumps(DEFAULT_STRUCTURED_SCHEMA)}: no request ends before "
+                        "its output length)")
+    p.add_argument("--tokenizer", default=None, metavar="NAME_OR_DIR",
+                   help="for a model without a tokenizer (random:<shape>): compile the "
+                        "grammars against this one (a registered model name, or a directory "
+                        "holding tokenizer.json); outputs are still not detokenized")
+
+
+def load_tokenizer(name_or_dir: str, cache_dir=None):
+    """--tokenizer: a registered model's tokenizer (its checkpoint imported if needed), or
+    the one in a directory holding tokenizer.json (and tokenizer_config.json)."""
+    from pathlib import Path
+
+    from checkpoints.loader import REGISTERED
+    from nanojax.errors import CheckpointError
+    from nanojax.tokenizer import Tokenizer
+    if name_or_dir in REGISTERED:
+        from checkpoints.embedded import ensure_smollm2
+        return Tokenizer.load(ensure_smollm2(cache_dir))
+    path = Path(name_or_dir)
+    if path.is_file():  # tokenizer.json itself
+        path = path.parent
+    try:
+        return Tokenizer.load(path)
+    except CheckpointError as e:
+        raise NanojaxError(f"--tokenizer {name_or_dir}: not a registered model "
+                           f"({', '.join(REGISTERED)}) nor a tokenizer directory: {e}") from None
+
+
+def structured_workload(args) -> StructuredWorkload:
+    return StructuredWorkload(args.structured_fraction,
+                              args.structured_schema or dict(DEFAULT_STRUCTURED_SCHEMA))
 
 
 @dataclasses.dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 
 import numpy as np
@@ -25,6 +26,7 @@ from nanojax.engine.runner import (ModelRunner, default_compile_threads,
 from nanojax.engine.sampling import SamplingError, SamplingParams
 from nanojax.engine.scheduler import ScheduledBatch, Scheduler
 from nanojax.engine.sequence import Sequence
+from nanojax.engine.structured import GrammarCompiler, StructuredOutputError
 from nanojax.errors import NanojaxError
 from nanojax.layers.kv_fp8 import resolve_kv_cache_dtype
 from nanojax.tokenizer import IncrementalDetokenizer
@@ -154,6 +156,36 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(cfg.seed)
         self._ids = itertools.count()
         self.stats = EngineStats()
+        self._grammars: GrammarCompiler | None = None
+        self._retire_s = 0.0  # this step's launch: reading the step before (a grammar mask)
+        # the server's threads check constraints while the engine's thread makes matchers:
+        # one compiler (its tokenizer takes a while to build), not one per thread
+        self._grammars_lock = threading.Lock()
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured outputs' compiler for this model's tokenizer (built on first use)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise RequestError("structured outputs need the model's tokenizer")
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                 self.eos_ids)
+            return self._grammars
+
+    def use_grammar_tokenizer(self, tokenizer) -> None:
+        """Compile structured outputs against `tokenizer`, for a model without one of its
+        own (random:<shape> benchmarks): the engine still has no tokenizer, so outputs are
+        not detokenized. Its ids must be the model's first ones (ids past its vocabulary
+        are never allowed under a grammar); its EOS ends a grammar."""
+        if self.tokenizer is not None:
+            raise NanojaxError("this model has its own tokenizer")
+        if tokenizer.vocab_size > self.model_config.vocab_size:
+            raise NanojaxError(f"the tokenizer's {tokenizer.vocab_size} tokens do not fit the "
+                               f"model's vocabulary of {self.model_config.vocab_size}")
+        with self._grammars_lock:
+            self._grammars = GrammarCompiler(tokenizer, self.model_config.vocab_size,
+                                             tokenizer.eos_token_ids)
 
     def _start_prefix_cache(self) -> None:
         from nanojax.engine.prefix_cache import PrefixCache, model_fingerprint
@@ -185,6 +217,8 @@ class LLMEngine:
         if params.seed is None:  # a fixed seed per request keeps its samples batch-independent
             params = dataclasses.replace(params, seed=int(self._seed_rng.integers(2**31)))
         seq = Sequence(request_id, ids, params, self.eos_ids)
+        if params.structured_outputs is not None:
+            seq.matcher = self._matcher(params)
         self.requests[request_id] = seq
         if self.offloader is not None:  # disk pages of its prefix to host memory, meanwhile
             usable = (len(ids) - 1) // self.config.page_size
@@ -209,6 +243,14 @@ class LLMEngine:
             raise RequestError(f"this model's maximum context length is {self.max_model_len} "
                                f"tokens, but the prompt has {len(ids)} tokens and max_tokens "
                                f"is {params.max_tokens}")
+
+    def _matcher(self, params: SamplingParams):
+        if self.runner.broadcast is not None:
+            raise RequestError("structured outputs are not supported across processes yet")
+        try:
+            return self.grammars.matcher(params.structured_outputs)
+        except StructuredOutputError as e:
+            raise RequestError(f"structured_outputs: {e}") from None
 
     def abort_request(self, request_id: str) -> bool:
         seq = self.requests.get(request_id)
@@ -251,18 +293,20 @@ class LLMEngine:
         loads = self.scheduler.take_loads()
         if loads:  # offloaded pages into fresh ones, ordered before this step
             self.offloader.load(loads)
+        retired = []  # the step in flight, when a grammar mask had to read it first
+        self._retire_s = 0.0
         with TraceAnnotation("nanojax.launch"):
-            launched = ((batch, self.runner.launch(batch), self._record(batch)) if batch
-                        else None)
-        if launched and launched[2] is not None:
-            launched[2].launch_s = time.perf_counter() - t_launch
+            launched = ((batch, self.runner.launch(batch, self._bitmask_fn(batch, retired)),
+                         self._record(batch)) if batch else None)
+        if launched and launched[2] is not None:  # the previous step's reading is not launch
+            launched[2].launch_s = time.perf_counter() - t_launch - self._retire_s
             launched[2].inputs_s = self.runner.last_inputs_s
         if launched:
             self.stats.steps += 1
             self.stats.scheduled_tokens += batch.num_tokens
             self.stats.prompt_tokens += sum(e.num_tokens
                                             for e in batch.entries[batch.num_decodes:])
-        results = [self._finish_output(s) for s in self._aborted]
+        results = [self._finish_output(s) for s in self._aborted] + retired
         self._aborted = []
         if self.config.async_scheduling:
             if self._in_flight is not None:
@@ -282,6 +326,32 @@ class LLMEngine:
         if launched and launched[2] is not None:
             launched[2].host_s, launched[2].wait_s = host, waited
         return results
+
+    def _bitmask_fn(self, batch: ScheduledBatch, retired: list):
+        """The runner's bitmask_fn for a batch with constrained rows (None without). A
+        row's mask depends on its newest token: with a step in flight, that step is read
+        and processed first (its outputs into retired), while the device runs this step's
+        forward; then each constrained matcher fills its row."""
+        if self._grammars is None:  # no constrained request yet: not even a scan
+            return None
+        rows = [r for r, e in enumerate(batch.entries)
+                if e.samples and e.seq.matcher is not None]
+        if not rows:
+            return None
+
+        def bitmask(num_rows: int):
+            if self._in_flight is not None:
+                t = time.perf_counter()
+                with TraceAnnotation("nanojax.process"):
+                    retired.extend(self._process(*self._in_flight))
+                self._in_flight = None
+                self._retire_s = time.perf_counter() - t
+            # a request that just finished (its matcher released) leaves its row free:
+            # this step's token of it is dropped
+            seqs = [(batch.entries[r].seq, r) for r in rows]
+            return self.grammars.bitmask([(s.matcher, r) for s, r in seqs
+                                          if s.matcher is not None], num_rows)
+        return bitmask
 
     def _record(self, batch: ScheduledBatch) -> IterationRecord | None:
         if self.stats.trace is None:
@@ -338,6 +408,8 @@ class LLMEngine:
             detok.push([tok])
             seq.text = detok.text
         n = len(seq.output_ids)
+        if seq.matcher is not None and not seq.matcher.consume_token(tok):
+            return seq.finish("error", f"grammar: {seq.matcher.get_error()[:300]}")
         if n >= p.min_tokens:
             if tok in p.stop_token_ids:
                 return seq.finish("stop", tok)
@@ -352,11 +424,14 @@ class LLMEngine:
                     i, s = min(hits)
                     seq.text = seq.text[:i]
                     return seq.finish("stop", s)
+        if seq.matcher is not None and seq.matcher.is_stopped():  # the grammar is complete
+            return seq.finish("stop")
         if n >= p.max_tokens or seq.num_known >= self.max_model_len:
             seq.finish("length")
 
     def _retire(self, seq: Sequence) -> None:
         self.stats.finished[seq.finish_reason] = self.stats.finished.get(seq.finish_reason, 0) + 1
+        seq.matcher = None  # its parser state freed now, whoever still holds the Sequence
         self._detok.pop(seq.request_id, None)
         self.requests.pop(seq.request_id, None)
 

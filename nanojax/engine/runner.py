@@ -194,14 +194,15 @@ class ModelRunner:
                         else None)
 
         def sampler(logits, prev_tokens, host_tokens, token_src, logit_idx, temperature,
-                    top_p, top_k, seeds, steps, penalties, sampling, logprobs):
+                    top_p, top_k, seeds, steps, penalties, bitmask, sampling, logprobs):
             self.num_sampler_compiles += 1
             if penalties is not None:  # a decode's input may be a sample the host lacks
                 tokens = _input_tokens(prev_tokens, host_tokens, token_src)
                 penalties = with_pending(penalties, tokens[logit_idx],
                                          token_src[logit_idx] >= 0)
             out = sample(logits, temperature, top_p, top_k, seeds, steps, penalties,
-                         top_logprobs, sampling=sampling, logprobs=logprobs)
+                         top_logprobs, sampling=sampling, logprobs=logprobs,
+                         bitmask=bitmask)
             pad = max_rows - logits.shape[0]
             return [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in out]
 
@@ -232,15 +233,18 @@ class ModelRunner:
     def _token_bucket(self, n: int) -> int:
         return bucket(n, self.min_token_bucket, self.b_dense, self.token_bucket_step)
 
-    def warmup(self, progress: bool = False, threads: int | None = None) -> int:
+    def warmup(self, progress: bool = False, threads: int | None = None,
+               masked: bool = True) -> int:
         """With fixed_shapes: compiles the step for every token bucket by launching an
         all-padding batch of each size (nothing is written to the cache: padding tokens
         have no slot). progress: a bar, shape k of n, on stderr. threads > 1 (with a step
         cache; None: compile_threads): the shapes are loaded or compiled that many at a
         time first, the B_dense one alone before the others (XLA autotunes its GEMMs on
-        the device: an idle GPU for the shape that carries the throughput). Returns how
-        many shapes were compiled (traced: a persistent-cache hit counts, but loads in a
-        moment)."""
+        the device: an idle GPU for the shape that carries the throughput). Then the
+        sampler's variants, with masked the grammar-masked ones too (structured outputs:
+        otherwise compiled by the first constrained step, mid-run; one process only, as
+        structured outputs are). Returns how many shapes were compiled (traced: a
+        persistent-cache hit counts, but loads in a moment)."""
         if not self.fixed_shapes:
             raise ValueError("warmup() needs fixed_shapes (one row count and page width)")
         from tqdm.auto import tqdm
@@ -263,15 +267,25 @@ class ModelRunner:
             jax.block_until_ready(self.launch(empty).tokens)
             bar.update(0 if parallel else 1)
         bar.close()
-        # the sampler's other variants (one row shape): a padding row at temperature 1
-        # and / or asking for logprobs; it samples a token nobody reads
-        for temperature, logprobs in ((1.0, False), (0.0, True), (1.0, True)):
+        self._warm_samplers(empty, masked and self.broadcast is None)
+        return self.num_compiles - before
+
+    def _warm_samplers(self, empty, masked: bool) -> None:
+        """The sampler's other variants (one row shape): a padding row at temperature 1
+        and / or asking for logprobs, each also under an all-allowing grammar mask when
+        masked (the mask changes the program, not its values); it samples a token nobody
+        reads. The unmasked greedy one ran with the step shapes."""
+        variants = [(t, lp, False) for t, lp in ((1.0, False), (0.0, True), (1.0, True))]
+        if masked:
+            variants += [(t, lp, True) for t in (0.0, 1.0) for lp in (False, True)]
+        words = -(-self.cfg.vocab_size // 32)  # the packed mask's width
+        for temperature, logprobs, with_mask in variants:
             inputs = self._host_inputs(empty, *self.shapes_for(empty))
             inputs[4][0], inputs[10][0] = temperature, logprobs
             if self.broadcast is not None:
                 self.broadcast.send(inputs)
-            jax.block_until_ready(self._run(inputs).tokens)
-        return self.num_compiles - before
+            allow_all = (lambda rows: np.full((rows, words), -1, np.int32)) if with_mask else None
+            jax.block_until_ready(self._run(inputs, allow_all).tokens)
 
     def with_kv(self, fn):
         """fn(cache) dispatched against the current cache (e.g. a copy of pages out)."""
@@ -283,15 +297,21 @@ class ModelRunner:
         with self._lock:
             self.kv = fn(self.kv)
 
-    def launch(self, batch: ScheduledBatch) -> StepOutput:
-        """Builds the step's inputs on the host and dispatches it; does not block."""
+    def launch(self, batch: ScheduledBatch, bitmask_fn=None) -> StepOutput:
+        """Builds the step's inputs on the host and dispatches it; does not block.
+        bitmask_fn(num_rows): the rows' grammar masks ([num_rows, ceil(V/32)] int32,
+        structured.GrammarCompiler.bitmask), called after the forward is dispatched and
+        before the sampler is, so the host fills them while the device runs the forward;
+        None (no row constrained): the sampler takes no mask."""
         t = time.perf_counter()
         with jax.profiler.TraceAnnotation("nanojax.inputs"):
             inputs = self._host_inputs(batch, *self.shapes_for(batch))
         self.last_inputs_s = time.perf_counter() - t  # CPU work, for the engine's records
         if self.broadcast is not None:
+            if bitmask_fn is not None:  # followers would need the mask sent after it
+                raise NotImplementedError("structured outputs across processes")
             self.broadcast.send(inputs)
-        return self._run(inputs)
+        return self._run(inputs, bitmask_fn)
 
     def follow(self) -> int:
         """Processes other than 0: run process 0's steps until it stops; returns how many."""
@@ -330,7 +350,7 @@ class ModelRunner:
             return jax.device_put(arrays, device) + inputs[10:]
         return inputs
 
-    def _run(self, inputs) -> StepOutput:
+    def _run(self, inputs, bitmask_fn=None) -> StepOutput:
         # the sampler's variant, from the host arrays before placing them
         sampling, logprobs = any_sampling(inputs[4]), any_logprobs(inputs[10])
         inputs = self._place(inputs)
@@ -341,10 +361,17 @@ class ModelRunner:
             with jax.profiler.TraceAnnotation("nanojax.dispatch_forward"):
                 self.kv, logits = self._forward(self.params, self.kv, prev, host_tokens,
                                                 token_src, meta, logit_idx)
+        bitmask = None
+        if bitmask_fn is not None:  # outside the lock: it may read and retire a step
+            with jax.profiler.TraceAnnotation("nanojax.grammar_mask"):
+                bitmask = bitmask_fn(len(temperature))
+        if penalties is None:  # only penalties read the inputs: one sampler per variant,
+            host_tokens = token_src = None  # not one per token bucket too
+        with self._lock:
             with jax.profiler.TraceAnnotation("nanojax.dispatch_sample"):
                 out = self._sample(logits, prev, host_tokens, token_src, logit_idx,
                                    temperature, top_p, top_k, seeds, steps, penalties,
-                                   sampling=sampling, logprobs=logprobs)
+                                   bitmask, sampling=sampling, logprobs=logprobs)
             self._prev = out[0]
         return StepOutput(*out)
 

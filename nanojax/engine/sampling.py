@@ -7,6 +7,8 @@ Logit processing follows vLLM: logit_bias is added first, then the repetition pe
 (prompt and generated tokens), frequency and presence penalties (generated tokens only);
 then temperature, top-k, top-p. Returned log-probabilities are the model's, before any of
 these. The processing runs only in steps where some row asks for it (`Penalties`).
+A structured-output row's grammar mask (engine/structured.py) is applied after them, in
+steps where some row is constrained (`sample(bitmask=...)`).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nanojax.engine.structured import StructuredOutputError, StructuredOutputsParams
 from nanojax.errors import NanojaxError
 
 MAX_LOGPROBS = 20
@@ -46,6 +49,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0   # [-2, 2], subtracted per occurrence in the output
     repetition_penalty: float = 1.0  # (0, 10]: > 1 discourages prompt and output tokens
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
+    # a grammar the output must match (a StructuredOutputsParams or its fields as a dict)
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -53,6 +58,13 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:  # an unknown field
+                raise SamplingError(f"structured_outputs: {e}") from None
+            except StructuredOutputError as e:
+                raise SamplingError(f"structured_outputs: {e}") from None
         self.validate()
 
     def validate(self) -> None:
@@ -89,6 +101,9 @@ class SamplingParams:
                 for k, v in self.logit_bias.items()):
             bad("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to biases in "
                               "[-100, 100]")
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams or a dict of its fields")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids in stop_token_ids and logit_bias must name tokens of the model."""
@@ -189,6 +204,17 @@ def apply_penalties(logits, pen: Penalties):
             - pen.presence[:, None] * (counts > 0).astype(jnp.float32))
 
 
+def apply_bitmask(logits, bitmask):
+    """Grammar masks: bitmask [R, ceil(V/32)] int32 as llguidance packs it (bit j of word w
+    allows token 32w + j), unpacked here on the device; disallowed tokens get -inf.
+    Under tensor parallelism the logits are vocab-sharded and this elementwise select is
+    sharded with them (the packed mask is small and replicated)."""
+    r, v = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(r, -1)[:, :v] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def any_sampling(temperature) -> bool:
     """Host side: whether a batch's rows need the sampling path (`sample(sampling=...)`)."""
     return bool(np.any(np.asarray(temperature) > 0))
@@ -201,9 +227,10 @@ def any_logprobs(wants) -> bool:
 
 
 def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties | None = None,
-           top_logprobs=None, sampling: bool = True, logprobs: bool = True):
+           top_logprobs=None, sampling: bool = True, logprobs: bool = True, bitmask=None):
     """logits [R, V] f32; per-row temperature, top_p, top_k (<=0: off), seeds [R] uint32x2,
-    steps [R]; penalties: None or the logit-processing pass's inputs -> (tokens [R],
+    steps [R]; penalties: None or the logit-processing pass's inputs; bitmask: None or
+    the grammar masks (apply_bitmask), None when no row is constrained -> (tokens [R],
     chosen logprob [R], top ids [R, K], top logprobs [R, K]).
     sampling: static, decided on the host (any_sampling): False when every row is greedy,
     so the step holds no draw and no sort. It is not a lax.cond on the device: on a GPU
@@ -222,6 +249,8 @@ def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties
     want_logprobs, logits_in = logprobs, logits
     if penalties is not None:
         logits = apply_penalties(logits, penalties)
+    if bitmask is not None:
+        logits = apply_bitmask(logits, bitmask)
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     safe_t = jnp.where(temperature > 0, temperature, 1.0)
     scaled = logits / safe_t[:, None]

@@ -44,6 +44,7 @@ class Sequence:
         self.sent_text_len = 0    # how much text was already streamed
         self.sent_tokens = 0
         self.retire_after_step = False  # finished: drop its result of the step in flight
+        self.matcher = None  # structured outputs: its llguidance matcher, fed its tokens
 
     @property
     def num_known(self) -> int:

@@ -21,9 +21,11 @@ from aiohttp import web
 from nanojax.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from nanojax.engine.llm_engine import RequestError
 from nanojax.engine.sampling import SamplingError
+from nanojax.engine.structured import StructuredOutputError
 from nanojax.errors import NanojaxError
+from nanojax.server import tools
 from nanojax.server.metrics import ServerMetrics
-from nanojax.server.protocol import (ApiError, ParsedRequest, brief, parse_chat,
+from nanojax.server.protocol import (ApiError, ParsedRequest, bad, brief, parse_chat,
                                      parse_completion, parse_json)
 
 log = logging.getLogger("nanojax.server")
@@ -242,6 +244,21 @@ def _prepare(request: web.Request, prompts: list, parsed: ParsedRequest) -> list
     return out
 
 
+async def _check_constraint(request: web.Request, parsed: ParsedRequest) -> None:
+    """A 400 naming the problem when the output's constraint does not compile (off the
+    event loop: a big schema compiles for a while), so nothing bad reaches the engine."""
+    spec = parsed.params.structured_outputs
+    if spec is None:
+        return
+    engine = request.app[ENGINE_KEY].engine
+    try:
+        await asyncio.to_thread(lambda: engine.grammars.check(spec))
+    except StructuredOutputError as e:
+        what = ("a tool's parameters schema" if parsed.structured_param == "tools"
+                else f"'{parsed.structured_param}'")
+        raise bad(parsed.structured_param, f"{what} does not compile: {e}") from None
+
+
 def _token_str(tok, tid: int) -> str:
     return tok.decode([tid], skip_special_tokens=False) if tok is not None else str(tid)
 
@@ -321,6 +338,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     model = _check_model(request, body)
     eng: AsyncLLMEngine = request.app[ENGINE_KEY]
     parsed = parse_completion(body, eng.engine.model_config.vocab_size)
+    await _check_constraint(request, parsed)
     prompt_ids = _prepare(request, parsed.prompts, parsed)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     choices = _Choices(request.app, prompt_ids, parsed, rid).start()
@@ -361,14 +379,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     model = _check_model(request, body)
     eng: AsyncLLMEngine = request.app[ENGINE_KEY]
-    messages, parsed = parse_chat(body, eng.engine.model_config.vocab_size)
+    messages, parsed, treq = parse_chat(body, eng.engine.model_config.vocab_size)
     if eng.tokenizer is None or not eng.tokenizer.chat_template:
         raise ApiError(400, "this model has no chat template; use /v1/completions")
     try:
-        text = eng.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tools.render(eng.tokenizer, messages, treq)
     except NanojaxError as e:
         raise ApiError(400, str(e), param="messages") from None
+    await _check_constraint(request, parsed)
     parsed.echo_chat = True  # max_tokens defaults to the room left in the context
+    calls = treq if treq is not None and treq.choice != "none" else None
+    fmt = tools.tool_format(eng.tokenizer.chat_template)
     prompt_ids = _prepare(request, [text], parsed)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     choices = _Choices(request.app, prompt_ids, parsed, rid).start()
@@ -383,17 +404,28 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             await _send(resp, chunk("chat.completion.chunk", [{
                 "index": idx, "delta": {"role": "assistant", "content": ""},
                 "logprobs": None, "finish_reason": None}]))
+        streams = {i: tools.ToolCallStream(calls, fmt) for i in range(parsed.n)} if calls else {}
         try:
             async for idx, out, lps in choices.deltas():
                 c = out.outputs[0]
                 if out.delta_text or out.delta_token_ids:
-                    await _send(resp, chunk("chat.completion.chunk", [{
-                        "index": idx, "delta": {"content": out.delta_text},
-                        "logprobs": _chat_logprobs(tok, lps), "finish_reason": None}]))
+                    delta = ({"content": out.delta_text} if idx not in streams
+                             else streams[idx].push(out.delta_text))
+                    if delta is not None:
+                        await _send(resp, chunk("chat.completion.chunk", [{
+                            "index": idx, "delta": delta,
+                            "logprobs": _chat_logprobs(tok, lps), "finish_reason": None}]))
                 if out.finished:
+                    reason = c.finish_reason
+                    if idx in streams:
+                        last, reason = streams[idx].finish(reason)
+                        for delta in last:
+                            await _send(resp, chunk("chat.completion.chunk", [{
+                                "index": idx, "delta": delta, "logprobs": None,
+                                "finish_reason": None}]))
                     await _send(resp, chunk("chat.completion.chunk", [{
                         "index": idx, "delta": {}, "logprobs": None,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]))
+                        "finish_reason": reason, "stop_reason": c.stop_reason}]))
         except (ConnectionError, asyncio.CancelledError):
             raise
         except Exception as e:
@@ -402,11 +434,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             prompt_ids, choices.completion_tokens)) if parsed.include_usage else None)
 
     finals = await choices.finals()
-    result = [{"index": i, "message": {"role": "assistant",
-                                       "content": finals[i].outputs[0].text},
-               "logprobs": _chat_logprobs(tok, finals[i].outputs[0].logprobs),
-               "finish_reason": finals[i].outputs[0].finish_reason,
-               "stop_reason": finals[i].outputs[0].stop_reason} for i in sorted(finals)]
+    result = []
+    for i in sorted(finals):
+        c = finals[i].outputs[0]
+        message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+        if calls is not None:
+            content, found = tools.parse_calls(calls, fmt, c.text)
+            message["content"], reason = content, tools.finish_reason(found, reason)
+            if found:
+                message["tool_calls"] = tools.openai_calls(found)
+        result.append({"index": i, "message": message,
+                       "logprobs": _chat_logprobs(tok, c.logprobs), "finish_reason": reason,
+                       "stop_reason": c.stop_reason})
     usage = _usage(prompt_ids, sum(len(finals[i].token_ids) for i in finals))
     return _json(chunk("chat.completion", result, usage))
 

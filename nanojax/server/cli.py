@@ -10,6 +10,15 @@ import time
 from nanojax.config_flags import add_engine_args, add_model_args, engine_config_from_args
 
 
+def configure_logging() -> None:
+    """nanojax's and the access log's INFO lines; everyone else's warnings and errors only:
+    at INFO, jax logs its failed libtpu probe and orbax (through absl) a dozen lines per
+    checkpoint load, which buried the server's own first lines."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    for name in ("nanojax", "aiohttp"):
+        logging.getLogger(name).setLevel(logging.INFO)
+
+
 def build_engine(args, bundle):
     """The LLMEngine `nanojax serve` runs, with its forward from --plan, and the record of
     that choice (for /server_info)."""
@@ -54,10 +63,11 @@ def cmd_serve(args) -> int:
     from nanojax.server.app import build_app
 
     from nanojax.parallel.multihost import init_distributed, is_leader
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    configure_logging()
     init_distributed(args)
     bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
-                        tensor_parallel_size=engine_config_from_args(args).tensor_parallel_size)
+                        tensor_parallel_size=engine_config_from_args(args).tensor_parallel_size,
+                        quantization=args.quantization)
     engine, chosen = build_engine(args, bundle)
     if not is_leader():  # process 0 serves; this one runs its steps until it stops
         n = engine.runner.follow()
@@ -76,7 +86,7 @@ def cmd_serve(args) -> int:
         status["exit"] = 1
         signal.raise_signal(signal.SIGTERM)
 
-    record = run_record(engine.config)
+    record = run_record(engine.config, bundle.config)
     if args.api_key:  # the record lands in benchmark results: never the key
         record["command"] = record["command"].replace(args.api_key, "<api-key>")
     app = build_app(aeng, name, api_key=args.api_key, max_body=args.max_body,
@@ -101,11 +111,12 @@ def cmd_serve(args) -> int:
 
 
 def register(sub) -> None:
+    from nanojax.cli import integer, non_negative_float, positive_int
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_model_args(s)
     add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=integer, default=8000)
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     s.add_argument("--plan", default=None,
@@ -114,11 +125,15 @@ def register(sub) -> None:
                         "GPU; none if no plan matches); resized to --b-dense if needed")
     s.add_argument("--plan-mode", choices=["overlap", "nanobatch-only", "non-overlap"],
                    default="overlap", help="with --plan: the plan as searched, or an ablation")
-    s.add_argument("--max-waiting", type=int, default=256,
+    s.add_argument("--max-waiting", type=integer, default=256,
                    help="engine requests (prompts x n) allowed to wait; a request that "
-                        "would go beyond it: 503 (400 if it alone exceeds it)")
-    s.add_argument("--max-body", type=int, default=1 << 20, help="bytes; beyond it: 413")
-    s.add_argument("--drain-timeout", type=float, default=5.0)
+                        "would go beyond it: 503 (400 if it alone exceeds it) "
+                        "(default: %(default)s)")
+    s.add_argument("--max-body", type=positive_int, default=1 << 20,
+                   help="bytes; beyond it: 413 (default: %(default)s)")
+    s.add_argument("--drain-timeout", type=non_negative_float, default=5.0,
+                   help="seconds that in-flight requests get to finish on SIGTERM before "
+                        "they are aborted (default: %(default)s)")
     s.add_argument("--no-access-log", action="store_true")
     from nanojax.parallel.multihost import add_distributed_args
     add_distributed_args(s)

@@ -16,6 +16,9 @@ from typing import Any
 
 from nanojax.engine.sampling import (INT32_MAX, MAX_LOGIT_BIAS, MAX_LOGPROBS,
                                      MAX_STOP_TOKEN_IDS, SamplingError, SamplingParams)
+from nanojax.engine.structured import StructuredOutputError, StructuredOutputsParams
+from nanojax.server.api_error import ApiError, bad, brief  # noqa: F401 - importers use them here
+from nanojax.server.tools import parse_tools
 
 MAX_N = 16
 MAX_STOP = 4
@@ -23,39 +26,14 @@ MAX_DEPTH = 32   # JSON nesting; OpenAI bodies need 5
 # fields of the OpenAI / vLLM APIs this server does not implement: (field, value allowed)
 UNSUPPORTED = {"suffix": lambda v: v in (None, ""),
                "best_of": lambda v: v in (None, 1),
-               "tools": lambda v: v in (None, []),
                "functions": lambda v: v in (None, []),
-               "tool_choice": lambda v: v in (None, "none"),
                "function_call": lambda v: v in (None, "none"),
-               "response_format": lambda v: v is None or v == {"type": "text"},
                "min_p": lambda v: v in (None, 0, 0.0),
-               "prompt_logprobs": lambda v: v is None,
-               "guided_json": lambda v: v is None,
-               "guided_regex": lambda v: v is None,
-               "guided_choice": lambda v: v is None,
-               "guided_grammar": lambda v: v is None}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status, message, type_, param, code)
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code if self.code is not None else self.status}}
-
-
-def bad(param: str, message: str) -> ApiError:
-    return ApiError(400, message, param=param)
-
-
-def brief(v: Any, limit: int = 60) -> str:
-    """A value for an error message: never long, whatever the client sent."""
-    text = repr(v) if isinstance(v, (str, int, float, bool, type(None))) else type(v).__name__
-    return text if len(text) <= limit else text[:limit] + "..."
+               "prompt_logprobs": lambda v: v is None}
+# vLLM's older names of the structured_outputs fields
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
+STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 def _no_constant(name: str):
@@ -139,6 +117,7 @@ class ParsedRequest:
     max_tokens_given: bool
     logprobs: int | None     # top-k to return, None: no logprobs
     echo_chat: bool = False
+    structured_param: str | None = None  # the field the output's constraint came from
 
 
 def _token_ids(body: dict, key: str, vocab_size: int, limit: int) -> list[int] | None:
@@ -183,7 +162,45 @@ def _unsupported(body: dict) -> None:
                 raise bad(key, f"'{key}' is not supported by this server")
 
 
-def _sampling(body: dict, max_tokens, logprobs, vocab_size: int) -> SamplingParams:
+def _constraint(body: dict) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The output's constraint from response_format, structured_outputs or a guided_*
+    field (at most one of them), and that field's name; the grammar is compiled later,
+    against the model's tokenizer (app.py)."""
+    given = [k for k in ("response_format", "structured_outputs", *GUIDED)
+             if body.get(k) is not None and body.get(k) != {"type": "text"}]
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise bad(given[1], f"give one output constraint, not {' and '.join(given)}")
+    key, v = given[0], body[given[0]]
+    if key == "response_format":
+        kind = v.get("type") if isinstance(v, dict) else None
+        if kind == "json_object":
+            fields = {"json_object": True}
+        elif kind == "json_schema":
+            js = v.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+                raise bad(key, "'response_format.json_schema' must be an object whose "
+                               "'schema' is a JSON schema object")
+            fields = {"json": js.get("schema", {})}
+        else:
+            raise bad(key, "'response_format.type' must be 'text', 'json_object' or "
+                           f"'json_schema', got {brief(kind)}")
+    elif key == "structured_outputs":
+        if not isinstance(v, dict) or any(k not in STRUCTURED_FIELDS for k in v):
+            raise bad(key, f"'structured_outputs' must be an object with one of "
+                           f"{', '.join(STRUCTURED_FIELDS)}")
+        fields = {k: x for k, x in v.items() if x is not None and x is not False}
+    else:
+        fields = {GUIDED[key]: v}
+    try:
+        return StructuredOutputsParams(**fields), key
+    except StructuredOutputError as e:
+        raise bad(key, f"'{key}': {e}") from None
+
+
+def _sampling(body: dict, max_tokens, logprobs, vocab_size: int,
+              structured: StructuredOutputsParams | None = None) -> SamplingParams:
     _unsupported(body)
     stop = body.get("stop")
     if stop is not None:
@@ -213,7 +230,7 @@ def _sampling(body: dict, max_tokens, logprobs, vocab_size: int) -> SamplingPara
             frequency_penalty=float(_get(body, "frequency_penalty", "num", 0.0, -2.0, 2.0)),
             repetition_penalty=float(_get(body, "repetition_penalty", "num", 1.0, 0.0, 10.0,
                                           lo_open=True)),
-            logit_bias=_logit_bias(body, vocab_size))
+            logit_bias=_logit_bias(body, vocab_size), structured_outputs=structured)
     except SamplingError as e:  # what the checks above let through (max_tokens >= 2^31)
         raise bad(None, str(e)) from None
 
@@ -258,9 +275,14 @@ def parse_completion(body: dict, vocab_size: int) -> ParsedRequest:
     logprobs = _get(body, "logprobs", "int", None, 0, MAX_LOGPROBS)
     if _get(body, "echo", "bool", False):
         raise bad("echo", "'echo' is not supported")
-    params = _sampling(body, max_tokens, logprobs, vocab_size)
+    for key in ("tools", "tool_choice"):
+        if body.get(key) not in (None, [], "none"):
+            raise bad(key, f"'{key}' is a chat completions field")
+    structured, source = _constraint(body)
+    params = _sampling(body, max_tokens, logprobs, vocab_size, structured)
     return ParsedRequest(prompts, params, n, stream, include_usage,
-                         "max_tokens" in body and body["max_tokens"] is not None, logprobs)
+                         "max_tokens" in body and body["max_tokens"] is not None, logprobs,
+                         structured_param=source)
 
 
 def _message_text(i: int, m: Any) -> dict:
@@ -283,10 +305,44 @@ def _message_text(i: int, m: Any) -> dict:
         content = ""
     if not isinstance(content, str):
         raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string")
-    return {"role": "system" if role == "developer" else role, "content": content}
+    out = {"role": "system" if role == "developer" else role, "content": content}
+    if role == "assistant" and m.get("tool_calls"):
+        out["tool_calls"] = _message_tool_calls(i, m["tool_calls"])
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise bad(f"messages[{i}].{key}", f"messages[{i}].{key} must be a string")
+                out[key] = m[key]
+    return out
 
 
-def parse_chat(body: dict, vocab_size: int) -> tuple[list[dict], ParsedRequest]:
+def _message_tool_calls(i: int, calls: Any) -> list[dict]:
+    """An assistant message's earlier calls, their arguments as objects where they parse
+    (chat templates write them with `| tojson`, as transformers hands them over)."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad(where, f"{where} must be a list")
+    out = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                and isinstance(fn.get("arguments", "{}"), (str, dict))):
+            raise bad(where, f"{where} must hold {{'type': 'function', 'function': {{'name',"
+                             " 'arguments'}}}} objects")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass  # kept as the text the client sent
+        out.append({"id": c.get("id") if isinstance(c.get("id"), str) else None,
+                    "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def parse_chat(body: dict, vocab_size: int) -> tuple[list[dict], ParsedRequest, Any]:
+    """(messages, the request, its tools.ToolRequest or None)."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "'messages' must be a non-empty list")
@@ -301,5 +357,14 @@ def parse_chat(body: dict, vocab_size: int) -> tuple[list[dict], ParsedRequest]:
     if top is not None and not want_lp:
         raise bad("top_logprobs", "'top_logprobs' requires 'logprobs': true")
     logprobs = (top or 0) if want_lp else None
-    params = _sampling(body, max_tokens or 1, logprobs, vocab_size)
-    return messages, ParsedRequest([], params, n, stream, include_usage, given, logprobs)
+    structured, source = _constraint(body)
+    treq = parse_tools(body)
+    forced = treq.constraint() if treq is not None else None
+    if forced is not None:
+        if structured is not None:
+            raise bad(source, f"'{source}' cannot be combined with a 'tool_choice' that "
+                              "requires a call")
+        structured, source = forced, "tools"
+    params = _sampling(body, max_tokens or 1, logprobs, vocab_size, structured)
+    return messages, ParsedRequest([], params, n, stream, include_usage, given, logprobs,
+                                   structured_param=source), treq

@@ -1,0 +1,157 @@
+"""Structured outputs: a request's constraint (JSON schema, any JSON object, regex, choice,
+Lark/GBNF grammar) compiled by llguidance, one matcher per constrained request, and the
+packed token bitmask the sampler applies on the device (sampling.apply_bitmask).
+
+Where the mask is computed: a row's mask for step i+1 depends on its token of step i. With
+async scheduling that token is still on the device when step i+1 is formed, so (as vLLM
+and SGLang do) a constrained step is split: the engine dispatches step i+1's forward,
+then reads step i's tokens, advances the matchers and fills the mask while the device
+runs that forward, and only then dispatches step i+1's sampler with the mask
+(LLMEngine.step, ModelRunner.launch). A step with no constrained row is launched as
+before, with no mask and no extra sampler variant.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import threading
+
+import numpy as np
+
+from nanojax.errors import NanojaxError
+
+# llguidance's JSON compiler: no free whitespace between tokens (a small model otherwise
+# can pad a JSON value with newlines until max_tokens)
+JSON_OPTIONS = {"whitespace_flexible": False}
+MAX_CACHED_GRAMMARS = 256
+
+
+class StructuredOutputError(NanojaxError, ValueError):
+    """A constraint that is malformed or does not compile."""
+
+
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """Exactly one constraint (vLLM's StructuredOutputsParams): json (a JSON schema, as a
+    dict or its text), json_object (any JSON object), regex, choice (one of the strings)
+    or grammar (Lark, or GBNF as llama.cpp writes it)."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self):
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise StructuredOutputError("give exactly one structured output constraint of "
+                                        f"json, json_object, regex, choice, grammar; got "
+                                        f"{given or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                raise StructuredOutputError(f"json: the schema is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise StructuredOutputError("json: a JSON schema must be an object")
+        for field in ("regex", "grammar"):
+            v = getattr(self, field)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise StructuredOutputError(f"{field} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise StructuredOutputError("choice must be a non-empty list of strings")
+
+    def grammar_text(self) -> str:
+        """The constraint as llguidance grammar text (the compiled-grammar cache's key)."""
+        from llguidance import LLMatcher, grammar_from
+        if self.json_object:
+            return LLMatcher.grammar_from_json_schema({"type": "object"},
+                                                      overrides=JSON_OPTIONS)
+        if self.json is not None:
+            return LLMatcher.grammar_from_json_schema(json.dumps(self.json),
+                                                      overrides=JSON_OPTIONS)
+        if self.regex is not None:
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c) for c in self.choice))
+        try:
+            return grammar_from("grammar", self.grammar)  # Lark, or GBNF converted to it
+        except ValueError as e:
+            raise StructuredOutputError(f"grammar: {e}") from None
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer. A compiled grammar is cached by its text as
+    a matcher that never advances; each request gets a deep copy of it (llguidance's way
+    to reuse a compiled grammar). Thread-safe: the server checks constraints on its own
+    threads, the engine creates matchers on its."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, max_cached: int = MAX_CACHED_GRAMMARS):
+        import llguidance
+        self._llg = llguidance
+        # the model's vocabulary may be padded past the tokenizer's: masks are its width
+        self.vocab_size = vocab_size
+        try:
+            self.tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(),
+                                                    n_vocab=vocab_size,
+                                                    eos_token=list(eos_ids) or None)
+        except Exception as e:  # llguidance raises plain exceptions for what it cannot read
+            raise StructuredOutputError(f"this model's tokenizer cannot drive a grammar: "
+                                        f"{e}") from None
+        self._cache: collections.OrderedDict[str, object] = collections.OrderedDict()
+        self._max_cached = max_cached
+        self._lock = threading.Lock()
+        self._executor = llguidance.LLExecutor(num_threads=mask_threads())
+
+    def _compiled(self, spec: StructuredOutputsParams):
+        text = spec.grammar_text()
+        with self._lock:
+            m = self._cache.get(text)
+            if m is not None:
+                self._cache.move_to_end(text)
+                return m
+        m = self._llg.LLMatcher(self.tokenizer, text, log_level=0)  # drops the GIL
+        if m.is_error():
+            raise StructuredOutputError(_first_line(m.get_error()))
+        with self._lock:
+            self._cache[text] = m
+            while len(self._cache) > self._max_cached:
+                self._cache.popitem(last=False)
+        return m
+
+    def check(self, spec: StructuredOutputsParams) -> None:
+        """Raises StructuredOutputError naming what does not compile."""
+        self._compiled(spec)
+
+    def matcher(self, spec: StructuredOutputsParams):
+        """A fresh matcher for one request."""
+        return self._compiled(spec).deep_copy()
+
+    def bitmask(self, rows: list[tuple[int, object]], num_rows: int) -> np.ndarray:
+        """[num_rows, ceil(V/32)] int32: bit j of word w allows token 32w + j. rows:
+        (matcher, row) of the constrained rows; every other row allows every token."""
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+        mask = allocate_token_bitmask(num_rows, self.vocab_size)  # all bits set
+        if rows:
+            fill_next_token_bitmask_par(self._executor, rows, mask)
+            # a matcher in its error state allows nothing; its request ends with an error
+            # when the token is read, and an all -inf row must never reach the sampler
+            mask[~mask.any(axis=1)] = -1
+        return mask
+
+
+def mask_threads() -> int:
+    """Threads filling a step's masks: a GPU host's spare cores (a batch of ~1,000
+    constrained rows takes ~10 us each on one) while the engine thread and XLA's keep
+    theirs; at least 2."""
+    return max(2, min(8, (os.cpu_count() or 2) // 2))
+
+
+def _first_line(message: str) -> str:
+    """llguidance's multi-line message on one line, bounded (it quotes the client's text)."""
+    return " ".join(message.split())[:500] or "the grammar does not compile"
