@@ -177,9 +177,9 @@ def decode_breakdown(llm, prompt: list[int], steps: int = 20) -> dict:
     runner = llm.engine.runner
     captured = []
 
-    def capture(inputs, run=runner._run):
+    def capture(inputs, *rest, run=runner._run):  # rest: the runner's grammar-mask hook
         captured.append(inputs)
-        return run(inputs)
+        return run(inputs, *rest)
 
     runner._run = capture  # on this instance only, for one generation
     try:
