@@ -1,5 +1,6 @@
 """Structured outputs in the engine: every constrained output obeys its constraint, on the
 embedded SmolLM2 model (async scheduling: the mask of step i+1 needs step i's token)."""
+import functools
 import json
 import re
 
@@ -88,6 +89,11 @@ def test_only_steps_with_a_constrained_row_fill_a_mask(llm, monkeypatch):
     ({"regex": "a(b"}, "unclosed group"),
     ({"json": {"type": "bogus"}}, "bogus"),
     ({"grammar": "start: missing_rule"}, "missing_rule"),
+    # hostile input reaches the engine's error, not a raw exception
+    ({"regex": "\ud800+"}, "regex: .*surrogates"),
+    ({"json": {"type": "number", "minimum": float("nan")}}, "json:"),
+    ({"json": functools.reduce(lambda d, _: {"type": "object", "properties": {"a": d}},
+                               range(3000), {"type": "object"})}, "json: .*recursion"),
 ])
 def test_a_constraint_that_does_not_compile_is_refused(llm, spec, needle):
     from nanojax.engine.llm_engine import RequestError

@@ -120,7 +120,8 @@ def main(argv=None) -> int:
     import jax
     res = {"command": "python3 " + " ".join(sys.argv), "tokens": args.tokens,
            "iters": args.iters, "reps": args.reps, "jax": jax.__version__,
-           "device": jax.devices()[0].device_kind, "shapes": {}}
+           "device": jax.devices()[0].device_kind,
+           "xla_flags": os.environ.get("XLA_FLAGS", ""), "shapes": {}}
     for name in args.shapes:
         k, n = SHAPES[name]
         row = {"K": k, "N": n}

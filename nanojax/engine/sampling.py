@@ -61,9 +61,7 @@ class SamplingParams:
         if isinstance(self.structured_outputs, dict):
             try:
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
-            except TypeError as e:  # an unknown field
-                raise SamplingError(f"structured_outputs: {e}") from None
-            except StructuredOutputError as e:
+            except (TypeError, StructuredOutputError) as e:  # TypeError: an unknown field
                 raise SamplingError(f"structured_outputs: {e}") from None
         self.validate()
 

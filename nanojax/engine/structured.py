@@ -66,7 +66,20 @@ class StructuredOutputsParams:
             raise StructuredOutputError("choice must be a non-empty list of strings")
 
     def grammar_text(self) -> str:
-        """The constraint as llguidance grammar text (the compiled-grammar cache's key)."""
+        """The constraint as llguidance grammar text (the compiled-grammar cache's key);
+        StructuredOutputError for anything llguidance or the JSON encoder cannot take (a
+        lone surrogate, NaN in a schema, nesting past Python's recursion limit)."""
+        try:
+            return self._grammar_text()
+        except StructuredOutputError:
+            raise
+        except (ValueError, RecursionError) as e:  # UnicodeEncodeError is a ValueError
+            field = next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                         if getattr(self, k) not in (None, False))
+            raise StructuredOutputError(f"{field}: {_first_line(str(e)) or type(e).__name__}"
+                                        ) from None
+
+    def _grammar_text(self) -> str:
         from llguidance import LLMatcher, grammar_from
         if self.json_object:
             return LLMatcher.grammar_from_json_schema({"type": "object"},
