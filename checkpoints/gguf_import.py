@@ -12,9 +12,11 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tqdm.auto import tqdm
 
-from checkpoints.bundle import ModelBundle, assemble_params, hf_tensor_names
+from checkpoints.bundle import assemble_params, hf_tensor_names
 from nanojax.config import ModelConfig
 from nanojax.errors import CheckpointError, ConfigError, UnsupportedError
+from nanojax.models.bundle import ModelBundle
+from nanojax.paths import cache_dir
 from nanojax.tokenizer import Tokenizer
 
 SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
@@ -202,7 +204,7 @@ def load_gguf(path: Path, dtype: str = "bfloat16", with_tokenizer: bool = True,
     with tqdm(total=n, desc="dequantizing GGUF", unit="tensor", disable=not progress) as bar:
         params = assemble_params(cfg, get, bar)
     tok = tokenizer_from_gguf(reader) if with_tokenizer else None
-    return ModelBundle(cfg, params, tok, gguf=Path(path))
+    return ModelBundle(cfg, params, tok, gguf=Path(path), read_gguf_blocks=cached_quantized)
 
 
 # Block layouts kept as stored (nanojax/layers/quant.py): bytes per block of 32 weights
@@ -259,6 +261,51 @@ def load_quantized(path: Path, cfg: ModelConfig) -> dict:
         for k in key[:-1]:
             node = node.setdefault(k, {})
         node[key[-1]] = blocks
+    return tree
+
+
+def cached_quantized(gguf: Path, cfg: ModelConfig, root: Path | None = None) -> dict:
+    """load_quantized's tree, kept as one .npz under <cache dir>/quant/ keyed by the file
+    (path, size, mtime) and the model config: gguf's reader parses the whole metadata
+    (the vocabulary) to find the blocks, ~5 s a start for the embedded default, while
+    the .npz loads in a fraction of a second. A cache that cannot be read or written is
+    skipped (the blocks come from the GGUF)."""
+    import dataclasses
+    import hashlib
+    import os
+
+    st = gguf.stat()
+    key = hashlib.sha256(repr((str(gguf.resolve()), st.st_size, st.st_mtime_ns,
+                               dataclasses.asdict(cfg), 1)).encode()).hexdigest()[:32]
+    path = (root or cache_dir()) / "quant" / f"{key}.npz"
+    try:
+        with np.load(path) as z:
+            flat = {k: z[k] for k in z.files}
+        tree: dict = {}
+        for name, a in flat.items():
+            *parents, leaf = name.split("/")
+            node = tree
+            for k in parents:
+                node = node.setdefault(k, {})
+            node[leaf] = a
+        return tree
+    except (OSError, ValueError, KeyError):
+        pass
+    tree = load_quantized(gguf, cfg)
+
+    def flatten(node, prefix=""):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                yield from flatten(v, f"{prefix}{k}/")
+            else:
+                yield f"{prefix}{k}", np.asarray(v)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
+        np.savez(tmp, **dict(flatten(tree)))
+        os.replace(tmp, path)  # whole or not at all, also against a parallel start
+    except OSError:
+        pass
     return tree
 
 

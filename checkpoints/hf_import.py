@@ -9,10 +9,11 @@ import numpy as np
 
 from tqdm.auto import tqdm
 
-from checkpoints.bundle import ModelBundle, assemble_params, hf_tensor_names
+from checkpoints.bundle import assemble_params, hf_tensor_names
 from checkpoints.hf_quantization import fp8_scheme
 from nanojax.config import ModelConfig
 from nanojax.errors import CheckpointError
+from nanojax.models.bundle import ModelBundle
 from nanojax.tokenizer import Tokenizer
 
 

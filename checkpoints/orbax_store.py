@@ -11,9 +11,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from checkpoints.bundle import ModelBundle, cast_tree, check_tree, param_dtypes
+from checkpoints.bundle import cast_tree, check_tree, param_dtypes
 from nanojax.config import ModelConfig
 from nanojax.errors import CheckpointError
+from nanojax.models.bundle import ModelBundle
 from nanojax.tokenizer import Tokenizer
 
 FORMAT_FILE = "nanojax_checkpoint.json"

@@ -6,48 +6,13 @@ import json
 import sys
 import time
 
-from nanojax.config import QUANTIZATIONS
-from nanojax.config_flags import add_engine_args, add_model_args, engine_config_from_args
+from nanojax import plugins
+from nanojax.config import QUANTIZATIONS, RANDOM_PREFIX
+from nanojax.config_flags import (add_engine_args, add_model_args, engine_config_from_args,
+                                  integer, non_negative_float, number, positive_int,
+                                  token_ids_list)
 from nanojax.errors import ConfigError, NanojaxError
 from nanojax.pipeline.streams import add_stream_xla_flags
-
-
-def _parsed(convert, s: str, expected: str):
-    """argparse says "invalid <function name> value" for a ValueError: name the expectation."""
-    try:
-        return convert(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {s!r}") from None
-
-
-def integer(s: str) -> int:
-    return _parsed(int, s, "an integer")
-
-
-def number(s: str) -> float:
-    return _parsed(float, s, "a number")
-
-
-def positive_int(s: str) -> int:
-    v = _parsed(int, s, "a positive integer")
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
-    return v
-
-
-def non_negative_float(s: str) -> float:
-    v = _parsed(float, s, "a number >= 0")
-    if not v >= 0:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {s!r}")
-    return v
-
-
-def token_ids_list(s: str) -> list[int]:
-    ids = _parsed(lambda t: [int(x) for x in t.split(",")], s,
-                  "comma-separated token ids such as 1,2,3")
-    if not ids or min(ids) < 0:
-        raise argparse.ArgumentTypeError(f"expected non-negative token ids, got {s!r}")
-    return ids
 
 
 def _no_tokenizer(model: str) -> ConfigError:
@@ -58,7 +23,6 @@ def _no_tokenizer(model: str) -> ConfigError:
 def _check_generate_args(args):
     """What can be refused without the model is refused before its load (seconds), and
     the SamplingParams built here are the ones generate runs."""
-    from checkpoints.loader import RANDOM_PREFIX
     from nanojax.engine.sampling import SamplingParams
 
     if (args.prompt is None) == (args.prompt_token_ids is None):
@@ -104,16 +68,15 @@ def cmd_generate(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from checkpoints.loader import convert
-    dst = convert(args.src, args.dst, dtype=args.dtype or "float32", overwrite=args.overwrite)
+    dst = plugins.model_loader().convert(args.src, args.dst, dtype=args.dtype or "float32",
+                                         overwrite=args.overwrite)
     print(f"nanojax: wrote {dst}", file=sys.stderr)
     return 0
 
 
 def cmd_info(args) -> int:
-    from checkpoints.loader import load_model
-    bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
-                        quantization=args.quantization)
+    bundle = plugins.model_loader().load_model(
+        args.model, dtype=args.dtype, cache_dir=args.cache_dir, quantization=args.quantization)
     cfg = bundle.config
     info = {"model": args.model, "quantization": cfg.quantization,
             "config": cfg.to_dict(), "parameters": cfg.param_count(),
@@ -172,25 +135,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extra_commands():
-    """Subcommands that live next to their subsystem (bench, serve, search...)."""
-    regs = []
-    for mod, fn in (("nanojax.bench.cli", "register"), ("nanojax.server.cli", "register"),
-                    ("search.cli", "register")):
-        try:
-            module = __import__(mod, fromlist=[fn])
-        except ModuleNotFoundError as e:
-            if e.name and mod.startswith(e.name):
-                continue
-            raise
-        regs.append(getattr(module, fn))
-    return regs
+    """Subcommands that live next to their subsystem: bench and serve here, then those
+    installed as plugins (search's costmodel, profile and search: nanojax/plugins.py)."""
+    from nanojax.bench.cli import register as bench
+    from nanojax.server.cli import register as serve
+    return [bench, serve, *plugins.commands()]
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     add_stream_xla_flags()
     if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1] not in
-                                  ("throughput", "serve", "step", "schedule", "latency",
+                                  ("throughput", "serve", "step", "schedule", "host", "latency",
                                    "plot-timeline", "hlo-schedule", "-h", "--help")):
         argv.insert(1, "throughput")  # `nanojax bench` is the offline benchmark
     args = build_parser().parse_args(argv)

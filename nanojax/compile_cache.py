@@ -22,7 +22,7 @@ def cache_path(override: str | os.PathLike | None = None,
     for env in (ENV, "JAX_COMPILATION_CACHE_DIR"):
         if os.environ.get(env):
             return Path(os.environ[env])
-    from checkpoints.embedded import cache_dir
+    from nanojax.paths import cache_dir
     return cache_dir(model_cache_dir) / "jax"
 
 

@@ -303,6 +303,9 @@ NAMED_SHAPES: dict[str, ModelConfig] = {
 }
 
 
+RANDOM_PREFIX = "random:"  # a model name `random:<shape>`: a named shape, random weights
+
+
 def named_shape(name: str, dtype: str | None = None) -> ModelConfig:
     if name not in NAMED_SHAPES:
         raise ConfigError(f"unknown model shape {name!r}; known: {sorted(NAMED_SHAPES)}")
@@ -338,32 +341,32 @@ class KernelConfig:
     decode_longest_first: bool = dataclasses.field(default=True, metadata=_opt(
         "Mosaic GPU swap-AB decode kernel: its workers take the sequences longest first, "
         "dealt in a snake, instead of round-robin in row order, so varied context lengths "
-        "(the traces) leave no worker a tail of long ones. The 8B step at B_dense 2048, "
-        "back to back at the card's power cap: FP8 pages 1.014-1.034x (decode kernel 1.29x "
-        "faster on lmsys), bf16 1.003-1.028x (kernel 1.07x); bench/results §66"))
+        "(the traces) leave no worker a tail of long ones (measured: "
+        "bench/results/log/step.md)"))
     prefill_kernel: bool = dataclasses.field(default=True, metadata=_opt(
         "GPU: prefill tokens through the chunked-prefill kernel (query blocks of a chunk "
         "share one pass over the pages) instead of as rows of the decode kernel, each "
-        "re-reading its context (the 8B step at B_dense 2048 ran 1.033x with it, the engine "
-        "on 768 requests of 512/512 1.028x, bench/results §23, §59)"))
+        "re-reading its context (faster in the step, and in the engine at load; measured: "
+        "bench/results/log/step.md)"))
     prefill_block_q: int = dataclasses.field(default=16, metadata=_opt(
         "query tokens per block of the chunked-prefill kernel"))
     prefill_max_seqs: int = dataclasses.field(default=64, metadata=_opt(
         "with the chunked-prefill kernel: most sequences prefilling in one iteration; its "
-        "query blocks are then bounded by B_dense / prefill_block_q + this (the bound of one "
-        "block per row was 2,176 blocks at B_dense 2048, 11x this one's 192, each gathered, "
-        "attended and scattered back in every layer)"))
+        "query blocks are then at most B_dense / prefill_block_q + this, not "
+        "B_dense / prefill_block_q + B_dense (one block per row); each block is gathered, "
+        "attended and scattered back in every layer"))
     fused_append: bool = dataclasses.field(default=True, metadata=_opt(
         "write the KV cache with the fused RoPE + append kernel where it takes the shapes "
         "(kv heads and head dim powers of 2; else, and off: XLA's RoPE and two scatters); "
-        "on, the 8B step at B_dense 2048 ran 1.013x (bench/results §54)"))
+        "on, the step is faster (measured: bench/results/log/step.md)"))
     grouped_gemm: str = dataclasses.field(default="auto", metadata=_opt(
         "MoE expert GEMMs: auto (the Mosaic GPU grouped GEMM on Hopper where it takes the "
         "operands, else XLA's ragged_dot), xla (always ragged_dot)", choices=GROUPED_GEMMS))
     cpu_small_gemms: str = dataclasses.field(default="eigen", metadata=_opt(
         "CPU: XLA's library for the GEMMs of steps of 3 to 16 rows (XLA's own GEMV "
-        "serves 1 row): eigen (8 rows: 1.3x YNNPACK's speed on a 2-core EPYC) or ynnpack "
-        "(XLA's default, kept for 2 rows and from 17 up, where it is the faster)",
+        "serves 1 row): eigen (faster than YNNPACK at these sizes on the CPU) or ynnpack "
+        "(XLA's default, kept for 2 rows and from 17 up, where it is the faster; measured: "
+        "bench/results/log/cpu.md)",
         choices=CPU_GEMMS))
     cpu_weights: str = dataclasses.field(default="q4", metadata=_opt(
         "CPU, a model loaded from a GGUF file: q4 keeps its Q4_1 / Q8_0 blocks beside the "
@@ -379,15 +382,15 @@ class KernelConfig:
     merge_dots: bool = dataclasses.field(default=False, metadata=_opt(
         "GPU: let XLA merge GEMMs that share an input (q, k and v: its dot merger, for "
         "GEMMs under 32 MB) into one, which concatenates their weights on every step (off, "
-        "the 8B step at B_dense 2048 ran 1.013-1.023x, bench/results §54; q/k/v stored "
-        "as one weight instead gained less: their output's slices cost what the merge saved; "
-        "untimed on small models, where gate and up are under the threshold too)"))
+        "the 8B step is faster; q/k/v stored as one weight instead gained less: their "
+        "output's slices cost what the merge saved; untimed on small models, where gate and "
+        "up are under the threshold too; measured: bench/results/log/step.md)"))
     command_buffers: bool = dataclasses.field(default=False, metadata=_opt(
         "GPU: run the step as XLA command buffers (CUDA graphs) where it places nothing "
         "on other streams (the default forward, the non-overlap and nanobatch-only plans): "
-        "fewer launches than the ~850 kernels an 8B iteration dispatches one by one "
-        "(17-21 ms of host time, bench/results §39) and shorter gaps between them; off "
-        "until measured (bench step's mode option cmdbuf)"))
+        "one graph launch instead of a launch per kernel. Off: on the H200 the graph launch "
+        "cost more per call than it saved, and back to back it gained little (measured: "
+        "bench/results/log/step.md; bench step's mode option cmdbuf)"))
     streams: bool = dataclasses.field(default=True, metadata=_opt(
         "place the plan's side-stream nano-ops on XLA execution streams (GPU)"))
     interpret: bool = dataclasses.field(default=False, metadata=_opt(
@@ -414,15 +417,34 @@ class KernelConfig:
         return dataclasses.replace(self, **kw)
 
 
-INPUT_STAGINGS = ("numpy", "put", "pinned")
 ADMISSION = ("greedy", "predicted")
-# the default dense batch: a GPU's; the CPU's holds a whole prompt of the default
+# the default dense batch: a GPU's largest (EngineConfig.dense_batch: smaller where the
+# KV cache cannot keep it full); the CPU's holds a whole prompt of the default
 # max_model_len, so a long prompt prefills in one step of big GEMMs rather than in chunks
-# of 256 (bench/results/README.md §28)
-GPU_B_DENSE = 256
+# of 256 (measured: bench/results/log/cpu.md)
+GPU_B_DENSE = 2048
 CPU_B_DENSE = 2048
 # --kv-cache-dtype names (nanojax/layers/kv_fp8.py maps them to element types)
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8", "fp8_e4m3", "float32", "fp32")
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """What the engine's defaults depend on: the backend, its SM count, the host's cores."""
+    gpu: bool
+    num_sms: int
+    host_cores: int
+
+    @staticmethod
+    def current() -> "Platform":
+        """The first device's (where the engine puts the parameters)."""
+        import os
+
+        import jax
+
+        from pallas_kernels.device import device_sms
+        dev = jax.devices()[0]
+        return Platform(dev.platform == "gpu", device_sms(dev), os.cpu_count() or 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,8 +452,9 @@ class EngineConfig:
     """The serving engine: batch shape, KV cache, scheduling, and the kernels."""
 
     b_dense: int | None = dataclasses.field(default=None, metadata=_opt(
-        "tokens per iteration (NanoFlow's dense batch); default: 256 on a GPU, 2048 on the "
-        "CPU (longer prefill chunks: bigger GEMMs)"))
+        "tokens per iteration (NanoFlow's dense batch); default on a GPU: the largest the KV "
+        "cache keeps full (4 x its tokens / max_model_len, in 256s, at most 2048); on the "
+        "CPU 2048 (longer prefill chunks: bigger GEMMs)"))
     page_size: int = dataclasses.field(default=16, metadata=_opt("tokens per KV page"))
     num_pages: int | None = dataclasses.field(default=None, metadata=_opt(
         "KV pages (default: sized from free device memory; 8 full requests on the CPU)"))
@@ -445,9 +468,11 @@ class EngineConfig:
         "launch iteration i+1 before reading iteration i's tokens"))
     constant_batch: bool = dataclasses.field(default=False, metadata=_opt(
         "pad every iteration to B_dense tokens (NanoFlow's dense batch)"))
-    admission: str = dataclasses.field(default="greedy", metadata=_opt(
+    admission: str | None = dataclasses.field(default=None, metadata=_opt(
         "predicted: admit only while every running request's expected final length fits "
-        "the KV cache (NanoFlow's memory prediction)", choices=ADMISSION))
+        "the KV cache (NanoFlow's memory prediction), paced so the batch stays full; "
+        "greedy: as soon as a prompt's pages are free; default: predicted on a GPU, greedy "
+        "on the CPU", choices=ADMISSION))
     fixed_shapes: bool | None = dataclasses.field(default=None, metadata=_opt(
         "one row count and page-table width, so every step shape (one per token bucket) "
         "compiles before serving; default: on a GPU (off on the CPU, where fixed rows "
@@ -482,18 +507,20 @@ class EngineConfig:
         "the disk tier's limit", parse="bytes"))
     step_cache: bool = dataclasses.field(default=True, metadata=_opt(
         "keep the compiled step executables beside jax's compile cache (none with "
-        "--no-compile-cache), so a warm start loads them without tracing the step "
-        "(H200: a second serve of the 8B listens in 13.9 s instead of 46.7 s; a loaded "
-        "step gives a fresh compile's tokens; bench/results/README.md §33)"))
+        "--no-compile-cache), so a warm start loads them without tracing the step; a "
+        "loaded step gives a fresh compile's tokens (measured: "
+        "bench/results/log/engine_host.md)"))
     compile_threads: int | None = dataclasses.field(default=None, metadata=_opt(
         "with fixed shapes: step shapes compiled at once while warming up (the B_dense "
         "shape first, alone, so its GEMMs are autotuned on an idle GPU); default: half "
         "the host's cores, at most 8, on a GPU; 1 on the CPU"))
-    input_staging: str = dataclasses.field(default="numpy", metadata=_opt(
-        "how a step's host arrays reach the device: numpy (passed to the jitted step as "
-        "they are), put (one device_put of the input tree first), pinned (through pinned "
-        "host memory); an A/B for the H200's idle gap between steps (bench/results §34); "
-        "one device only", choices=INPUT_STAGINGS))
+    async_dispatch: bool | None = dataclasses.field(default=None, metadata=_opt(
+        "dispatch each step from a thread of its own (the GPU launches a step's kernels "
+        "from the calling thread), so the engine thread reads the step before and forms "
+        "the next batch meanwhile; default: on a GPU"))
+    num_sms: int | None = dataclasses.field(default=None, metadata=_opt(
+        "the device's SM count, which a plan's shares of the GPU are taken of; default: "
+        "the device's own", cli=False))
     gc_freeze: bool = dataclasses.field(default=True, metadata=_opt(
         "run the engine loop with the objects that exist when it starts frozen out of "
         "Python's garbage collector (gc.freeze), so a full collection does not scan jax's "
@@ -501,38 +528,70 @@ class EngineConfig:
     kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
 
     def __post_init__(self):
-        if self.input_staging not in INPUT_STAGINGS:
-            raise ConfigError(f"input_staging must be one of {INPUT_STAGINGS}, got "
-                              f"{self.input_staging!r}")
-        if self.input_staging != "numpy" and self.tensor_parallel_size != 1:
-            raise ConfigError("input_staging put/pinned places inputs on one device: it "
-                              "needs tensor_parallel_size 1")
         for name in ("page_size", "max_model_len", "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("b_dense", "num_pages", "max_num_seqs", "min_token_bucket",
-                     "min_row_bucket", "token_bucket_step", "compile_threads"):
+                     "min_row_bucket", "token_bucket_step", "compile_threads", "num_sms"):
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ConfigError(f"{name} must be positive, got {v}")
         if not 0 < self.memory_utilization <= 1:
             raise ConfigError("memory_utilization must be in (0, 1], got "
                               f"{self.memory_utilization}")
-        if self.admission not in ADMISSION:
+        if self.admission is not None and self.admission not in ADMISSION:
             raise ConfigError(f"admission must be one of {ADMISSION}, got {self.admission!r}")
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)
 
-    def dense_batch(self, on_gpu: bool | None = None) -> int:
-        """b_dense, or the backend's default when it is not set (on_gpu None: the
-        default backend's)."""
+    def dense_batch(self, on_gpu: bool | None = None, kv_tokens: int | None = None,
+                    max_model_len: int | None = None) -> int:
+        """b_dense, or the backend's default when it is not set (on_gpu None: the default
+        backend's). A GPU's is NanoFlow's rule: the largest dense batch the KV cache keeps
+        full. With requests of up to max_model_len tokens, half prompt and half output,
+        kv_tokens hold kv_tokens / (max_model_len / 2) of them decoding at their mean
+        context, and as many prompt tokens an iteration replace the ones that finish: a
+        batch of 4 kv_tokens / max_model_len, in multiples of 256, at most GPU_B_DENSE
+        (where the 8B's GEMMs are compute-bound on an H200); kv_tokens None (not sized
+        yet): GPU_B_DENSE."""
         if self.b_dense is not None:
             return self.b_dense
         if on_gpu is None:
             import jax
             on_gpu = jax.default_backend() == "gpu"
-        return GPU_B_DENSE if on_gpu else CPU_B_DENSE
+        if not on_gpu:
+            return CPU_B_DENSE
+        if kv_tokens is None:
+            return GPU_B_DENSE
+        keeps_full = 4 * kv_tokens // (max_model_len or self.max_model_len)
+        return max(256, min(GPU_B_DENSE, keeps_full // 256 * 256))
+
+    def resolve(self, platform: "Platform", kv_tokens: int | None = None,
+                max_model_len: int | None = None) -> "EngineConfig":
+        """This configuration with every default that depends on where it runs filled in
+        (nothing left None but num_pages and max_num_seqs, which the cache sizing sets):
+        a GPU's are throughput-first (NanoFlow's dense batch, predicted admission, every
+        step shape compiled at start, the dispatch on its own thread), the CPU's
+        latency-first (a step pays for every padding token and row there). kv_tokens and
+        max_model_len: the cache's size and the longest request, for the dense batch."""
+        gpu = platform.gpu
+        fixed = gpu if self.fixed_shapes is None else self.fixed_shapes
+        return self.replace(
+            b_dense=self.dense_batch(gpu, kv_tokens, max_model_len),
+            admission=self.admission or ("predicted" if gpu else "greedy"),
+            fixed_shapes=fixed,
+            min_token_bucket=self.min_token_bucket or (16 if gpu or fixed else 1),
+            min_row_bucket=self.min_row_bucket or (4 if gpu else 1),
+            # a long prompt's chunks padded to a multiple of 128 on the CPU, not to the
+            # next power of two (each bucket is one more shape compiled with fixed shapes)
+            token_bucket_step=self.token_bucket_step or (None if gpu or fixed else 128),
+            # XLA's GPU compile is mostly single-threaded host work; the CPU's cores run
+            # the model
+            compile_threads=self.compile_threads or (
+                max(1, min(8, platform.host_cores // 2)) if gpu else 1),
+            async_dispatch=gpu if self.async_dispatch is None else self.async_dispatch,
+            num_sms=self.num_sms or platform.num_sms)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -34,6 +34,44 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     compile_cache.add_args(p)
 
 
+def _parsed(convert, s: str, expected: str):
+    """argparse says "invalid <function name> value" for a ValueError: name the expectation."""
+    try:
+        return convert(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {s!r}") from None
+
+
+def integer(s: str) -> int:
+    return _parsed(int, s, "an integer")
+
+
+def number(s: str) -> float:
+    return _parsed(float, s, "a number")
+
+
+def positive_int(s: str) -> int:
+    v = _parsed(int, s, "a positive integer")
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+    return v
+
+
+def non_negative_float(s: str) -> float:
+    v = _parsed(float, s, "a number >= 0")
+    if not v >= 0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {s!r}")
+    return v
+
+
+def token_ids_list(s: str) -> list[int]:
+    ids = _parsed(lambda t: [int(x) for x in t.split(",")], s,
+                  "comma-separated token ids such as 1,2,3")
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative token ids, got {s!r}")
+    return ids
+
+
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -113,7 +151,8 @@ def kernel_config_from_args(args: argparse.Namespace, **overrides) -> KernelConf
 def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
     """The EngineConfig of the parsed flags; overrides win (values a command fixes)."""
     names = {f.name for f in dataclasses.fields(EngineConfig)}
-    given = {k: v for k, v in vars(args).items() if k in names}
+    # a flag left unset where a command's default is None: the field's own default
+    given = {k: v for k, v in vars(args).items() if k in names and v is not None}
     try:
         return EngineConfig(**{**given, "kernels": kernel_config_from_args(args),
                                **overrides})

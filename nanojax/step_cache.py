@@ -2,11 +2,12 @@
 
 jax's persistent cache (compile_cache.py) saves the backend compile, but finds its entry
 only after tracing the Python step and lowering it to StableHLO: for the 8B GPU step, 8
-shapes of 32 straight-line layers with Pallas kernels, that is ~21 s on the developer CPU
-against the H200's warm 37.5 s (bench/results/README.md §31, §32). Here an entry is the serialized executable itself,
-found by a digest of everything that determines the program: the caller's description
-(model and engine config, forward, kernels, plan), the step's argument shapes, dtypes and
-shardings, jax and jaxlib, the backend, device kind and count, and nanojax's own source.
+shapes of 32 straight-line layers with Pallas kernels, that is a large part of a warm
+start (measured: bench/results/log/engine_host.md). Here an entry is the serialized
+executable itself, found by a digest of everything that determines the program: the
+caller's description (model and engine config, forward, kernels, plan), the step's
+argument shapes, dtypes and shardings, jax and jaxlib, the backend, device kind and count,
+and nanojax's own source.
 
 It lives in `<compile cache dir>/nanojax-steps`, on only where jax's cache is on (the
 `--compile-cache-dir` / `--no-compile-cache` flags; `--no-step-cache`,

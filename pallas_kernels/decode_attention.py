@@ -10,8 +10,8 @@ have the rest.
 FP8 pages (float8_e4m3fn, stored as x / scale with one float32 scale per kv head for k and
 for v): the kernel loads the 1-byte rows and widens them in registers, to f16 by default
 (`fp8_compute`; the query is cast to it too; f32 queries keep f32): e4m3 widens to f16 in one conversion
-instruction on Hopper, where bf16 takes a detour through f32 (the H200 ran FP8 pages at
-43-54% of copy speed with bf16 arithmetic, bench/results/attention_step/); f16 holds every
+instruction on Hopper, where bf16 takes a detour through f32 (with bf16 arithmetic the
+H200 ran FP8 pages well below copy speed: bench/results/log/step.md); f16 holds every
 e4m3 value exactly. The k scale is folded into the query (so into the scores) and the v
 scale into the output, so the bytes read per key halve. Pages of another dtype than the
 query's (bf16 pages under f32 queries) are converted to the query's dtype the same way.
@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+from pallas_kernels.device import device_sms
 
 _NEG = -1e30
 _MIN_ROWS = 16  # tl.dot needs at least 16 rows: the query group is padded up to this
@@ -158,18 +160,15 @@ def pool_too_large(k_pages) -> str | None:
 
 
 def _use_prefetch(programs: int) -> bool:
-    """Hand prefetch at two programs per SM or fewer. Measured at batch 512, context 1024
-    (bench/results/decode_attention_variants_h200.json): with 64-key blocks it lifts 66,
-    132 and 264 programs from 26/48/68% to 34/61/75% of copy bandwidth (as much as 128- or
-    256-key blocks gave) and costs 84 -> 76% on a full grid. The block stays 64 keys for
-    every grid so that every share sums in the same order: the pipeline's ablation modes
-    and plans with different shares give bitwise the same attention output. The
-    engine's KernelConfig.decode_prefetch forces it off or on (A/B runs)."""
-    try:
-        sms = jax.devices()[0].core_count or 132
-    except AttributeError:  # CPU devices have no core_count
-        sms = 132
-    return programs <= 2 * sms
+    """Hand prefetch at two programs per SM or fewer: with 64-key blocks it lifts the
+    bounded grids' share of copy bandwidth (as much as 128- or 256-key blocks gave) and
+    costs some on a full grid (measured at batch 512, context 1024:
+    bench/results/decode_attention_variants_h200.json, bench/results/log/kernels.md). The
+    block stays 64 keys for every grid so that every share sums in the same order: the
+    pipeline's ablation modes and plans with different shares give bitwise the same
+    attention output. The engine's KernelConfig.decode_prefetch forces it off or on (A/B
+    runs)."""
+    return programs <= 2 * device_sms()
 
 
 def paged_attention_call(qg, k_pages, v_pages, page_table, context_lens, row_last, *,

@@ -1,12 +1,12 @@
 """Paged grouped-query decode attention for a bounded grid, in Mosaic GPU (Hopper).
 
 Why a second kernel: at a bounded grid (the resource share NanoFlow gives attention) the
-Triton kernel stops near 34% of copy bandwidth at half the SMs, because Triton issues the
-gathered page loads too slowly; a TMA pipeline into shared memory streamed 96% there
-(bench/results/load_probe_h200.json). This kernel keeps `stages` blocks of keys and
+Triton kernel stops far below copy bandwidth at half the SMs, because Triton issues the
+gathered page loads too slowly; a TMA pipeline into shared memory streamed near copy speed
+there (bench/results/load_probe_h200.json). This kernel keeps `stages` blocks of keys and
 values in flight per worker with one TMA copy per (page, kv head) tile, two workers (warp
-groups) per program: on the H200 71% of copy at half the SMs, 103% at all of them
-(bench/results/decode_attention_mgpu_h200.json; pallas_kernels/README.md says why).
+groups) per program (measured: bench/results/decode_attention_mgpu_h200.json,
+bench/results/log/kernels.md; pallas_kernels/README.md says why).
 
 Same contract and unit of work as decode_attention.py: the workers of a persistent grid
 of `num_programs` programs stride over the B x KVH (sequence, kv head) units; each unit
@@ -17,7 +17,7 @@ hold finite values (they get zero weight, but 0 x NaN is NaN); the engine's cach
 zero-initialised and only ever holds written keys and values.
 
 Checked against the reference in Mosaic GPU's interpret mode on the CPU and compiled on
-the H200 (tests/test_decode_attention_mgpu.py); timings in bench/results/.
+the H200 (tests/test_decode_attention_mgpu.py); timings in bench/results/log/kernels.md.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.device import device_sms
 from pallas_kernels.mosaic_gpu_support import copy_pages_to_slot, interpret_params
 
 _ROWS = 64  # WGMMA tile height
@@ -90,8 +91,8 @@ def _matmul_pv(p16, v_tile, *, interpret):
 
 
 # jitted so that a step calling it once per layer lowers the kernel once per shape (jax
-# caches the lowering of identical nested jits): on the CPU, lowering 8 calls took 0.9 s
-# instead of 3.6 s. Inside a stream region the call is inlined (pipeline/streams.py).
+# caches the lowering of identical nested jits), not once per call. Inside a stream
+# region the call is inlined (pipeline/streams.py).
 @functools.partial(jax.jit, static_argnames=("num_programs", "block_k", "stages",
                                              "warpgroups", "approx_math", "interpret"))
 def decode_attention_mgpu(q, k_pages, v_pages, page_table, context_lens, *,
@@ -116,7 +117,7 @@ def decode_attention_mgpu(q, k_pages, v_pages, page_table, context_lens, *,
         raise ValueError(f"block_k {block_k} must be a multiple of 64 and of the page "
                          f"size {ps}")
     if num_programs is None:
-        num_programs = getattr(jax.devices()[0], "core_count", None) or 132
+        num_programs = device_sms()
     ppb = block_k // ps
     pw = page_table.shape[1]
     if pw % ppb:  # whole blocks of page numbers (the tail, page 0, is never attended)

@@ -5,11 +5,12 @@ pages [N, KVH, ps, D], page_table [B, P], context_lens [B] -> [B, H, D]; `num_pr
 is the persistent grid, i.e. the SMs this kernel may occupy (its resource share).
 
 Why this shape of kernel (the design choices; pallas_kernels/README.md has the measurements
-that led here). A bounded grid must stream ~60 GB/s per SM (65% of copy on 44 SMs):
-one 16 KB block of keys and values every ~500 cycles. The previous kernel computed
-S = Q K^T on a 64-row WGMMA tile of which only the query group (4 rows) is real, so every
-block paid a 64 x 64 softmax and a 64 x D rescale: an SM's rate was set by arithmetic on
-padding. Here the operands are swapped, as TensorRT-LLM's XQA kernel does on Hopper:
+that led here). A bounded grid must stream ~60 GB/s per SM (issue 17's target, 65% of
+copy on 44 SMs): one 16 KB block of keys and values every ~500 cycles. The previous
+kernel computed S = Q K^T on a 64-row WGMMA tile of which only the query group (4 rows)
+is real, so every block paid a 64 x 64 softmax and a 64 x D rescale: an SM's rate was set
+by arithmetic on padding. Here the operands are swapped, as TensorRT-LLM's XQA kernel
+does on Hopper:
 
   * S^T = K Q^T: M = block_k keys, N = the query group padded to 8 (16, 24, 32 for larger
     groups), K = D. The softmax works on block_k x 8 scores: 4 per thread for 64 keys.
@@ -27,7 +28,8 @@ padding. Here the operands are swapped, as TensorRT-LLM's XQA kernel does on Hop
     program runs `warpgroups` (default 4) independent workers, each with its own ring of
     `stages` blocks, its own barriers and reduction scratch: while one waits on a copy or
     a WGMMA, the others compute, and 4 x 2-3 blocks x 16 KB = 128-192 KB of K and V are in
-    flight per SM (the load probe needed ~64 KB+ per SM for 96% of copy at half the SMs).
+    flight per SM (the load probe needed 64 KB or more per SM to near copy speed at half
+    the SMs: bench/results/load_probe_h200.json).
   * every worker streams its (sequence, kv head[, split]) items as one flat pipeline: the
     copies of the next item's first blocks are issued while the current item finishes,
     its query tile is double-buffered and its length and page numbers are loaded ahead,
@@ -59,6 +61,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.device import device_sms
 from pallas_kernels.mosaic_gpu_support import copy_pages_to_slot, interpret_params
 
 _MAX_GROUP = 32  # query heads per kv head (the WGMMA N dimension, padded to 8)
@@ -129,10 +132,9 @@ def longest_first(context_lens, num_rows=None):
     """The sequences by context length, longest first, rows past num_rows last: the order
     in which the workers take their (sequence, kv head) items, dealt in a snake (round r
     to workers 0, 1, ... when r is even, from the last worker back when odd), so each
-    worker's total is near the mean even where lengths vary. Round-robin over the rows as
-    given left the busiest of 528 workers 1.51x the mean key blocks on the lmsys and
-    sharegpt batches of the 8B step at B_dense 2048; this order 1.09-1.13x (a count of
-    blocks, not a timing)."""
+    worker's total is near the mean even where lengths vary: round-robin over the rows as
+    given left the busiest worker far more key blocks than the mean on the traces' batches
+    (counted, and timed: bench/results/log/step.md)."""
     lens = context_lens.astype(jnp.int32)
     if num_rows is not None:
         lens = jnp.where(jnp.arange(lens.shape[0]) < num_rows, lens, -1)
@@ -153,22 +155,21 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
 
     num_programs: the persistent grid, one program per SM (None: every SM).
     warpgroups: independent workers per program; stages: blocks of block_k keys in
-    flight per worker (None: 2 stages; 3 workers on a bounded grid, 2 on the full one
-    (4 for float8 pages there without split-KV: 0.61-0.64x bf16's time, results §63, §65):
-    on the H200 at B 512, ctx 1024 that read 94% of copy bandwidth at 66 programs and 66%
-    at 44, against 75% / 51% with 2 workers, and 102% on the full grid against 98%;
-    bench/results/decode_kernel/sweep_h200.json). splits: key ranges per (sequence, kv head) combined afterwards
-    (None: default_splits). columns: the WGMMA N, the query group padded (None: to a
-    multiple of 8). approx_math: the hardware exp2, as jax's own attention uses.
+    flight per worker (None: 2 stages; 3 workers on a bounded grid, 2 on the full one,
+    4 for float8 pages there without split-KV: the fastest at each on the H200;
+    bench/results/decode_kernel/sweep_h200.json, bench/results/log/kernels.md and fp8.md).
+    splits: key ranges per (sequence, kv head) combined afterwards (None: default_splits).
+    columns: the WGMMA N, the query group padded (None: to a multiple of 8).
+    approx_math: the hardware exp2, as jax's own attention uses.
     num_rows: a traced int32 scalar: only rows [0, num_rows) are attended; the others'
     outputs are left unspecified (the engine's decode call, whose prefill rows the
-    chunked-prefill kernel serves: half of the 8B step's rows at 512/512). None: all B.
+    chunked-prefill kernel serves). None: all B.
     longest_first_order: the workers take the sequences longest first (longest_first), not
     in row order (the engine's default, KernelConfig.decode_longest_first). order: that
     order already computed (int32 [B], longest_first of these context_lens and num_rows;
     given, it is used whatever longest_first_order says): a step's layers share one sort
     instead of one each (XLA does not merge them across the executor's stream regions:
-    32 sorts, ~0.5 ms of the 8B step); None: sorted here where longest_first_order.
+    one sort per layer); None: sorted here where longest_first_order.
 
     float8_e4m3fn pages take per-kv-head float32 scales k_scale, v_scale [KVH] (real
     key = page value x k_scale[h]): each block is widened to f16 (exact), keys into
@@ -223,13 +224,13 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
     if block_k not in (64, 128) or block_k % ps:
         raise ValueError(f"block_k {block_k} must be 64 or 128 and a multiple of the page "
                          f"size {ps}")
-    sms = getattr(jax.devices()[0], "core_count", None) or 132
+    sms = device_sms()
     if num_programs is None:
         num_programs = sms
     fp8 = jnp.dtype(k_pages.dtype) == jnp.dtype(jnp.float8_e4m3fn)
     if warpgroups is None:  # FP8 on the full grid: 4 workers (a block is half the bytes;
-        # at B 512 ctx 1024 0.339 ms, 85% of copy, against 0.468 ms with 2, §62)
-        # (without split-KV: the split path's f32 outputs do not fit 4 workers' memory)
+        # faster than 2: bench/results/log/fp8.md) (without split-KV: the split
+        # path's f32 outputs do not fit 4 workers' memory)
         big = fp8 and splits in (None, 1) and b * kvh >= 4 * num_programs
         warpgroups = (4 if big else 2) if num_programs >= sms else 3
     stages = 2 if stages is None else stages
@@ -255,8 +256,8 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
     # (sequence bb, kv head hh)'s query tile is rows [bb * H + hh * g, + ncol) of q as
     # [B * H, D]: its group, then the next heads' queries in the padding columns (past the
     # last row, the TMA's zero fill), whose scores and outputs are computed and dropped.
-    # Columns never mix, so q needs no padded copy (that copy cost 21 us a layer at
-    # B_dense 2048, bench/results §54). The TMA needs B * H a multiple of its 8-row tile
+    # Columns never mix, so q needs no padded copy (that copy showed in the step's
+    # profile: bench/results/log/step.md). The TMA needs B * H a multiple of its 8-row tile
     # (SmolLM2's 9 heads x 26 tokens did not lower): else q is padded per group. The
     # interpreter clamps a slice past the end instead: there q gets the rows.
     q_as_rows = (b * h) % 8 == 0

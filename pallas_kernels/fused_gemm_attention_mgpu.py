@@ -2,9 +2,10 @@
 split by program id (Hopper).
 
 Why: NanoFlow overlaps nano-batch i's GEMM with nano-batch j's decode attention, each on
-its share of the SMs. Two XLA streams do not split the SMs (bench/results: bounded pairs
-0.52-0.96x of back to back), so the split is made inside one persistent kernel, as
-FlashInfer's POD-Attention does: a grid of N programs (one per SM), programs [0, G) run
+its share of the SMs. Two XLA streams do not split the SMs (bounded pairs on two streams
+ran slower than back to back: bench/results/bounded_overlap_probe_h200.json,
+bench/results/log/overlap_search.md), so the split is made inside one persistent kernel,
+as FlashInfer's POD-Attention does: a grid of N programs (one per SM), programs [0, G) run
 the GEMM's output-tile loop striding by G, programs [G, N) run the swap-AB decode
 attention's work-item loop striding by N - G. G is the plan's GEMM share.
 
@@ -49,6 +50,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import decode_attention_swapab as swapab
 from pallas_kernels.decode_attention import decode_attention_reference
+from pallas_kernels.device import device_sms
 from pallas_kernels.matmul_mgpu import default_config, matmul_reference
 from pallas_kernels.matmul_mgpu import unsupported as gemm_unsupported
 from pallas_kernels.mosaic_gpu_support import interpret_params
@@ -80,9 +82,10 @@ def gemm_config(m: int, n: int, programs: int):
     """The GEMM's tiling for an [m, n] output on `programs` programs: matmul_mgpu's 128 x
     256 tiles, or 128 x 128 with 6 K steps in flight where the large tiles leave the last
     wave mostly empty (under 85% of the programs busy on average) and the small ones fill
-    it better. qkv at 1,024 tokens on 132 SMs has 192 large tiles, 1.45 waves: its GEMM
-    part ran 1.33x XLA's GEMM with them, 1.15x with the small ones; where both fill their
-    waves the large tiles are faster (bench/kernels/gemm_tiles.py, results §67)."""
+    it better (qkv at 1,024 tokens on 132 SMs has 192 large tiles, 1.45 waves: its GEMM
+    part ran closer to XLA's GEMM with the small ones); where both fill their waves the
+    large tiles are faster (bench/kernels/gemm_tiles.py,
+    bench/results/log/overlap_search.md)."""
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
     large = default_config()
@@ -211,7 +214,7 @@ def gemm_part(a, b, *, num_programs: int | None = None, config=None,
     the pair costs beyond its parts."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     if num_programs is None:
-        num_programs = getattr(jax.devices()[0], "core_count", None) or 132
+        num_programs = device_sms()
     config = config or gemm_config(a.shape[0], b.shape[1], num_programs)
     if (why := gemm_unsupported(a, b, config)) is not None:
         raise ValueError(f"GEMM: {why}")
@@ -243,7 +246,7 @@ def fused_gemm_attention(a, b, q, k_pages, v_pages, page_table, context_lens, *,
     in decode_attention_swapab)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     if num_programs is None:
-        num_programs = getattr(jax.devices()[0], "core_count", None) or 132
+        num_programs = device_sms()
     g = gemm_programs
     config = config or gemm_config(a.shape[0], b.shape[1], g)
     if (why := unsupported(a, b, q, k_pages, gemm_programs=g, num_programs=num_programs,

@@ -4,10 +4,10 @@ x [M, K] rows sorted by group, w [G, K, N], group_sizes [G] (summing to M) -> [M
 the rows of group g times w[g]. This is jax.lax.ragged_dot's contract.
 
 Why: XLA lowers ragged_dot on NVIDIA GPUs as a masked dense product over every group (its
-RaggedDotRewriter); on the H200 with jax 0.11.2 the Mixtral-8x7B expert GEMM ran at ~95
-TFLOP/s against ~710 for one dense GEMM of the same rows, with or without XLA's cuDNN
-ragged-dot fusion (bench/results/moe/moe_grouped_gemm_probe_h200.json), so an MoE step
-spent most of its time there. The kernel body is jax's own Hopper ragged dot
+RaggedDotRewriter); on the H200 the Mixtral-8x7B expert GEMM ran at a fraction of one
+dense GEMM's rate over the same rows, with or without XLA's cuDNN ragged-dot fusion
+(bench/results/moe/moe_grouped_gemm_probe_h200.json, bench/results/log/moe.md), so an
+MoE step spent most of its time there. The kernel body is jax's own Hopper ragged dot
 (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`): a persistent grid walks (row block,
 column block) tiles, each row block belongs to one group (a block that straddles two
 groups is visited once for each, storing only its own rows), a TMA pipeline over K feeds
@@ -37,10 +37,9 @@ class GroupedTiling(NamedTuple):
 
 
 # 64 x 256 tiles (4 stages, 192 KB of shared memory) timed faster than 128 x 128 on the
-# H200 at every Mixtral-8x7B expert shape above 128 rows: 0.89-0.92x the time from 256 to
-# 4,096 rows, 8% less for the layer's three GEMMs at 256 rows (a decode batch of 128) and
-# at 4,096 (bench/results/moe/moe_grouped_gemm_probe_decode_h200.json, §51). At 128 rows
-# the down projection lost (308 against 271 us), so small batches keep 128 x 128.
+# H200 at every Mixtral-8x7B expert shape above 128 rows; at 128 rows the down projection
+# lost, so small batches keep 128 x 128 (bench/results/moe/
+# moe_grouped_gemm_probe_decode_h200.json, bench/results/log/moe.md).
 WIDE_TILING = GroupedTiling(block_m=64, block_n=256)
 
 

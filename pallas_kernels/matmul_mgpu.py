@@ -3,7 +3,7 @@
 Why: NanoFlow gives each kernel of an overlapped pair a share of the SMs. Our decode
 attention takes one (decode_attention_mgpu.py: R x SMs programs), but XLA's cuBLAS GEMMs
 launch on every SM, so beside it the two streams' kernels mostly alternate and the GEMMs
-slow down (bench/results/README.md, 8-layer timeline: GEMM time 11.5 -> 15.2 ms). A GEMM
+slow down (the 8-layer timeline: bench/results/log/step.md). A GEMM
 whose persistent grid is the other (1 - R) x SMs leaves the attention's SMs alone.
 
 The kernel body is jax's own Hopper matmul (`jax.experimental.pallas.ops.gpu.
@@ -12,8 +12,8 @@ groups, and a loop of output tiles over whatever grid it is launched on. Its `ma
 always launches one program per SM; this module launches it on `num_programs`, checks
 the shapes it can tile, and keeps the pure-JAX reference beside it. Checked against the
 reference in Mosaic GPU's interpret mode on the CPU (tests/test_matmul_mgpu.py) and timed
-on the H200 (bench/results/bounded_overlap_probe_h200.json: the MLP GEMMs of 1,024 tokens in
-0.517 ms on 132 programs against cuBLAS's 0.530, 0.887 ms on 66).
+on the H200, on a full grid as fast as cuBLAS (bench/results/bounded_overlap_probe_h200.json,
+bench/results/log/overlap_search.md).
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.device import device_sms
 from pallas_kernels.mosaic_gpu_support import interpret_params
 
 
@@ -61,7 +62,7 @@ def matmul_mgpu(a, b, *, num_programs: int | None = None, config=None,
     if (why := unsupported(a, b, config)) is not None:
         raise ValueError(why)
     if num_programs is None:
-        num_programs = getattr(jax.devices()[0], "core_count", None) or 132
+        num_programs = device_sms()
     (m, _), n = a.shape, b.shape[1]
     tiles = (m // config.tile_m) * (n // (config.tile_n * 2))
     if interpret and tiles == 1:  # the tile loop's index then constant-folds into an

@@ -221,20 +221,20 @@ def _overlap_decision(prof, best: dict, serial: float, pair: dict | None) -> dic
 
 
 def cmd_profile(args) -> int:
-    from checkpoints.loader import load_model
+    from nanojax.plugins import model_loader
     from search.milp import SearchError
     from search.profiler import run_profile
     if args.tp > 1 and args.model.startswith("random:"):
         # only one shard's shape is profiled (random weights): never load the whole model
-        from checkpoints.bundle import ModelBundle
-        from checkpoints.loader import default_dtype
         from nanojax.config import named_shape
+        from nanojax.models.bundle import ModelBundle, default_dtype
         bundle = ModelBundle(named_shape(args.model.split(":", 1)[1],
                                          args.dtype or default_dtype()).replace(
             quantization=args.quantization), None, None)
     else:
-        bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
-                            quantization=args.quantization)
+        bundle = model_loader().load_model(args.model, dtype=args.dtype,
+                                           cache_dir=args.cache_dir,
+                                           quantization=args.quantization)
     try:
         shares = [float(x) for x in args.shares.split(",")]
     except ValueError:

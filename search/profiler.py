@@ -45,6 +45,7 @@ from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
 from nanojax.pipeline.executor import side_stream_kernels
 from nanojax.profiling.synthetic import engine_batch_rows, synthetic_batch, workload_lengths
 from nanojax.profiling.timing import device_seconds, device_seconds_stateful
+from pallas_kernels.device import device_sms
 from search.milp import SearchError
 
 COMPUTE_OPS = ("qkv", "o_proj", "mlp")
@@ -55,14 +56,17 @@ class LayerOps:
 
     def __init__(self, bundle, b_dense: int, granularity: int, workload: str = "512/512",
                  page_size: int = 16, num_pages: int = 16384, max_model_len: int = 2048,
-                 num_sms: int = 132, kernels: KernelConfig = KernelConfig()):
+                 num_sms: int | None = None, kernels: KernelConfig = KernelConfig()):
+        """num_sms: the SMs an attention share divides (None: the device's, as the
+        executor's)."""
         self.kernels = kernels
         self.cfg = cfg = bundle.config
         self.layer = DecoderLayer(cfg)
         self.lp = jax.device_put({"params": bundle.params["params"]["layers_0"]})
         self.dtype = jnp.dtype(cfg.dtype)
         self.lengths = workload_lengths(workload, max_model_len)
-        self.page_size, self.num_pages, self.num_sms = page_size, num_pages, num_sms
+        self.page_size, self.num_pages = page_size, num_pages
+        self.num_sms = device_sms() if num_sms is None else num_sms
         self.max_pages = -(-max_model_len // page_size)
         forward = default_forward(cfg, kernels)
         self.attention = forward.attention
@@ -206,8 +210,8 @@ def network_times(hidden: int, dtype, sizes, tp: int, iters: int = 10) -> dict[i
 
 def shard_bundle(bundle, tp: int):
     """One TP shard's shape with random weights (one layer): what each GPU computes."""
-    from checkpoints.bundle import ModelBundle
     from nanojax.models import init_params
+    from nanojax.models.bundle import ModelBundle
     from nanojax.parallel.tp import TPLayout
     cfg = TPLayout(bundle.config, tp).shard_config.replace(num_layers=1)
     return ModelBundle(cfg, init_params(cfg), None)

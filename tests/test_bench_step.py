@@ -63,15 +63,16 @@ def test_synthetic_batch_has_the_engines_rows():
     """Per-sequence arrays have the runner's row count for an engine that admits the
     batch (not one row per token), padded as the runner pads: zeros."""
     from checkpoints.loader import load_model
-    from nanojax.engine.runner import ModelRunner, default_min_row_bucket
+    from nanojax.config import EngineConfig, Platform
+    from nanojax.engine.runner import ModelRunner
     bundle = load_model("random:tiny")
     b = _engine_batch(bundle.config, prefill_block_q=8, prefill_max_seqs=4)
     assert (b.num_seqs, b.num_decodes, len(b.tokens)) == (18, 16, 64)
     scheduled = types.SimpleNamespace(entries=[None] * b.num_seqs, num_tokens=64)
     for fixed, rows in ((False, 32), (True, 64)):  # this step's rows, or every step's
-        runner = ModelRunner(bundle.config, bundle.params, 512, 16, max_rows=b.num_seqs,
-                             b_dense=64, max_pages_per_seq=16, fixed_shapes=fixed,
-                             min_row_bucket=default_min_row_bucket(False))
+        config = EngineConfig(b_dense=64, fixed_shapes=fixed).resolve(Platform(False, 132, 2))
+        runner = ModelRunner(bundle.config, bundle.params, config, num_pages=512,
+                             max_rows=b.num_seqs, max_model_len=16 * 16)
         # a varying row count pads to a power of two, one row shape to a multiple of 64
         assert runner.shapes_for(scheduled)[1] == rows
     assert b.rows == 32  # the CPU engine's rows (no fixed shapes there)
@@ -414,7 +415,7 @@ def test_a_plan_forward_keeps_command_buffers_off_only_with_side_streams(monkeyp
 def test_kernels_are_told_apart_by_name(name, kind):
     """A Mixtral timeline has two Mosaic GPU kernels a layer: the expert GEMMs and the
     decode attention (all Mosaic kernels counted as attention once made 87% of a Mixtral
-    decode iteration 'attention', bench/results §51)."""
+    decode iteration 'attention', bench/results/log/moe.md)."""
     assert timeline.classify(name) == kind
 
 
@@ -493,7 +494,8 @@ def test_bench_and_profile_refuse_bad_arguments_before_loading(argv, msg, capsys
 
 
 def test_prediction_check_takes_the_layer_time_from_two_layer_counts(tmp_path):
-    """bench/scripts/prediction_check.py: (t[8] - t[4]) / 4 per layer, the rest non-layer."""
+    """bench/repro/overlap_search/prediction_check.py: (t[8] - t[4]) / 4 per layer, the rest
+    non-layer."""
     import json
     import subprocess
     import sys
@@ -503,7 +505,7 @@ def test_prediction_check_takes_the_layer_time_from_two_layer_counts(tmp_path):
         (tmp_path / f"s{layers}.json").write_text(json.dumps(
             {"num_layers": layers, "results": [{"mode": "overlap", "step_s": secs}]}))
     out = tmp_path / "check.json"
-    subprocess.run([sys.executable, "bench/scripts/prediction_check.py", str(plan),
+    subprocess.run([sys.executable, "bench/repro/overlap_search/prediction_check.py", str(plan),
                     str(tmp_path / "s8.json"), str(tmp_path / "s4.json"), "--out", str(out)],
                    check=True, capture_output=True)
     res = json.loads(out.read_text())
@@ -514,7 +516,7 @@ def test_prediction_check_takes_the_layer_time_from_two_layer_counts(tmp_path):
 
 
 def test_merge_throughput_takes_ratios_from_rows_of_one_process(tmp_path):
-    """bench/scripts/merge_throughput.py: a step file cut short by its time limit has rows
+    """bench/repro/step/merge_throughput.py: a step file cut short by its time limit has rows
     but no ratios; the merge computes them per run, never across runs."""
     import json
     import subprocess
@@ -537,7 +539,7 @@ def test_merge_throughput_takes_ratios_from_rows_of_one_process(tmp_path):
             {"command": f"nanojax bench {name}", "workload": wl, "peer": peer,
              "results": {"async": {"total_tokens_per_s": tps}}}))
     out = tmp_path / "m.json"
-    subprocess.run([sys.executable, "bench/scripts/merge_throughput.py", str(tmp_path / "a"),
+    subprocess.run([sys.executable, "bench/repro/step/merge_throughput.py", str(tmp_path / "a"),
                     str(tmp_path / "b"), str(tmp_path / "c"), "--out", str(out), "--png",
                     str(tmp_path / "m.png")], check=True, capture_output=True)
     res = json.loads(out.read_text())
@@ -551,12 +553,12 @@ def test_merge_throughput_takes_ratios_from_rows_of_one_process(tmp_path):
 
 
 def test_held_step_plot_draws_the_held_results_and_refuses_a_file_without_them(tmp_path):
-    """bench/scripts/plot_held_step.py: one bar per held (workload, mode), labelled with
+    """bench/repro/step/plot_held_step.py: one bar per held (workload, mode), labelled with
     its power and clock; a step file without --sustain-seconds is named as such."""
     import importlib.util
     import json
     spec = importlib.util.spec_from_file_location("plot_held_step",
-                                                  "bench/scripts/plot_held_step.py")
+                                                  "bench/repro/step/plot_held_step.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     held = {"step_s": 0.06, "fraction_of_optimal": 0.74,

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 from checkpoints.gguf_import import load_gguf, load_quantized
-from checkpoints.loader import cpu_params
 from nanojax.config import EngineConfig, KernelConfig, ModelConfig
 from nanojax.engine.llm import LLM
 from nanojax.engine.sampling import SamplingParams
 from nanojax.errors import ConfigError
 from nanojax.layers.quant import dequantize, quantized_dot
 from nanojax.models import init_params
+from nanojax.models.bundle import cpu_params
 from tests.gguf_fixtures import write_llama_gguf
 
 CFG = ModelConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -113,14 +113,14 @@ def test_the_unpacked_blocks_are_cached_and_reread_identically(tmp_path):
     reads the .npz (the GGUF reader is not called) and gives the same arrays; a changed
     file is a new key."""
     from unittest import mock
-    from checkpoints import loader
+    from checkpoints import gguf_import
     bundle = _gguf(tmp_path, "Q4_1")
     path = tmp_path / "tiny-Q4_1-False.gguf"
-    first = loader.cached_quantized(path, bundle.config, root=tmp_path / "c")
+    first = gguf_import.cached_quantized(path, bundle.config, root=tmp_path / "c")
     assert len(list((tmp_path / "c" / "quant").glob("*.npz"))) == 1
     with mock.patch("checkpoints.gguf_import.load_quantized",
                     side_effect=AssertionError("read the GGUF again")):
-        again = loader.cached_quantized(path, bundle.config, root=tmp_path / "c")
+        again = gguf_import.cached_quantized(path, bundle.config, root=tmp_path / "c")
     flat = lambda t: dict(jax.tree_util.tree_leaves_with_path(t))  # noqa: E731
     a, b = flat(first), flat(again)
     assert a.keys() == b.keys() and len(a) > 0
@@ -128,5 +128,5 @@ def test_the_unpacked_blocks_are_cached_and_reread_identically(tmp_path):
     path.touch()
     import os
     os.utime(path, ns=(1, 1))  # another mtime: another key, read from the file again
-    loader.cached_quantized(path, bundle.config, root=tmp_path / "c")
+    gguf_import.cached_quantized(path, bundle.config, root=tmp_path / "c")
     assert len(list((tmp_path / "c" / "quant").glob("*.npz"))) == 2

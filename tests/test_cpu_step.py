@@ -11,6 +11,7 @@ from nanojax.engine.forward import LayerwiseForward, ScanForward, default_forwar
 from nanojax.engine.llm_engine import LLMEngine
 from nanojax.engine.runner import bucket
 from nanojax.layers import attention as A
+from nanojax.layers.attention import cpu_blocked
 
 P, KVH, PS, D, H = 64, 2, 4, 8, 4
 
@@ -60,8 +61,8 @@ def test_blocked_attention_matches_reference(decodes, chunks, num_tokens, block_
     ref = A.paged_attention_reference(q, kp, vp, meta)[:n]
     modes = [False] if chunks else [True, False]  # per-token reads hold one token a row
     for per_token in modes:
-        out = A._blocked_attention(q, kp, vp, meta, per_token=per_token,
-                                   block_pages=block_pages, block_q=block_q)
+        out = cpu_blocked._blocked_attention(q, kp, vp, meta, per_token=per_token,
+                                             block_pages=block_pages, block_q=block_q)
         np.testing.assert_allclose(out[:n], ref, atol=2e-6)
     inv_freq = np.ones(D // 2, np.float32)
     np.testing.assert_allclose(A.attend_cpu(q, (kp, vp), meta, inv_freq)[:n],
@@ -76,7 +77,8 @@ def test_per_token_blocks_shrink_with_the_batch():
     for t, pages in ((1, 16), (256, 1)):
         meta, _ = _batch(rng, [3] * min(t, 8), [], t)
         q = jnp.zeros((t, H, D), jnp.float32)
-        hlo = jax.jit(lambda q, m: A._blocked_attention(q, kp, vp, m)).lower(q, meta).as_text()
+        hlo = jax.jit(lambda q, m: cpu_blocked._blocked_attention(q, kp, vp, m)).lower(
+            q, meta).as_text()
         assert f"tensor<{t}x{pages}x{KVH}x{PS}x{D}xf32>" in hlo, (t, pages)
 
 
@@ -115,7 +117,13 @@ def test_cpu_defaults():
     assert isinstance(fwd, LayerwiseForward) and not fwd.traced
     assert isinstance(fwd.for_shard(cfg, "tp"), ScanForward)
     assert EngineConfig().dense_batch(on_gpu=False) == 2048
-    assert EngineConfig().dense_batch(on_gpu=True) == 256
+    # a GPU's: the largest the KV cache keeps full (NanoFlow's rule), at most 2048
+    assert EngineConfig().dense_batch(on_gpu=True) == 2048  # cache not sized yet
+    gpu = EngineConfig(max_model_len=2048)
+    assert gpu.dense_batch(True, kv_tokens=650_512) == 1024  # the 8B's bf16 cache, H200
+    assert gpu.dense_batch(True, kv_tokens=650_512, max_model_len=256) == 2048
+    assert gpu.dense_batch(True, kv_tokens=2 * 650_512) == 2048  # FP8 pages
+    assert gpu.dense_batch(True, kv_tokens=10_000) == 256
     assert EngineConfig(b_dense=64).dense_batch(on_gpu=False) == 64
     assert [bucket(n, 1, 2048, 128) for n in (1, 3, 128, 129, 600, 1000, 1500, 2000)] == [
         1, 4, 128, 256, 640, 1024, 1536, 2048]

@@ -2,8 +2,8 @@
 agreement and the logits' distance, on the CPU (nanojax/bench/kv_quality.py).
 
 32 prompts x 64 tokens here, batched in one engine run per cache dtype; the 64 x 64 run
-and its numbers are in bench/results/fp8_kv_quality_cpu.json (bench/scripts/
-fp8_kv_quality.py). Measured there (fp8 vs bf16 KV): 30% of the tokens come before a
+and its numbers are in bench/results/fp8_kv_quality_cpu.json (bench/repro/fp8/
+kv_quality_cpu.py). Measured there (fp8 vs bf16 KV): 30% of the tokens come before a
 prompt's first divergence (this 32-prompt subset: 33%), teacher-forced top-1 agreement
 95.7%, mean KL 0.0064, max |diff| 0.62 std of the logits; float32 vs bf16 KV, for scale:
 95.5%, 99.9%, 2.3e-5, 0.04. A 135M model's greedy text sits on near-ties, so one flipped

@@ -149,7 +149,7 @@ def test_the_executors_fused_pair_lowers_for_cuda():
     a 1,024-token nano-batch, G 88 of 132, at the 8B decode shapes."""
     from nanojax.config import KernelConfig
     from nanojax.layers.attention import PagedMetadata, pallas_backend
-    from nanojax.pipeline.fused import PairMatmul, fused_attend
+    from nanojax.pipeline.fused import PairMatmul
     backend = pallas_backend(KernelConfig(decode_kernel="mosaic"))
     inv_freq = 1.0 / (500000.0 ** (np.arange(0, 128, 2) / 128))
     x, w, q, kp, vp, pt, lens = _nano_batch_args(4096, 4096)
@@ -159,7 +159,7 @@ def test_the_executors_fused_pair_lowers_for_cuda():
 
     def f(x, w, q, kp, vp, pt, lens, positions, slots, seq_ids, num_decodes):
         meta = PagedMetadata(positions, slots, seq_ids, pt, lens, num_decodes)
-        mm = PairMatmul(fused_attend(backend), q, (kp, vp), meta, inv_freq,
+        mm = PairMatmul(backend.attend_with, q, (kp, vp), meta, inv_freq,
                         gemm_programs=88, programs=132)
         c = mm(x, w)
         made["why"] = mm.why

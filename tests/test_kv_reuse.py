@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from checkpoints.bundle import ModelBundle
 from nanojax.bench.multi_round import run_conversations_offline
 from nanojax.bench.workload import Conversation, make_conversations
 from nanojax.engine.kv_cache import OutOfPages, PageAllocator
@@ -17,6 +16,7 @@ from nanojax.engine.kv_offload import DiskTier, HostTier, PageCopier
 from nanojax.engine.llm_engine import EngineConfig, LLMEngine
 from nanojax.engine.prefix_cache import block_hash
 from nanojax.engine.sampling import SamplingParams
+from nanojax.models.bundle import ModelBundle
 
 PAGE = 8
 # 16 pages of 8 tokens for up to 4 running conversations of up to ~110 tokens: the GPU

@@ -1,8 +1,10 @@
 """The package's shape: which way imports go (read from the source, nothing imported).
 
-Kernels are a leaf (jax and numpy only, like jax's own pallas ops), the search does not
-reach into benchmarks, scripts use public names, behaviour is not read from environment
-variables, and no two modules import each other (directly or round a longer cycle).
+Kernels are a leaf (jax and numpy only, like jax's own pallas ops), the top-level packages
+import one way (checkpoints/ and search/ plug into nanojax through entry points), the
+search does not reach into benchmarks, scripts use public names, behaviour is not read
+from environment variables, and no two modules import each other (directly or round a
+longer cycle).
 """
 import ast
 import sys
@@ -12,6 +14,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("nanojax", "pallas_kernels", "search", "checkpoints")
+# Which top-level package may import which: the kernels are a leaf, the engine uses them,
+# the loaders and the search use the engine. nanojax reaches checkpoints/ and search/ only
+# through the entry points pyproject.toml declares (nanojax/plugins.py).
+ALLOWED = {"pallas_kernels": set(),
+           "nanojax": {"pallas_kernels"},
+           "checkpoints": {"nanojax", "pallas_kernels"},
+           "search": {"nanojax", "pallas_kernels"}}
 
 
 def _module_name(path: Path) -> str:
@@ -26,7 +35,8 @@ def _sources(*folders):
 
 def _imports(path: Path) -> set[str]:
     """Every module name an import statement in the file names (any depth: function-level
-    imports count, since they run too)."""
+    imports count, since they run too), and every string given to __import__ or
+    importlib.import_module (an import by another name)."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -34,6 +44,13 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             out.add(node.module)
             out.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Call) and node.args and \
+                isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(
+                f, ast.Attribute) else None
+            if name in ("__import__", "import_module"):
+                out.add(node.args[0].value)
     return out
 
 
@@ -60,8 +77,7 @@ def test_search_imports_no_benchmark_module():
         assert not bad, f"{path.name} imports {sorted(bad)}"
 
 
-def test_no_import_cycles():
-    graph = _project_graph()
+def _assert_acyclic(graph: dict[str, set[str]]) -> None:
     state: dict[str, int] = {}  # 1: on the path, 2: done
 
     def visit(node, path):
@@ -77,6 +93,37 @@ def test_no_import_cycles():
     for node in sorted(graph):
         if node not in state:
             visit(node, [node])
+
+
+def test_no_import_cycles():
+    _assert_acyclic(_project_graph())
+
+
+def test_top_level_packages_import_one_way():
+    """The package-level graph (tests excluded) is acyclic and its arrows are the allowed
+    ones: nanojax imports neither checkpoints nor search, the kernels nothing of ours."""
+    graph = {p: set() for p in PACKAGES}
+    where = {}
+    for path in _sources(*PACKAGES):
+        src = path.relative_to(ROOT).parts[0]
+        for module in _imports(path):
+            dst = module.split(".")[0]
+            if dst in PACKAGES and dst != src:
+                graph[src].add(dst)
+                where.setdefault((src, dst), str(path.relative_to(ROOT)))
+    _assert_acyclic(graph)
+    bad = sorted(f"{src} -> {dst} ({where[src, dst]})"
+                 for src in graph for dst in graph[src] if dst not in ALLOWED[src])
+    assert not bad, "imports against the packages' direction: " + "; ".join(bad)
+    _assert_acyclic(ALLOWED)
+
+
+def test_imports_by_name_count(tmp_path):
+    """A module named in a string (as a plugin lookup might) is an import too."""
+    src = tmp_path / "m.py"
+    src.write_text("import importlib\n__import__('search.cli', fromlist=['register'])\n"
+                   "importlib.import_module('checkpoints.loader')\n")
+    assert {"search.cli", "checkpoints.loader"} <= _imports(src)
 
 
 def test_scripts_use_public_names_only():

@@ -68,10 +68,10 @@ def test_matmul_on_gpu(programs):
 
 def test_a_gemm_share_is_a_bounded_matmul_only_where_enabled_and_tileable():
     from nanojax.layers.matmul import matmul_at
-    assert matmul_at(1.0, enabled=True, interpret=True) is None  # a whole GPU: XLA's dot
-    assert matmul_at(0.5, enabled=False, interpret=True) is None
+    assert matmul_at(1.0, 4, enabled=True, interpret=True) is None  # a whole GPU: XLA's dot
+    assert matmul_at(0.5, 4, enabled=False, interpret=True) is None
     # compiled (not interpreted) only where Mosaic GPU runs
-    assert (matmul_at(0.5, enabled=True) is None) == (not on_hopper())
+    assert (matmul_at(0.5, 4, enabled=True) is None) == (not on_hopper())
     mm = matmul_at(0.5, num_sms=4, enabled=True, interpret=True)
     a, b = _operands(256, 64, 256)
     assert _rel(mm(a, b), a, b) < REL_TOL_BF16

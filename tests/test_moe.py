@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from checkpoints.bundle import ModelBundle
 from nanojax.config import ModelConfig, named_shape
 from nanojax.errors import UnsupportedError
 from nanojax.models import init_params
+from nanojax.models.bundle import ModelBundle
 from nanojax.models.moe import MoEBlock, tp_slice
 
 LOGIT_ATOL = 2e-3  # the dense models' bound (test_model_vs_transformers.py)

@@ -157,7 +157,8 @@ def test_the_gpu_step_lowers_for_cuda_for_odd_query_groups(shape, decode_kernel,
     """One layer of the engine's GPU forward with every Pallas kernel on (decode, chunked
     prefill, the fused append by default) lowered for CUDA on the CPU, for shapes whose
     query groups are not powers of 2 (SmolLM2: 3 kv heads of 3; Qwen2-MoE: 4 of 7): the
-    Triton lowering's size rules surfaced only on the GPU before (§57). bf16 and FP8 pages."""
+    Triton lowering's size rules surfaced only on the GPU before (bench/results/log/step.md).
+    bf16 and FP8 pages."""
     from jax import export
     from nanojax.config import KernelConfig, named_shape
     from nanojax.engine.forward import UnrolledForward

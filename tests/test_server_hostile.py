@@ -20,10 +20,10 @@ VOCAB = 49152  # the tokenizer's
 
 @pytest.fixture(scope="module")
 def tok_bundle():
-    from checkpoints.bundle import ModelBundle
     from checkpoints.embedded import ensure_smollm2
     from nanojax.config import named_shape
     from nanojax.models import init_params
+    from nanojax.models.bundle import ModelBundle
     from nanojax.tokenizer import Tokenizer
     cfg = named_shape("tiny").replace(vocab_size=VOCAB)
     return ModelBundle(cfg, init_params(cfg), Tokenizer.load(ensure_smollm2()))

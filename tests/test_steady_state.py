@@ -93,7 +93,7 @@ def test_a_burst_that_fits_at_once_is_not_paced():
     """128 requests of 512/512 where the cache holds them all (Mixtral on the H200: 16,660
     pages, 128 rows): each iteration admits what its token budget holds (4 prompts of 512
     at B_dense 2048), so the run is 32 prefill iterations and the decodes, ~545 in all;
-    paced at 128 / 513 a iteration it took 1,020 (bench/results/moe/, §51)."""
+    paced at 128 / 513 a iteration it took 1,020 (bench/results/log/moe.md)."""
     from nanojax.engine.scheduler import _Room
     sched = Scheduler(PageAllocator(16660), 16, 2048, 128, 1024, admission="predicted")
     _queued(sched, 128)
@@ -156,7 +156,7 @@ def test_merge_splits_the_ratio_into_fill_and_iteration_speed():
     from pathlib import Path
     spec = importlib.util.spec_from_file_location(
         "merge_steady_state",
-        Path(__file__).parents[1] / "bench" / "scripts" / "merge_steady_state.py")
+        Path(__file__).parents[1] / "bench" / "repro" / "engine_host" / "merge_steady_state.py")
     merge = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(merge)
     step = {"command": "step", "results": [{"b_dense": 2048, "workload": "512/512",
@@ -175,7 +175,7 @@ def test_merge_splits_the_ratio_into_fill_and_iteration_speed():
 def test_engine_timeline_window_profiles_iterations_mid_run(tiny_bundle, tmp_path):
     """`nanojax bench --timeline`: a few iterations from the N-th run under the profiler;
     the run's tokens are those of a run without it, and the report says how busy the
-    device was through them (the question of bench/results/README.md §30)."""
+    device was through them (the question of bench/results/log/engine_host.md)."""
     import json
 
     from nanojax.bench.offline import TimelineWindow, run_offline
@@ -195,7 +195,7 @@ def test_engine_timeline_window_profiles_iterations_mid_run(tiny_bundle, tmp_pat
     events = json.loads(path.read_text())["engine"]
     assert events and tl["span_us"] > 0 and 0 < tl["busy_fraction_any"] <= 1
     # the raw trace is kept, with the engine's host phases for
-    # bench/scripts/engine_host_timeline.py (and no per-call Python events)
+    # bench/repro/engine_host/engine_host_timeline.py (and no per-call Python events)
     import gzip
     raw = json.load(gzip.open(tl["raw_trace"]))["traceEvents"]
     names = [e["name"] for e in raw if e.get("ph") == "X"]

@@ -145,11 +145,11 @@ def test_server_tp2_answers_openai_client(tmp_path, smollm2):
     """A tiny random model with SmolLM2's tokenizer, saved as an orbax checkpoint, served at
     TP 2 (restored into its shards): the openai client's completion equals TP 1 offline."""
     openai = pytest.importorskip("openai")
-    from checkpoints.bundle import ModelBundle
     from checkpoints.orbax_store import save_orbax
     from nanojax.engine.llm import LLM
     from nanojax.engine.sampling import SamplingParams
     from nanojax.models import init_params
+    from nanojax.models.bundle import ModelBundle
     cfg = named_shape("tiny").replace(vocab_size=smollm2.config.vocab_size,
                                       eos_token_ids=smollm2.config.eos_token_ids)
     ck = save_orbax(ModelBundle(cfg, init_params(cfg), smollm2.tokenizer), tmp_path / "ck")

@@ -29,12 +29,14 @@ import json
 import time
 
 import jax
+
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
 from pallas_kernels.decode_attention_mgpu import decode_attention_mgpu
+from pallas_kernels.device import device_sms
 
 H, KVH, D = 32, 8, 128
 
@@ -109,7 +111,7 @@ def main():
         return _variants(args)
     rng = np.random.default_rng(0)
     dev = jax.devices()[0]
-    sms = getattr(dev, "core_count", None) or 132
+    sms = device_sms(dev)
     res = {"command": "python bench/kernels/bench_decode.py --out " + args.out,
            "device": dev.device_kind, "jax": jax.__version__, "num_sms": sms,
            "heads": H, "kv_heads": KVH, "head_dim": D, "dtype": "bfloat16"}
@@ -259,7 +261,7 @@ def _variants(args):
     """Launch variants at the target shape, every grid size, one process."""
     rng = np.random.default_rng(0)
     dev = jax.devices()[0]
-    sms = getattr(dev, "core_count", None) or 132
+    sms = device_sms(dev)
     bw = copy_bandwidth()
     kernels = args.kernels.split(",")
     res = {"command": f"python bench/kernels/bench_decode.py --variants --kernels "

@@ -6,7 +6,7 @@ the PyTorch green-context reference green_context_pair.py).
     PYTHONPATH=. python3 bench/kernels/fused_pair.py --out bench/results/fused_pair_h200.json
 
 Both benches and the plot (plot_fused_pair.py) in one GPU call, into $OUT:
-`OUT=dir bash bench/scripts/fused_pair_gpu.sh`.
+`OUT=dir bash bench/repro/overlap_search/fused_pair_gpu.sh`.
 
 At the LLaMA-3-8B nano-batch shapes of B_dense 2048 (a GEMM nano-batch of --tokens 1024
 tokens: qkv, o, gate_up or down; a decode nano-batch of --batch 512 sequences of --ctx

@@ -5,8 +5,9 @@ gemm_part) against XLA's GEMM, over output-tile shapes, at the LLaMA-3-8B nano-b
 
 Why: at 1,024 tokens qkv (N 6144) has 8 x 24 = 192 output tiles of 128 x 256 for 132
 programs, two waves of which the second is half empty, and the GEMM part ran 1.18-1.21x
-XLA's GEMM there (results §65, §67). Tiles of 128 x 128 give 384 tiles, 2.9 waves. Each
-row: a GEMM, a tile shape, the full grid, its time and its ratio over XLA's.
+XLA's GEMM there (bench/results/log/overlap_search.md §65, §67). Tiles of 128 x 128 give
+384 tiles, 2.9 waves. Each row: a GEMM, a tile shape, the full grid, its time and its
+ratio over XLA's.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import argparse
 import json
 
 from nanojax.profiling.pair_record import GEMMS
+from pallas_kernels.device import device_sms
 
 # (tile_m, tile_n a consumer warpgroup, tile_k, K steps in flight): the CTA's output tile
 # is tile_m x 2 tile_n
@@ -53,7 +55,7 @@ def main(argv=None):
     from nanojax.profiling.record import environment
     from nanojax.profiling.timing import device_seconds
     from pallas_kernels import fused_gemm_attention_mgpu as fused
-    n_prog = getattr(jax.devices()[0], "core_count", None) or 132
+    n_prog = device_sms()
     rows = []
     for m in args.tokens:
         for name in args.gemms:

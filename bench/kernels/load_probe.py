@@ -20,6 +20,7 @@ import functools
 import json
 
 import jax
+
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -27,6 +28,7 @@ from jax.experimental import pallas as pl
 
 from nanojax.profiling.timing import device_seconds
 from bench_decode import D, KVH, copy_bandwidth, make_case, measure
+from pallas_kernels.device import device_sms
 
 
 def _triton_params(warps):
@@ -121,7 +123,7 @@ def main():
     ap.add_argument("--out", default="bench/results/load_probe_h200.json")
     args = ap.parse_args()
     dev = jax.devices()[0]
-    sms = getattr(dev, "core_count", None) or 132
+    sms = device_sms(dev)
     bw = copy_bandwidth()
     res = {"command": "python bench/kernels/load_probe.py --out " + args.out,
            "device": dev.device_kind, "jax": jax.__version__, "num_sms": sms,

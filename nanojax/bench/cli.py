@@ -149,16 +149,16 @@ def cmd_throughput(args) -> int:
 
     from nanojax.parallel.multihost import init_distributed, is_leader
 
-    from checkpoints.loader import load_model
     from nanojax.bench.workload import make_requests, structured_workload
     from nanojax.errors import NanojaxError
+    from nanojax.plugins import model_loader
     config = engine_config_from_args(args)
     peer = _run_peer(args, config.max_model_len) if args.peer else None
     init_distributed(args)
-    bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
-                        num_layers=args.num_layers,
-                        tensor_parallel_size=config.tensor_parallel_size,
-                        quantization=args.quantization)
+    bundle = model_loader().load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
+                                       num_layers=args.num_layers,
+                                       tensor_parallel_size=config.tensor_parallel_size,
+                                       quantization=args.quantization)
     if args.multi_round or args.reuse_modes:  # conversations, KV reuse modes compared
         if args.structured_fraction or args.tokenizer:
             raise NanojaxError("--structured-fraction and --tokenizer apply to single-round "
@@ -168,6 +168,9 @@ def cmd_throughput(args) -> int:
     grammar_tokenizer = _grammar_tokenizer(args, bundle)
     reqs = make_requests(args.num_prompts, bundle.config.vocab_size, args.input_len,
                          args.output_len, args.trace, config.max_model_len, args.seed)
+    if args.max_model_len is None:  # the workload's longest request: what the cache holds
+        config = config.replace(max_model_len=max(len(r.prompt_ids) + r.output_len
+                                                  for r in reqs))  # (sizes B_dense on a GPU)
     if args.plan:  # the nano-batch pipeline: compare its ablation modes in one run
         modes = args.modes.split(",")
     else:
@@ -191,7 +194,9 @@ def cmd_throughput(args) -> int:
                                          for m, r in results.items() if "error" not in r}
     _compare_modes(payload, results, bool(args.plan))
     if jax.default_backend() == "gpu":
-        _add_roofline(payload, results, bundle.config, config.dense_batch())
+        b_dense = next((r["engine_config"]["b_dense"] for r in results.values()
+                        if "engine_config" in r), config.dense_batch())
+        _add_roofline(payload, results, bundle.config, b_dense)
     print(json.dumps({k: v for k, v in payload.items() if k in (
         "results", "async_over_sync", "overlap_over_non_overlap",
         "overlap_over_nanobatch_only", "ours_over_peer")}))
@@ -228,6 +233,35 @@ def cmd_schedule(args) -> int:
     return 0
 
 
+def cmd_host(args) -> int:
+    """The host loop alone (host.py), at each running count."""
+    from nanojax.bench.host import HostBenchConfig, python_reference_ms, run_host_bench
+    from nanojax.errors import NanojaxError
+    try:
+        counts = [int(n) for n in args.running.split(",")]
+    except ValueError:
+        raise NanojaxError(f"--running takes integers, got {args.running!r}") from None
+    if any(n <= 0 for n in counts) or args.input_len <= 0 or args.output_len < 2:
+        raise NanojaxError("--running and --input-len must be positive, --output-len >= 2")
+    runs = []
+    for n in counts:
+        cfg = HostBenchConfig(running=n, input_len=args.input_len,
+                              output_len=args.output_len, shape=args.shape)
+        run = run_host_bench(cfg, f"{args.profile}.{n}" if args.profile else None)
+        runs.append(run)
+        print(f"running {n}: host {run['host_ms_per_iteration']:.2f} ms/iteration "
+              f"(schedule {run['schedule_ms_per_iteration']:.2f}, launch "
+              f"{run['launch_ms_per_iteration']:.2f} of it inputs "
+              f"{run['inputs_ms_per_iteration']:.2f}, process "
+              f"{run['process_ms_per_iteration']:.2f}), mean running "
+              f"{run['mean_running']:.0f}", file=sys.stderr)
+    payload = {**run_record(None), "python_reference_ms": python_reference_ms(),
+               "runs": runs}
+    write_json(args.json, payload)
+    print(json.dumps(payload["runs"]))
+    return 0
+
+
 def _sustained_text(s: dict | None) -> str:
     if not s:
         return ""
@@ -240,10 +274,10 @@ def _sustained_text(s: dict | None) -> str:
 
 
 def cmd_step(args) -> int:
-    from checkpoints.loader import load_model
     from nanojax.bench.step import mode_options, parse_mode, run_step_bench
     from nanojax.errors import NanojaxError
     from nanojax.pipeline.plan import MODES, load_plan
+    from nanojax.plugins import model_loader
     try:  # check the arguments before the model loads
         b_dense = [int(b) for b in args.b_dense.split(",")]
         modes = args.modes.split(",")
@@ -267,10 +301,10 @@ def cmd_step(args) -> int:
         os.environ["XLA_FLAGS"] = " ".join([
             os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={args.dump_hlo}",
             "--xla_dump_hlo_as_text", "--xla_dump_hlo_module_re=.*step.*"]).strip()
-    bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
-                        num_layers=args.num_layers,
-                        tensor_parallel_size=args.tensor_parallel_size,
-                        quantization=args.quantization)
+    bundle = model_loader().load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
+                                       num_layers=args.num_layers,
+                                       tensor_parallel_size=args.tensor_parallel_size,
+                                       quantization=args.quantization)
     kernels = kernel_config_from_args(args)
     kv_cache_dtype = getattr(args, "kv_cache_dtype", "auto")
     record = {**run_record(kernels, bundle.config), "model": args.model, "plan": args.plan,
@@ -359,6 +393,8 @@ def register(sub) -> None:
                    help="requests for the peer (default: the same as ours)")
     t.add_argument("--peer-timeout", type=float, default=900,
                    help="seconds before the peer's process is stopped (recorded as its error)")
+    # unset: the workload's longest request (the trace's, kept to 2,048 tokens)
+    t.set_defaults(max_model_len=None)
     t.add_argument("--timeline", default=None, metavar="PATH",
                    help="profile a few engine iterations mid-run (device kernels and the "
                         "host's launches) and write their events JSON here; the result "
@@ -367,6 +403,9 @@ def register(sub) -> None:
                    help="start the timeline at the run's N-th iteration (default: 600, "
                         "inside the steady window of 512/512)")
     t.add_argument("--timeline-iterations", type=int, default=6, metavar="N")
+    t.add_argument("--host-profile", default=None, metavar="PATH",
+                   help="instead of --timeline: Python's cProfile of the engine thread over "
+                        "the same iterations (stats here, the top functions in PATH.txt)")
     from nanojax.bench.multi_round import add_multi_round_args
     add_multi_round_args(t)
     t.add_argument("--quiet", action="store_true")
@@ -392,6 +431,21 @@ def register(sub) -> None:
     sc.add_argument("--admission", choices=ADMISSION, default="predicted")
     sc.add_argument("--json", default=None)
     sc.set_defaults(func=cmd_schedule)
+
+    ho = bsub.add_parser("host", help="the engine's host loop around a stand-in model of "
+                                      "a real one's shapes (no device work): host ms per "
+                                      "iteration at each running count")
+    ho.add_argument("--running", default="1000,2000,4000",
+                    help="requests decoding at once, comma-separated (one run each)")
+    ho.add_argument("--input-len", type=int, default=128)
+    ho.add_argument("--output-len", type=int, default=128,
+                    help="mean output; each drawn from [out/2, 3 out/2]")
+    ho.add_argument("--shape", default="llama3-8b",
+                    help="the model shape whose layers the stand-in's parameters mimic")
+    ho.add_argument("--profile", default=None, metavar="PATH",
+                    help="cProfile stats of each run's steady iterations (PATH.<running>)")
+    ho.add_argument("--json", default=None)
+    ho.set_defaults(func=cmd_host)
 
     st = bsub.add_parser("step", help="time one dense iteration of each pipeline mode on a "
                                       "synthetic steady-state batch (GPU), with a timeline")

@@ -207,17 +207,17 @@ def decode_breakdown(llm, prompt: list[int], steps: int = 20) -> dict:
     return {"generate_ms_per_token": 1e3 * per_token, "bare_step_ms": 1e3 * step,
             "lm_head_ms": 1e3 * lm_head, "layers_and_sampling_ms": 1e3 * (step - lm_head),
             "engine_host_ms_per_token": 1e3 * (per_token - step),
-            "step_shapes": {"tokens": int(inputs[0].shape[0]),
-                            "rows": int(inputs[2].page_table.shape[0]),
-                            "page_table_width": int(inputs[2].page_table.shape[1])}}
+            "step_shapes": {"tokens": int(inputs.host_tokens.shape[0]),
+                            "rows": int(inputs.meta.page_table.shape[0]),
+                            "page_table_width": int(inputs.meta.page_table.shape[1])}}
 
 
 def _engine_state(llm) -> dict:
     """The shapes our engine actually ran with (CPU defaults differ from the GPU's)."""
     import jax
-    r = llm.engine.runner
-    return {"b_dense": r.b_dense, "min_token_bucket": r.min_token_bucket,
-            "token_bucket_step": r.token_bucket_step, "min_row_bucket": r.min_row_bucket,
+    r, c = llm.engine.runner, llm.engine.config
+    return {"b_dense": c.b_dense, "min_token_bucket": c.min_token_bucket,
+            "token_bucket_step": c.token_bucket_step, "min_row_bucket": c.min_row_bucket,
             "fixed_shapes": r.fixed_shapes, "num_pages": llm.engine.sizing.num_pages,
             "forward": type(r.forward).__name__,
             "compiler_options": r.forward.compiler_options, "step_compiles": r.num_compiles,
@@ -231,10 +231,10 @@ def _engine_state(llm) -> dict:
 def cmd_latency(args) -> int:
     import json
 
-    from checkpoints.loader import load_model
     from nanojax.config_flags import engine_config_from_args
     from nanojax.engine.llm import LLM
     from nanojax.errors import NanojaxError
+    from nanojax.plugins import model_loader
     from nanojax.profiling.record import run_record, write_json
 
     cases = tuple(c for c in args.cases.split(",") if c)
@@ -243,13 +243,8 @@ def cmd_latency(args) -> int:
                            f"got {args.cases!r}")
     threads = args.threads or len(os.sched_getaffinity(0))
     config = engine_config_from_args(args)
-    bundle = load_model(args.model, dtype="float32", cache_dir=args.cache_dir)
-    gguf = args.peer_gguf
-    if gguf is None and args.model == "smollm2-135m":
-        from checkpoints.embedded import cache_dir, smollm2_gguf
-        gguf = smollm2_gguf(cache_dir(args.cache_dir))
-    elif gguf is None and str(args.model).endswith(".gguf"):
-        gguf = args.model
+    bundle = model_loader().load_model(args.model, dtype="float32", cache_dir=args.cache_dir)
+    gguf = args.peer_gguf or model_loader().gguf_file(args.model, args.cache_dir)
     if gguf is None and not args.no_peer:
         raise NanojaxError(f"the transformers peer needs the model's GGUF file: give "
                            f"--peer-gguf for {args.model!r}, or --no-peer")
@@ -318,7 +313,7 @@ def register_latency(bsub) -> None:
                    help="our step's forward (default: the engine's; on the CPU layerwise: "
                         "one jitted layer called per layer; scan: lax.scan over stacked "
                         "layers, which copies each layer's weights; unrolled: straight-line "
-                        "layers, ~3x the compile)")
+                        "layers, a longer compile)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--json", default=None, help="write the full result here")

@@ -18,18 +18,24 @@ from nanojax.engine.sampling import SamplingParams
 
 @dataclasses.dataclass(frozen=True)
 class TimelineWindow:
-    """Profile `iterations` engine iterations from the run's `at`-th; events to `path`."""
+    """Profile `iterations` engine iterations from the run's `at`-th; events to `path`.
+    host: Python's cProfile of the engine thread instead of the device timeline (its
+    stats to `path`, the top functions beside it as text)."""
     path: str
     at: int = 600
     iterations: int = 6
+    host: bool = False
 
 
 def timeline_window(args, mode: str, modes: list[str]) -> TimelineWindow | None:
-    """The --timeline window of one mode's run (one file per mode when there are several)."""
-    if not args.timeline:
+    """The --timeline (or --host-profile) window of one mode's run (one file per mode
+    when there are several)."""
+    path = args.timeline or getattr(args, "host_profile", None)
+    if not path:
         return None
-    path = args.timeline if len(modes) == 1 else f"{args.timeline}.{mode}.json"
-    return TimelineWindow(path, args.timeline_at, args.timeline_iterations)
+    path = path if len(modes) == 1 else f"{path}.{mode}"
+    return TimelineWindow(path, args.timeline_at, args.timeline_iterations,
+                          host=not args.timeline)
 
 
 def run_with_window(engine: LLMEngine, advance, window: TimelineWindow | None) -> dict | None:
@@ -45,6 +51,8 @@ def run_with_window(engine: LLMEngine, advance, window: TimelineWindow | None) -
     start = engine.stats.steps
     advance(window.at)
     first = engine.stats.steps - start
+    if window.host:
+        return _host_profile(engine, advance, window, first)
     raw = str(Path(window.path).with_suffix(".trace.json.gz"))
     events = (timeline.capture(lambda: advance(window.iterations), keep_trace=raw)
               if not engine.is_idle else [])
@@ -61,13 +69,35 @@ def _run(engine: LLMEngine, bar, window: TimelineWindow | None) -> tuple[dict, d
     return done, report
 
 
+def _host_profile(engine: LLMEngine, advance, window: TimelineWindow, first: int) -> dict:
+    import cProfile
+    import io
+    import pstats
+    profiler = cProfile.Profile()
+    steps, host = engine.stats.steps, engine.stats.host_s
+    profiler.enable()
+    advance(window.iterations)
+    profiler.disable()
+    n = max(1, engine.stats.steps - steps)
+    host_ms = 1e3 * (engine.stats.host_s - host) / n
+    advance(None)
+    profiler.dump_stats(window.path)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(40)
+    stats.sort_stats("tottime").print_stats(40)
+    Path(window.path + ".txt").write_text(text.getvalue())
+    return {"host_profile": window.path, "first_iteration": first, "iterations": n,
+            "host_ms_per_iteration_profiled": host_ms}
+
+
 def _params(requests: list[BenchRequest], structured: StructuredWorkload | None,
             max_tokens: int | None = None) -> list[SamplingParams]:
     """Greedy, EOS ignored (every request runs to its length); the structured workload's
     rows under its constraint, which may end them earlier ("stop")."""
     rows = structured.rows(len(requests)) if structured else [False] * len(requests)
     return [SamplingParams(max_tokens=max_tokens or r.output_len, ignore_eos=True,
-                           temperature=0,
+                           temperature=0, output_kind="final_only",
                            structured_outputs=structured.constraint() if row else None)
             for r, row in zip(requests, rows)]
 
@@ -146,6 +176,9 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
                                 + engine.runner.num_sampler_compiles - compiles_before),
         # the collector's pauses on the engine thread (the loop runs with gc.freeze)
         "gc": gc_pauses.report(),
+        # the engine's configuration with every default resolved (dense batch, admission,
+        # buckets, dispatch thread ...): what "no tuning flags" ran
+        "engine_config": engine.config.to_dict(),
         "kv_pages": engine.sizing.num_pages,
         "max_num_seqs": engine.scheduler.max_num_seqs,
         "steady_state": steady_state(trace, engine.config.b_dense,

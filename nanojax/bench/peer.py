@@ -54,7 +54,8 @@ def run_peer(shape: str, num_prompts: int, input_len: int | None, output_len: in
     # this context, and transformers 5.17 fails there on in-place updates of inference
     # tensors (every request "failed during generation", zero tokens)
     # the warm-up needs the kernels, not the length: 16 tokens (it decoded the workload's
-    # whole output before, and the Mixtral-8x7B peer ran past a 240 s limit, §51)
+    # whole output before, and the Mixtral-8x7B peer ran past its time limit:
+    # bench/results/log/moe.md)
     warm = GenerationConfig(max_new_tokens=min(max_new, 16), do_sample=False,
                             eos_token_id=None, pad_token_id=0)
     with torch.no_grad():

@@ -58,6 +58,9 @@ def steady_state(records: list, b_dense: int, mean_stay: float) -> dict:
         / len(win),
         # of that, building the step's host arrays (the rest: dispatch and transfers)
         "inputs_ms_per_iteration": 1e3 * sum(r.inputs_s for r in win) / len(win),
+        # forming the batch, and turning the step before's tokens into outputs
+        "schedule_ms_per_iteration": 1e3 * sum(r.schedule_s for r in win) / len(win),
+        "process_ms_per_iteration": 1e3 * sum(r.process_s for r in win) / len(win),
     })
     before = records[ramp - 1].done_t
     if before is not None and win[-1].done_t is not None:

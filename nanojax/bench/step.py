@@ -82,8 +82,8 @@ def time_step(step, params, kv, batch: SyntheticBatch, repeats: int = 10):
     """Median seconds of one step, each call from host inputs to its finished output;
     then the same steps issued back to back with their inputs already on the device and
     one wait at the end (seconds per step): the device-bound rate, which an engine that
-    prepares the next batch while this one runs approaches (on the H200 the first differs
-    by ~2.9 ms at 32 layers: input copies and ~1 ms before the first kernel, §57). Returns
+    prepares the next batch while this one runs approaches (on the H200 the two differ by
+    the input copies and the wait before the first kernel: bench/results/log/step.md). Returns
     (seconds, pipelined seconds, kv, sampled tokens of the batch's sequences and the
     checked rows' logits of the last call, those of the first). Every call sees the same
     cache contents (it rewrites the same slots with the same values), so a deterministic
@@ -425,9 +425,9 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
     board power sampled (GPU 0, nvidia-smi; sustain_step)."""
     from tqdm.auto import tqdm
 
-    from checkpoints.loader import quantize_bundle
     from nanojax.bench.roofline import measure_gemm_rate
     from nanojax.layers.kv_fp8 import resolve_kv_cache_dtype
+    from nanojax.models.bundle import quantize_bundle
     from nanojax.parallel.tp import TensorParallelForward
     from nanojax.pipeline.executor import PipelineForward
     from nanojax.pipeline.plan import resize

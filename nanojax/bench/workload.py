@@ -123,12 +123,12 @@ def load_tokenizer(name_or_dir: str, cache_dir=None):
     the one in a directory holding tokenizer.json (and tokenizer_config.json)."""
     from pathlib import Path
 
-    from checkpoints.loader import REGISTERED
     from nanojax.errors import CheckpointError
+    from nanojax.plugins import model_loader
     from nanojax.tokenizer import Tokenizer
-    if name_or_dir in REGISTERED:
-        from checkpoints.embedded import ensure_smollm2
-        return Tokenizer.load(ensure_smollm2(cache_dir))
+    loader = model_loader()
+    if name_or_dir in loader.REGISTERED:
+        return loader.load_tokenizer(name_or_dir, cache_dir)
     path = Path(name_or_dir)
     if path.is_file():  # tokenizer.json itself
         path = path.parent
@@ -136,7 +136,8 @@ def load_tokenizer(name_or_dir: str, cache_dir=None):
         return Tokenizer.load(path)
     except CheckpointError as e:
         raise NanojaxError(f"--tokenizer {name_or_dir}: not a registered model "
-                           f"({', '.join(REGISTERED)}) nor a tokenizer directory: {e}") from None
+                           f"({', '.join(loader.REGISTERED)}) nor a tokenizer directory: "
+                           f"{e}") from None
 
 
 def structured_workload(args) -> StructuredWorkload:

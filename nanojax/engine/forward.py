@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from nanojax.config import KernelConfig, ModelConfig
 from nanojax.engine.kv_cache import init_kv_pages
@@ -23,8 +24,12 @@ from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
 
 
 class Forward(Protocol):
-    """What the engine (scheduler and runner) needs of a model forward."""
+    """What the engine (scheduler, runner, tensor parallelism, the KV reuse) needs of a
+    model forward. Implementations: UnrolledForward, ScanForward, LayerwiseForward (below),
+    PipelineForward (the nano-batch executor), TensorParallelForward (parallel/tp.py) and
+    MockForward (engine/mock_forward.py, a stand-in for tests and the host benchmark)."""
 
+    cfg: ModelConfig  # the model's shape (a shard's, inside tensor parallelism)
     attention: AttentionBackend  # how the step appends to and reads the paged cache
     # batch positions no prefill chunk may straddle (the nano-batch executor's attention
     # cuts); () for a forward without nano-batches
@@ -34,6 +39,26 @@ class Forward(Protocol):
     # False: __call__ runs outside the step's jit, dispatching jitted pieces itself
     traced: bool
     num_traces: int  # compilations of such pieces (the runner's compile count); else 0
+
+    # read-only (properties): TensorParallelForward's mesh is always a Mesh, and its
+    # top_logprobs a method
+    @property
+    def mesh(self) -> Mesh | None:
+        """The devices it runs over (tensor parallelism); None: one device."""
+        ...
+
+    @property
+    def top_logprobs(self) -> Callable[[jax.Array, int], tuple[jax.Array, jax.Array]] | None:
+        """Top-k of vocab-sharded log-probabilities without gathering them (tensor
+        parallelism); None: the sampler's own lax.top_k."""
+        ...
+
+    def layout(self, params, stack=jnp.stack):
+        """The parameter tree restructured as prepare() places it (stack: np.stack to
+        build it on the host)."""
+
+    def for_shard(self, cfg: ModelConfig, tp_axis: str) -> "Forward":
+        """This forward for one tensor-parallel shard of shape cfg, run inside shard_map."""
 
     def prepare(self, params):
         """Parameters as this forward wants them on device."""
@@ -49,6 +74,11 @@ class Forward(Protocol):
 
 class UnrolledForward:
     chunk_cuts: tuple[int, ...] = ()
+    mesh: Mesh | None = None
+    top_logprobs: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]] | None = None
+    # steps of up to this many rows read GGUF blocks (LayerwiseForward's; default_forward
+    # sets it on every forward it builds)
+    quant_max_rows: int
     # the runner traces __call__ inside its jitted step; False: __call__ dispatches jitted
     # pieces itself (LayerwiseForward), so the runner jits the rest of the step apart
     traced = True
@@ -63,7 +93,7 @@ class UnrolledForward:
         self.attention = attention
         self.tp_axis = tp_axis
         self.model = LlamaForCausalLM(cfg, tp_axis=tp_axis)
-        self.compiler_options = {}
+        self.compiler_options: dict = {}
         self.grouped_gemm = "auto"  # an MoE FFN's expert GEMMs (KernelConfig.grouped_gemm)
 
     def layer(self, matmul=None, grouped_gemm: str | None = None) -> DecoderLayer:
@@ -117,7 +147,7 @@ class ScanForward(UnrolledForward):
         # The cache rides in the scan's carry as one flat page pool [L * P, ...], layer l
         # owning pages [l * P, (l + 1) * P): each layer's append is an in-place scatter and
         # its attention a gather at shifted page ids. Scanned as xs/ys instead, every step
-        # copied the whole cache (755 MB for the CPU default: ~0.5 s a token).
+        # copied the whole cache every step.
         k_all, v_all, k_scale, v_scale = kv_parts(kv)
         meta = self.attention.prepare(meta)
         n_layers, n_pages = k_all.shape[:2]
@@ -134,7 +164,8 @@ class ScanForward(UnrolledForward):
                                        meta.slot_mapping + base * page_size, -1))
             kv_layer = (k_flat, v_flat) if scales is None else QuantizedKV(
                 k_flat, v_flat, *scales)
-            x, kv_layer = layer.apply({"params": layer_params}, x, kv_layer, meta_i,
+            # flax types apply's result as out or (out, variables): mypy takes the tuple
+            x, kv_layer = layer.apply({"params": layer_params}, x, kv_layer, meta_i,  # type: ignore[assignment]
                                       self.attention, inv_freq)
             return (x, kv_parts(kv_layer)[:2]), None
 
@@ -146,9 +177,8 @@ class ScanForward(UnrolledForward):
 
 
 # XLA's CPU GEMMs by rows (tokens, or logits rows for the LM head): its own GEMV for one,
-# YNNPACK by default. Eigen is the faster for small steps on the 2-core EPYC (8 rows
-# through 30 layers of SmolLM2's projections: Eigen 51.6 ms, YNNPACK 66.5), so steps of
-# up to 16 rows turn YNNPACK off (bench/results/README.md §28)
+# YNNPACK by default. Eigen is the faster for small steps on a 2-core CPU, so steps of
+# up to 16 rows turn YNNPACK off (measured: bench/results/log/cpu.md)
 SMALL_GEMM_ROWS = 16
 EIGEN_GEMMS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
@@ -157,9 +187,9 @@ class LayerwiseForward(UnrolledForward):
     """One jitted layer, called once per layer from Python (embedding and LM head are two
     more calls): what the scan compiles, without its weight copies. Inside a scan each
     layer's weights are a dynamic slice of the stacked arrays, which XLA's CPU backend
-    copies before every dot (a T=1 step read the weights from memory twice: 2x slower
-    decode, bench/results/README.md); straight-line layers read them in place but compile
-    ~3x longer. Here each call gets its layer's arrays as they are, and its cache pages are
+    copies before every dot (a one-token step reads the weights from memory twice);
+    straight-line layers read them in place but compile for much longer (measured:
+    bench/results/log/cpu.md). Here each call gets its layer's arrays as they are, and its cache pages are
     donated, so appends stay in place. Parameters and cache are UnrolledForward's (the
     flax tree, a list of per-layer pages). Called inside a trace (tensor parallelism's
     shard_map, the step benchmark) the calls inline into straight-line layers."""
@@ -172,7 +202,7 @@ class LayerwiseForward(UnrolledForward):
         self.small_gemms = small_gemms  # KernelConfig.cpu_small_gemms
         self.quant_max_rows = 1  # KernelConfig.cpu_quant_max_rows
         self.num_traces = 0  # layer compilations (the runner's compile count)
-        self._jits = {}
+        self._jits: dict = {}
 
     def for_shard(self, cfg: ModelConfig, tp_axis: str):
         """A tensor-parallel shard runs traced inside shard_map: the scan, whose compile
@@ -236,7 +266,7 @@ def gpu_compiler_options(kernels: KernelConfig, backend: str | None = None,
     buffers stay off (XLA chains a command buffer's async regions serially)."""
     if (backend or jax.default_backend()) != "gpu":
         return {}
-    out = {}
+    out: dict = {}
     if not kernels.merge_dots:
         out["xla_gpu_dot_merger_threshold_mb"] = 0
     # off is said explicitly: XLA's own default has them on (the CLI's XLA_FLAGS turn
@@ -256,3 +286,7 @@ def default_forward(cfg: ModelConfig, kernels: KernelConfig = KernelConfig()) ->
     fwd.quant_max_rows = kernels.cpu_quant_max_rows
     fwd.compiler_options = {**fwd.compiler_options, **gpu_compiler_options(kernels)}
     return fwd
+
+
+if TYPE_CHECKING:  # mypy (.ci/run) checks that each forward here is a Forward
+    _FORWARDS: tuple[type[Forward], ...] = (UnrolledForward, ScanForward, LayerwiseForward)

@@ -51,7 +51,8 @@ class PageAllocator:
         self._hash_of: dict[int, bytes] = {}    # page -> its prefix hash (cached pages)
         self._page_of: dict[bytes, int] = {}    # prefix hash -> page
         self._holds: dict[int, int] = {}        # page -> holds among its references
-        self.reclaim = None  # releases every hold: set by whoever takes them
+        # releases every hold: set by whoever takes them
+        self.reclaim: collections.abc.Callable[[], None] | None = None
         self.num_evictions = 0
 
     @property

@@ -13,8 +13,9 @@ offers its pages again (those dropped earlier):
   disk tier (pages beyond a backlog limit are skipped, not waited for). The engine thread
   only dispatches.
   Gathers are batched: a gather costs the engine thread the same dispatch (a kernel per
-  cache leaf) whether it copies 5 pages or 128, and an engine that saves a few pages per
-  iteration spent ~1.6 ms of its 10 ms steps on one gather each (H200, LLaMA-3-8B). So
+  cache leaf) whether it copies 5 pages or 128, and an engine that saved a few pages per
+  iteration spent a sizeable share of each step on one gather each (measured:
+  bench/results/log/kv_reuse.md). So
   `save` queues pages and takes a hold on each (PageAllocator.hold: the page is not
   handed out again, hence not overwritten, until its gather is dispatched; the gather is
   ordered on the device after every step launched before it), and `flush` dispatches
@@ -363,7 +364,8 @@ class DiskTier:
             self.path(h).unlink(missing_ok=True)
 
     def put(self, h: bytes, entry: Entry) -> None:
-        payload = memoryview(entry).cast("B")  # the page's bytes, not copied
+        # numpy's stubs give ndarray __buffer__ (collections.abc.Buffer) on Python >= 3.12 only
+        payload = memoryview(entry).cast("B")  # type: ignore[arg-type]  # the page's bytes, not copied
         header = json.dumps({
             "fingerprint": self.fingerprint, "hash": h.hex(), "payload_bytes": len(payload),
             "digest": hashlib.blake2b(payload, digest_size=16).hexdigest()}).encode()
@@ -500,7 +502,7 @@ class KVOffloader:
         each in the allocator until its gather is dispatched (`flush`)."""
         for p, h in zip(pages, hashes):
             if h in self._queued or (self.host is not None and self.host.contains(h)) or (
-                    self.host is None and self.disk.contains(h)):
+                    self.host is None and self.disk is not None and self.disk.contains(h)):
                 continue
             if self.allocator is not None:
                 self.allocator.hold(p)
@@ -635,6 +637,7 @@ class KVOffloader:
                 self._disk_q.task_done()
                 return
             h, e = item
+            assert self.disk is not None  # _to_disk queues pages only with a disk tier
             try:
                 self.disk.put(h, e)
             except OSError:
@@ -646,6 +649,8 @@ class KVOffloader:
 
     def _prefetch(self, hashes: list[bytes]) -> None:
         try:
+            # prefetch() queues hashes only with both tiers
+            assert self.host is not None and self.disk is not None
             for h in hashes:
                 if self.host.contains(h):
                     continue

@@ -1,13 +1,16 @@
 """Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import dataclasses
+
 from tqdm.auto import tqdm
 
-from checkpoints.bundle import ModelBundle
 from nanojax.config import EngineConfig
 from nanojax.engine.llm_engine import LLMEngine
 from nanojax.engine.outputs import RequestOutput
 from nanojax.engine.sampling import SamplingParams
+from nanojax.models.bundle import ModelBundle, quantize_bundle
+from nanojax.plugins import model_loader
 
 
 class LLM:
@@ -23,13 +26,12 @@ class LLM:
             raise ValueError(f"give either config or engine options, not both "
                              f"({sorted(engine_kw)})")
         config = config or EngineConfig(**engine_kw)
-        from checkpoints.loader import load_model, quantize_bundle
         if isinstance(model, ModelBundle):
             bundle = quantize_bundle(model, quantization)
         else:
-            bundle = load_model(model, dtype=dtype, cache_dir=cache_dir,
-                                tensor_parallel_size=config.tensor_parallel_size,
-                                quantization=quantization)
+            bundle = model_loader().load_model(
+                model, dtype=dtype, cache_dir=cache_dir,
+                tensor_parallel_size=config.tensor_parallel_size, quantization=quantization)
         self.engine = LLMEngine(bundle, config, forward=forward)
         self.tokenizer = bundle.tokenizer
 
@@ -43,7 +45,9 @@ class LLM:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        # only the finished outputs are returned: none made per token on the way
+        ids = [self.engine.add_request(p, dataclasses.replace(sp, output_kind="final_only"))
+               for p, sp in zip(prompts, plist)]
         with tqdm(total=len(ids), desc="generating", unit="req",
                   disable=not use_tqdm or len(ids) < 2) as bar:
             done = self.engine.run_to_completion(bar)

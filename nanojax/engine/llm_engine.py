@@ -12,24 +12,30 @@ import itertools
 import threading
 import time
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 from jax.profiler import TraceAnnotation
 
-from checkpoints.bundle import ModelBundle
-from nanojax.config import EngineConfig
+from nanojax.config import EngineConfig, Platform
 from nanojax.engine.forward import Forward, default_forward
 from nanojax.engine.gc_freeze import frozen_startup_objects
 from nanojax.engine.kv_cache import PageAllocator, size_cache
 from nanojax.engine.outputs import CompletionOutput, RequestOutput
-from nanojax.engine.runner import (ModelRunner, default_compile_threads,
-                                   default_min_row_bucket)
+from nanojax.engine.runner import ModelRunner
 from nanojax.engine.sampling import SamplingError, SamplingParams
 from nanojax.engine.scheduler import ScheduledBatch, Scheduler
 from nanojax.engine.sequence import Sequence
-from nanojax.engine.structured import GrammarCompiler, StructuredOutputError
+from nanojax.engine.structured import (GrammarCompiler, StructuredOutputError,
+                                       StructuredOutputsParams)
 from nanojax.errors import NanojaxError
 from nanojax.layers.kv_fp8 import resolve_kv_cache_dtype
+from nanojax.models.bundle import ModelBundle, cpu_params
 from nanojax.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from nanojax.engine.kv_offload import KVOffloader
+    from nanojax.engine.prefix_cache import PrefixCache
 
 
 class RequestError(NanojaxError, ValueError):
@@ -59,8 +65,9 @@ class IterationRecord:
     times (host_s, wait_s: of the step() call that launched it; launch_s: the part of
     host_s spent building and dispatching the step and its page loads; inputs_s: of it,
     building the step's host arrays (CPU work only: the rest is dispatch and transfers,
-    which block only if they wait on the device); done_t: perf_counter when its tokens
-    were read)."""
+    which block only if they wait on the device); schedule_s: forming the batch;
+    process_s: the rest of host_s, mostly reading the step before and turning its tokens
+    into outputs; done_t: perf_counter when its tokens were read)."""
     tokens: int
     decodes: int
     waiting: int
@@ -71,6 +78,8 @@ class IterationRecord:
     done_t: float | None = None
     launch_s: float = 0.0
     inputs_s: float = 0.0
+    schedule_s: float = 0.0
+    process_s: float = 0.0
 
 
 class LLMEngine:
@@ -82,9 +91,8 @@ class LLMEngine:
         self.bundle = bundle
         self.model_config = bundle.config
         self.tokenizer = bundle.tokenizer
-        on_gpu = jax.default_backend() == "gpu"
+        platform = Platform.current()
         cfg = config or EngineConfig()
-        self.config = cfg = cfg.replace(b_dense=cfg.dense_batch(on_gpu))  # the backend's
         self.max_model_len = min(cfg.max_model_len, self.model_config.max_position_embeddings)
         self.kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, self.model_config.dtype)
         forward = forward or default_forward(self.model_config, cfg.kernels)
@@ -100,9 +108,14 @@ class LLMEngine:
             free = free if free is None or broadcast is None else agree(free)
             if free is None:  # CPU: enough for a modest batch of full-length requests
                 num_pages = max(64, 8 * self.max_model_len // cfg.page_size)
-        self.sizing = size_cache(cache_cfg, cfg.page_size, self.max_model_len,
-                                 cfg.b_dense, num_pages=num_pages, memory_bytes=free,
-                                 kv_itemsize=self.kv_dtype.itemsize)
+        num_pages = size_cache(cache_cfg, cfg.page_size, self.max_model_len, 1,
+                               num_pages=num_pages, memory_bytes=free,
+                               kv_itemsize=self.kv_dtype.itemsize).num_pages
+        # every default that depends on the device and the cache, resolved once here
+        self.config = cfg = cfg.resolve(platform, num_pages * cfg.page_size, self.max_model_len)
+        assert cfg.b_dense is not None and cfg.admission is not None  # resolve() sets them
+        self.sizing = size_cache(cache_cfg, cfg.page_size, self.max_model_len, cfg.b_dense,
+                                 num_pages=num_pages, kv_itemsize=self.kv_dtype.itemsize)
         max_seqs = cfg.max_num_seqs or self.sizing.max_num_seqs
         self.allocator = PageAllocator(self.sizing.num_pages)
         self.scheduler = Scheduler(self.allocator, cfg.page_size, cfg.b_dense, max_seqs,
@@ -110,17 +123,6 @@ class LLMEngine:
                                    admission=cfg.admission, max_prefill_seqs=(
                                        forward.attention.prefill_max_seqs
                                        if forward.attention.prefill_block_q else None))
-        fixed = cfg.fixed_shapes
-        if fixed is None:  # a GPU compiles every shape at start; the CPU pays per row
-            fixed = on_gpu
-        # the CPU pays for every padding token and row (a 1-token decode padded to 16
-        # tokens and 4 rows ran at half speed); a GPU step barely notices them, and fixed
-        # shapes compile every bucket at start (fewer buckets, shorter start)
-        min_tokens = cfg.min_token_bucket or (16 if on_gpu or fixed else 1)
-        min_rows = cfg.min_row_bucket or default_min_row_bucket(on_gpu)
-        # long prompts' chunks: padded to the next power of two, a 600-token one would run
-        # 1,024 tokens; with fixed shapes, each bucket is one more shape compiled at start
-        token_step = cfg.token_bucket_step or (None if on_gpu or fixed else 128)
         step_cache = None
         # one jitted step on one device: loadable next start (a sharded step's executable
         # is not: its devices' order is not checked here)
@@ -130,19 +132,16 @@ class LLMEngine:
                 "model": describe(self.model_config), "engine": describe(cfg),
                 "forward": describe(forward), "kv_dtype": str(self.kv_dtype)},
                 jax.devices()[:1])  # where prepare() puts the parameters
-        from checkpoints.loader import cpu_params  # GGUF blocks kept (--cpu-weights q4)
-        params = cpu_params(bundle, cfg.kernels, on_gpu, cfg.tensor_parallel_size)
-        self.runner = ModelRunner(self.model_config, params, self.sizing.num_pages,
-                                  cfg.page_size, self.scheduler.max_num_seqs, cfg.b_dense,
-                                  forward=forward, constant_batch=cfg.constant_batch,
-                                  max_pages_per_seq=-(-self.max_model_len // cfg.page_size),
-                                  fixed_shapes=fixed, broadcast=broadcast,
-                                  kv_cache_dtype=self.kv_dtype, min_token_bucket=min_tokens,
-                                  min_row_bucket=min_rows, token_bucket_step=token_step,
-                                  step_cache=step_cache, input_staging=cfg.input_staging,
-                                  compile_threads=cfg.compile_threads or
-                                  default_compile_threads(on_gpu))
-        self.prefix_cache = self.offloader = None
+        params = cpu_params(  # with the GGUF's blocks kept (--cpu-weights q4)
+            bundle, cfg.kernels, platform.gpu, cfg.tensor_parallel_size)
+        self.runner = ModelRunner(self.model_config, params, cfg, forward=forward,
+                                  num_pages=self.sizing.num_pages,
+                                  max_rows=self.scheduler.max_num_seqs,
+                                  max_model_len=self.max_model_len,
+                                  kv_cache_dtype=self.kv_dtype, broadcast=broadcast,
+                                  step_cache=step_cache)
+        self.prefix_cache: PrefixCache | None = None
+        self.offloader: KVOffloader | None = None
         if cfg.enable_prefix_caching:
             self._start_prefix_cache()
         elif cfg.kv_offload_host_bytes or cfg.kv_offload_dir:
@@ -220,7 +219,8 @@ class LLMEngine:
         if params.structured_outputs is not None:
             seq.matcher = self._matcher(params)
         self.requests[request_id] = seq
-        if self.offloader is not None:  # disk pages of its prefix to host memory, meanwhile
+        # disk pages of its prefix to host memory, meanwhile (an offloader has a prefix cache)
+        if self.offloader is not None and self.prefix_cache is not None:
             usable = (len(ids) - 1) // self.config.page_size
             self.offloader.prefetch(self.prefix_cache.hashes(seq, usable))
         if self.tokenizer is not None:
@@ -247,6 +247,8 @@ class LLMEngine:
     def _matcher(self, params: SamplingParams):
         if self.runner.broadcast is not None:
             raise RequestError("structured outputs are not supported across processes yet")
+        # called with structured_outputs set, which __post_init__ made the dataclass
+        assert isinstance(params.structured_outputs, StructuredOutputsParams)
         try:
             return self.grammars.matcher(params.structured_outputs)
         except StructuredOutputError as e:
@@ -287,13 +289,15 @@ class LLMEngine:
             prev_rows = {id(e.seq): r for r, e in enumerate(self._in_flight[0].entries)}
         with TraceAnnotation("nanojax.schedule"):  # phases, for the engine's timelines
             batch = self.scheduler.schedule(prev_rows)
+        schedule_s = time.perf_counter() - start
         if not batch and self._in_flight is None:  # nothing to run but tier pages on the
             self.scheduler.wait_for_loads(0.01)    # way: wait for them, not spin
         t_launch = time.perf_counter()
         loads = self.scheduler.take_loads()
         if loads:  # offloaded pages into fresh ones, ordered before this step
+            assert self.offloader is not None  # the loads come from it
             self.offloader.load(loads)
-        retired = []  # the step in flight, when a grammar mask had to read it first
+        retired: list = []  # the step in flight, when a grammar mask had to read it first
         self._retire_s = 0.0
         with TraceAnnotation("nanojax.launch"):
             launched = ((batch, self.runner.launch(batch, self._bitmask_fn(batch, retired)),
@@ -324,7 +328,9 @@ class LLMEngine:
         host = time.perf_counter() - start - waited
         self.stats.host_s += host
         if launched and launched[2] is not None:
-            launched[2].host_s, launched[2].wait_s = host, waited
+            rec = launched[2]
+            rec.host_s, rec.wait_s = host, waited
+            rec.schedule_s, rec.process_s = schedule_s, host - schedule_s - rec.launch_s
         return results
 
     def _bitmask_fn(self, batch: ScheduledBatch, retired: list):
@@ -391,9 +397,11 @@ class LLMEngine:
                 self._check_finish(seq, tok)
             except Exception as exc:
                 seq.finish("error", f"{type(exc).__name__}: {exc}")
-            results.append(self._output(seq))
+            if seq.is_finished or seq.params.output_kind != "final_only":
+                results.append(self._output(seq))
             if seq.is_finished:
-                if self.offloader is not None:  # its last pages, and any dropped before
+                # its last pages, and any dropped before (an offloader has a prefix cache)
+                if self.offloader is not None and self.prefix_cache is not None:
                     self.prefix_cache.register(seq)
                     n = seq.num_cached_pages
                     self.offloader.save(seq.pages[:n], seq.block_hashes[:n])
@@ -411,7 +419,7 @@ class LLMEngine:
         if seq.matcher is not None and not seq.matcher.consume_token(tok):
             return seq.finish("error", f"grammar: {seq.matcher.get_error()[:300]}")
         if n >= p.min_tokens:
-            if tok in p.stop_token_ids:
+            if p.stop_token_ids and tok in p.stop_token_ids:
                 return seq.finish("stop", tok)
             if tok in seq.eos_ids and not p.ignore_eos:
                 return seq.finish("stop", None)
@@ -445,10 +453,15 @@ class LLMEngine:
             text = text[:max(seq.sent_text_len, len(text) - max(map(len, seq.params.stop)) + 1)]
         delta_text = text[seq.sent_text_len:]
         delta_ids = seq.output_ids[seq.sent_tokens:]
+        logprobs = seq.logprobs if seq.params.logprobs is not None else None
+        if seq.params.output_kind == "delta":  # no copy of what was sent before
+            comp = CompletionOutput(0, delta_text, delta_ids, seq.finish_reason,
+                                    seq.stop_reason,
+                                    logprobs[seq.sent_tokens:] if logprobs is not None else None)
+        else:
+            comp = CompletionOutput(0, text, list(seq.output_ids), seq.finish_reason,
+                                    seq.stop_reason, list(logprobs) if logprobs is not None else None)
         seq.sent_text_len, seq.sent_tokens = len(text), len(seq.output_ids)
-        comp = CompletionOutput(0, text, list(seq.output_ids), seq.finish_reason,
-                                seq.stop_reason,
-                                list(seq.logprobs) if seq.params.logprobs is not None else None)
         ttft = seq.first_token_time - seq.arrival if seq.first_token_time else None
         return RequestOutput(seq.request_id, None, seq.prompt_ids, [comp], seq.is_finished,
                              ttft, seq.num_preemptions, delta_text, delta_ids)

@@ -11,7 +11,7 @@ Pages missing on the GPU may be in an offload tier (host memory, disk): `match` 
 the chain there and the scheduler loads those pages into fresh ones before the step. The
 tier gets each page when it becomes full (`register`), not when its request finishes: a
 full page never changes, and copying pages out as they fill spreads the copies over the
-run instead of a burst when many requests finish together (bench/results/README.md §29).
+run instead of a burst when many requests finish together (bench/results/log/kv_reuse.md).
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from typing import Protocol
 import jax
 import numpy as np
 
+from nanojax.config import ModelConfig
 from nanojax.engine.kv_cache import PageAllocator
 from nanojax.engine.sequence import Sequence
 
@@ -34,7 +35,7 @@ def block_hash(parent: bytes, tokens) -> bytes:
                            digest_size=HASH_BYTES).digest()
 
 
-def model_fingerprint(model_config, params, kv, page_size: int, page_axis: int,
+def model_fingerprint(model_config: ModelConfig | dict, params, kv, page_size: int, page_axis: int,
                       sample_elems: int = 4096) -> bytes:
     """Names the model and the cache layout: the config, every weight's shape and dtype
     with a strided sample of its values, and each cache array's dtype and per-page shape.
@@ -120,7 +121,8 @@ class PrefixCache:
     def match(self, seq: Sequence) -> PrefixMatch:
         """The longest cached run of seq's leading pages, leaving its last token to compute."""
         usable = (seq.num_known - 1) // self.page_size
-        gpu, tier = [], []
+        gpu: list[int] = []
+        tier: list[bytes] = []
         for h in self.hashes(seq, usable):
             page = self.allocator.lookup(h) if not tier else None
             if page is not None:

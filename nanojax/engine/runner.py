@@ -9,22 +9,26 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import os
+import itertools
 import sys
 import threading
 import time
 import types
+from typing import TYPE_CHECKING, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nanojax.config import ModelConfig
+from nanojax.config import EngineConfig, ModelConfig
 from nanojax.engine.forward import Forward, default_forward
 from nanojax.engine.sampling import (Penalties, any_logprobs, any_sampling, penalty_inputs,
                                      sample, with_pending)
 from nanojax.engine.scheduler import ScheduledBatch
 from nanojax.layers.attention import PagedMetadata, prefill_metadata
+
+if TYPE_CHECKING:
+    from nanojax.step_cache import CachedJit
 
 
 def bucket(n: int, minimum: int, maximum: int | None = None, step: int | None = None) -> int:
@@ -34,19 +38,6 @@ def bucket(n: int, minimum: int, maximum: int | None = None, step: int | None = 
     if step is not None and b > step:
         b = max(minimum, -(-n // step) * step)
     return min(b, maximum) if maximum is not None and n <= maximum else b
-
-
-def default_min_row_bucket(on_gpu: bool) -> int:
-    """The smallest row count a step is padded to: a GPU step barely notices padding rows;
-    the CPU pays logits over the vocabulary for each one."""
-    return 4 if on_gpu else 1
-
-
-def default_compile_threads(on_gpu: bool) -> int:
-    """Step shapes warm-up compiles at once: XLA's GPU compile is mostly single-threaded
-    host work, so a GPU host's cores shorten a cold start; on the CPU the cores run the
-    model (and a 2-core machine has none to spare)."""
-    return max(1, min(8, (os.cpu_count() or 2) // 2)) if on_gpu else 1
 
 
 def engine_rows(max_num_seqs: int, min_row_bucket: int, one_shape: bool) -> int:
@@ -72,6 +63,26 @@ def _input_tokens(prev_tokens, host_tokens, token_src):
     return jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], host_tokens)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepInputs:
+    """One step's inputs as the host builds them (numpy; placed on the device by the
+    runner). Token arrays are [T] (the padded batch), row arrays [R] (rows follow the
+    batch's entries; the sampler reads them)."""
+    host_tokens: jax.Array    # [T] int32: each token's id where the host knows it
+    token_src: jax.Array      # [T] int32: else the previous step's row it was sampled in
+    meta: PagedMetadata       # where each token goes in the paged cache, what it attends
+    logit_idx: jax.Array      # [R] int32: the token whose logits each row samples from
+    temperature: jax.Array    # [R] f32 (0: greedy)
+    top_p: jax.Array          # [R] f32
+    top_k: jax.Array          # [R] int32 (-1: off)
+    seeds: jax.Array          # [R] uint32
+    steps: jax.Array          # [R] int32: tokens the row has generated (its PRNG step)
+    penalties: Penalties | None  # None when no row asks for penalties or logit_bias
+    # [R] bool: picks the sampler's variant on the host; never sent to the device
+    wants_logprobs: np.ndarray
+
+
 @dataclasses.dataclass
 class StepOutput:
     """Device arrays of one launched step; rows follow the batch's entries."""
@@ -87,36 +98,48 @@ class StepOutput:
                                     for x in out))
 
 
+class DispatchedStep:
+    """A step handed to the runner's dispatch thread: its StepOutput once dispatched."""
+
+    def __init__(self, future: concurrent.futures.Future):
+        self._future = future
+
+    def result(self) -> StepOutput:
+        return self._future.result()
+
+    @property
+    def tokens(self) -> jax.Array:
+        return self.result().tokens
+
+    def to_host(self):
+        return self.result().to_host()
+
+
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, params, num_pages: int, page_size: int,
-                 max_rows: int, b_dense: int, forward: Forward | None = None,
-                 constant_batch: bool = False, min_token_bucket: int = 16,
-                 max_pages_per_seq: int | None = None, fixed_shapes: bool = False,
-                 broadcast=None, kv_cache_dtype=None, min_row_bucket: int = 4,
-                 token_bucket_step: int | None = None, step_cache=None,
-                 input_staging: str = "numpy", compile_threads: int = 1):
-        """step_cache: a nanojax.step_cache.StepCache the traced step's executables are
-        loaded from and stored to (skips tracing on a warm start); None: jit only.
-        input_staging: EngineConfig.input_staging (numpy, put, pinned). compile_threads:
-        warmup()'s step shapes compiled at once."""
-        self.compile_threads = compile_threads
+    def __init__(self, cfg: ModelConfig, params, config: EngineConfig, *,
+                 forward: Forward | None = None, num_pages: int, max_rows: int,
+                 max_model_len: int, kv_cache_dtype=None, broadcast=None, step_cache=None):
+        """config: the engine's, resolved (EngineConfig.resolve): the dense batch, the
+        shape buckets, fixed shapes, compile threads, async dispatch. num_pages: the KV
+        cache's; max_rows: most sequences a step holds; max_model_len: the longest one.
+        step_cache: a nanojax.step_cache.StepCache the traced step's executables are
+        loaded from and stored to (skips tracing on a warm start); None: jit only."""
+        self.config = config
+        assert config.b_dense is not None and config.min_row_bucket is not None  # resolved
         self.cfg = cfg
-        self.page_size = page_size
-        self.min_row_bucket = min_row_bucket
-        self.b_dense = b_dense
-        self.constant_batch = constant_batch
-        self.max_pages_per_seq = max_pages_per_seq
-        self.min_token_bucket = min_token_bucket
-        self.token_bucket_step = token_bucket_step
+        self.page_size = config.page_size
+        self.b_dense = config.b_dense
+        self.constant_batch = config.constant_batch
+        self.max_pages_per_seq = -(-max_model_len // config.page_size)
         # one row count and page-table width: only the token count varies, so warmup()
         # can compile every shape the engine will launch (a serving start, not mid-run)
-        self.fixed_shapes = fixed_shapes and max_pages_per_seq is not None
-        one_shape = self.fixed_shapes or (constant_batch and max_pages_per_seq)
-        self.max_rows = engine_rows(max_rows, min_row_bucket, bool(one_shape))
+        self.fixed_shapes = bool(config.fixed_shapes)
+        one_shape = self.fixed_shapes or self.constant_batch
+        self.max_rows = engine_rows(max_rows, config.min_row_bucket, one_shape)
         forward = forward or default_forward(cfg)
         self.forward = forward
         self.params = forward.prepare(params)
-        self.kv = forward.init_kv(num_pages, page_size, kv_cache_dtype)  # None: the model's
+        self.kv = forward.init_kv(num_pages, self.page_size, kv_cache_dtype)  # None: the model's
         self._traces = 0
         self._trace_lock = threading.Lock()
         self.num_sampler_compiles = 0
@@ -124,16 +147,15 @@ class ModelRunner:
         self._lock = threading.Lock()
         # across processes every step's inputs are global arrays: plain jit there
         self.step_cache = step_cache if broadcast is None else None
-        self._staging = None  # (pinned_host or None, device) shardings the inputs go via
-        if input_staging != "numpy" and broadcast is None:
-            dev = jax.devices()[0]  # where prepare() puts the parameters
-            self._staging = (jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-                             if input_staging == "pinned" else None,
-                             jax.sharding.SingleDeviceSharding(dev))
+        # the dispatch thread (async_dispatch): one step dispatched at a time, in order
+        self._dispatcher = (concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="nanojax-dispatch")
+            if config.async_dispatch and broadcast is None else None)
+        self._dispatching: concurrent.futures.Future | None = None
         # Two executables a step: the forward (tokens in, logits and the cache out) and the
         # sampler, whose variants (greedy or sampling: `sample`'s static flag, chosen on
         # the host) are small to compile; neither holds a device-side conditional
-        self._cached_step = None  # the step's CachedJit, with a step cache
+        self._cached_step: CachedJit | None = None  # the step's CachedJit, with a step cache
         self._forward = self._make_forward(forward)
         self._sample = jax.jit(self._make_sampler(forward),
                                static_argnames=("sampling", "logprobs"))
@@ -188,10 +210,8 @@ class ModelRunner:
 
     def _make_sampler(self, forward):
         max_rows = self.max_rows
-        from nanojax.parallel.tp import TensorParallelForward
         # vocab-sharded logits: the top logprobs are read shard by shard (parallel/tp.py)
-        top_logprobs = (forward.top_logprobs if isinstance(forward, TensorParallelForward)
-                        else None)
+        top_logprobs = forward.top_logprobs
 
         def sampler(logits, prev_tokens, host_tokens, token_src, logit_idx, temperature,
                     top_p, top_k, seeds, steps, penalties, bitmask, sampling, logprobs):
@@ -215,7 +235,8 @@ class ModelRunner:
         t = self.b_dense if self.constant_batch else self._token_bucket(n_tok)
         if self.fixed_shapes:
             return t, self.max_rows, bucket(self.max_pages_per_seq, 4)
-        r = bucket(len(batch.entries), self.min_row_bucket, self.max_rows)
+        assert self.config.min_row_bucket is not None  # resolved (EngineConfig.resolve)
+        r = bucket(len(batch.entries), self.config.min_row_bucket, self.max_rows)
         if self.max_pages_per_seq and self.forward.attention.width_free:
             return t, r, bucket(self.max_pages_per_seq, 4)  # one width: fewer compiles
         p = bucket(max(len(e.seq.pages) for e in batch.entries), 4)
@@ -231,7 +252,9 @@ class ModelRunner:
         return out
 
     def _token_bucket(self, n: int) -> int:
-        return bucket(n, self.min_token_bucket, self.b_dense, self.token_bucket_step)
+        assert self.config.min_token_bucket is not None  # resolved (EngineConfig.resolve)
+        return bucket(n, self.config.min_token_bucket, self.b_dense,
+                      self.config.token_bucket_step)
 
     def warmup(self, progress: bool = False, threads: int | None = None,
                masked: bool = True) -> int:
@@ -252,7 +275,8 @@ class ModelRunner:
         buckets = self.token_buckets()
         bar = tqdm(total=len(buckets), desc="compiling step shapes", unit="shape",
                    disable=not progress, file=sys.stderr)
-        threads = self.compile_threads if threads is None else threads
+        threads = self.config.compile_threads if threads is None else threads
+        assert threads is not None  # compile_threads: resolved (EngineConfig.resolve)
         parallel = threads > 1 and self._cached_step is not None and len(buckets) > 2
         if parallel:
             self._prepare_step(buckets[-1])
@@ -263,7 +287,9 @@ class ModelRunner:
                     done.result()
                     bar.update()
         for t in buckets:  # with parallel: prepared executables, run once each
-            empty = types.SimpleNamespace(entries=[], num_decodes=0, num_tokens=t)
+            # no entries, t padding tokens: a stand-in for a ScheduledBatch
+            empty = cast(ScheduledBatch, types.SimpleNamespace(entries=[], num_decodes=0,
+                                                               num_tokens=t))
             jax.block_until_ready(self.launch(empty).tokens)
             bar.update(0 if parallel else 1)
         bar.close()
@@ -279,26 +305,33 @@ class ModelRunner:
         if masked:
             variants += [(t, lp, True) for t in (0.0, 1.0) for lp in (False, True)]
         words = -(-self.cfg.vocab_size // 32)  # the packed mask's width
+        self.wait_dispatched()
         for temperature, logprobs, with_mask in variants:
             inputs = self._host_inputs(empty, *self.shapes_for(empty))
-            inputs[4][0], inputs[10][0] = temperature, logprobs
+            inputs.temperature[0], inputs.wants_logprobs[0] = temperature, logprobs
             if self.broadcast is not None:
                 self.broadcast.send(inputs)
             allow_all = (lambda rows: np.full((rows, words), -1, np.int32)) if with_mask else None
             jax.block_until_ready(self._run(inputs, allow_all).tokens)
 
     def with_kv(self, fn):
-        """fn(cache) dispatched against the current cache (e.g. a copy of pages out)."""
+        """fn(cache) dispatched against the current cache (e.g. a copy of pages out),
+        after every step launched so far."""
+        self.wait_dispatched()
         with self._lock:
             return fn(self.kv)
 
     def update_kv(self, fn) -> None:
-        """cache = fn(cache), ordered between the steps (e.g. pages copied in)."""
+        """cache = fn(cache), ordered between the steps (e.g. pages copied in): after
+        every step launched so far, before the next."""
+        self.wait_dispatched()
         with self._lock:
             self.kv = fn(self.kv)
 
-    def launch(self, batch: ScheduledBatch, bitmask_fn=None) -> StepOutput:
-        """Builds the step's inputs on the host and dispatches it; does not block.
+    def launch(self, batch: ScheduledBatch, bitmask_fn=None) -> "StepOutput | DispatchedStep":
+        """Builds the step's inputs on the host and dispatches it (with async_dispatch
+        from the dispatch thread, whose StepOutput comes when it is dispatched); does not
+        block.
         bitmask_fn(num_rows): the rows' grammar masks ([num_rows, ceil(V/32)] int32,
         structured.GrammarCompiler.bitmask), called after the forward is dispatched and
         before the sampler is, so the host fills them while the device runs the forward;
@@ -311,14 +344,25 @@ class ModelRunner:
             if bitmask_fn is not None:  # followers would need the mask sent after it
                 raise NotImplementedError("structured outputs across processes")
             self.broadcast.send(inputs)
-        return self._run(inputs, bitmask_fn)
+        if self._dispatcher is None or bitmask_fn is not None:
+            self.wait_dispatched()  # (a grammar mask reads the step before: on this thread)
+            return self._run(inputs, bitmask_fn)
+        self._dispatching = self._dispatcher.submit(self._run, inputs)
+        return DispatchedStep(self._dispatching)
+
+    def wait_dispatched(self) -> None:
+        """Returns once every launched step is dispatched (async_dispatch)."""
+        if self._dispatching is not None:
+            self._dispatching.result()
+            self._dispatching = None
 
     def follow(self) -> int:
         """Processes other than 0: run process 0's steps until it stops; returns how many."""
         empty = types.SimpleNamespace(entries=[], num_decodes=0, num_tokens=0)
         plain = self._host_inputs(empty, 16, 4, 4)  # no row processes its logits
-        with_penalties = (plain[:9] + (Penalties(*[np.zeros(1)] * len(Penalties._fields)),)
-                          + plain[10:])
+        with_penalties = dataclasses.replace(
+            # host arrays for the jax.Array leaves (a pytree's leaves have one type to mypy)
+            plain, penalties=Penalties(*[np.zeros(1)] * len(Penalties._fields)))  # type: ignore[arg-type]
         treedefs = {len(jax.tree_util.tree_leaves(t)): jax.tree_util.tree_structure(t)
                     for t in (plain, with_penalties)}
         n = 0
@@ -333,50 +377,52 @@ class ModelRunner:
 
     def _prepare_step(self, num_tokens: int) -> None:
         """Loads or compiles the step for an all-padding batch of num_tokens, unrun."""
-        empty = types.SimpleNamespace(entries=[], num_decodes=0, num_tokens=num_tokens)
-        host_tokens, token_src, meta, logit_idx = self._place(
-            self._host_inputs(empty, *self.shapes_for(empty)))[:4]
-        self._cached_step.prepare(_step_key(host_tokens, meta, logit_idx), self.params,
-                                  self.kv, self._prev, host_tokens, token_src, meta,
-                                  logit_idx)
+        empty = cast(ScheduledBatch, types.SimpleNamespace(  # a stand-in, as in warmup()
+            entries=[], num_decodes=0, num_tokens=num_tokens))
+        x = self._place(self._host_inputs(empty, *self.shapes_for(empty)))
+        assert self._cached_step is not None  # warmup() prepares only with a step cache
+        self._cached_step.prepare(_step_key(x.host_tokens, x.meta, x.logit_idx), self.params,
+                                  self.kv, self._prev, x.host_tokens, x.token_src, x.meta,
+                                  x.logit_idx)
 
-    def _place(self, inputs):
-        """The step's host inputs where the step takes them (see input_staging)."""
+    def _place(self, inputs: StepInputs) -> StepInputs:
+        """The step's host inputs where the step takes them: numpy, passed to the jitted
+        step as they are; across processes, global arrays."""
         if self.broadcast is not None:
             return self.broadcast.place(inputs)
-        if self._staging is not None:
-            pinned, device = self._staging
-            arrays = inputs[:10] if pinned is None else jax.device_put(inputs[:10], pinned)
-            return jax.device_put(arrays, device) + inputs[10:]
         return inputs
 
-    def _run(self, inputs, bitmask_fn=None) -> StepOutput:
+    def _run(self, inputs: StepInputs, bitmask_fn=None) -> StepOutput:
         # the sampler's variant, from the host arrays before placing them
-        sampling, logprobs = any_sampling(inputs[4]), any_logprobs(inputs[10])
-        inputs = self._place(inputs)
-        (host_tokens, token_src, meta, logit_idx, temperature, top_p, top_k, seeds, steps,
-         penalties, _) = inputs
+        sampling = any_sampling(inputs.temperature)
+        logprobs = any_logprobs(inputs.wants_logprobs)
+        x = self._place(inputs)
         with self._lock:
             prev = self._prev
             with jax.profiler.TraceAnnotation("nanojax.dispatch_forward"):
-                self.kv, logits = self._forward(self.params, self.kv, prev, host_tokens,
-                                                token_src, meta, logit_idx)
+                self.kv, logits = self._forward(self.params, self.kv, prev, x.host_tokens,
+                                                x.token_src, x.meta, x.logit_idx)
         bitmask = None
         if bitmask_fn is not None:  # outside the lock: it may read and retire a step
             with jax.profiler.TraceAnnotation("nanojax.grammar_mask"):
-                bitmask = bitmask_fn(len(temperature))
-        if penalties is None:  # only penalties read the inputs: one sampler per variant,
-            host_tokens = token_src = None  # not one per token bucket too
+                bitmask = bitmask_fn(len(inputs.temperature))
+        # only penalties read the tokens: one sampler per variant, not one per token
+        # bucket too
+        host_tokens, token_src = ((x.host_tokens, x.token_src) if x.penalties is not None
+                                  else (None, None))
         with self._lock:
             with jax.profiler.TraceAnnotation("nanojax.dispatch_sample"):
-                out = self._sample(logits, prev, host_tokens, token_src, logit_idx,
-                                   temperature, top_p, top_k, seeds, steps, penalties,
-                                   bitmask, sampling=sampling, logprobs=logprobs)
+                out = self._sample(logits, prev, host_tokens, token_src, x.logit_idx,
+                                   x.temperature, x.top_p, x.top_k, x.seeds, x.steps,
+                                   x.penalties, bitmask, sampling=sampling,
+                                   logprobs=logprobs)
             self._prev = out[0]
         return StepOutput(*out)
 
-    def _host_inputs(self, batch, t: int, r: int, p: int):
-        """The step's host arrays for a batch at shapes (tokens, rows, pages per row)."""
+    def _host_inputs(self, batch, t: int, r: int, p: int) -> StepInputs:
+        """The step's host arrays for a batch at shapes (tokens, rows, pages per row).
+        The decodes (most rows, one token each, token i in row i) are filled a column at
+        a time; the prefill chunks after them row by row."""
         host_tokens = np.zeros(t, np.int32)
         token_src = np.full(t, -1, np.int32)
         positions = np.zeros(t, np.int32)
@@ -392,40 +438,48 @@ class ModelRunner:
         steps = np.zeros(r, np.int32)
         wants_logprobs = np.zeros(r, bool)  # only picks the sampler's variant
         ps = self.page_size
-        i = 0
-        history = []  # (params, prompt, known outputs) per row, for penalties/logit_bias
-        for row, e in enumerate(batch.entries):
+        entries = batch.entries
+        rows, nd = len(entries), batch.num_decodes
+        if nd:
+            dec = entries[:nd]
+            start = np.fromiter((e.start for e in dec), np.int32, nd)
+            src = np.fromiter((e.prev_row for e in dec), np.int32, nd)
+            token_src[:nd] = src
+            for j in np.flatnonzero(src < 0).tolist():  # inputs the host has
+                host_tokens[j] = dec[j].seq.token_at(dec[j].start)
+            positions[:nd] = start
+            page = np.fromiter((e.seq.pages[e.start // ps] for e in dec), np.int32, nd)
+            slots[:nd] = page * ps + start % ps
+            seq_ids[:nd] = logit_idx[:nd] = np.arange(nd, dtype=np.int32)
+            context_lens[:nd] = start + 1
+        i = nd
+        for row in range(nd, rows):  # prefill chunks
+            e = entries[row]
             seq, n, start = e.seq, e.num_tokens, e.start
-            if n == 1:  # a decode (most rows): scalars, no small arrays (~1,000 a step)
-                if e.prev_row >= 0:
-                    token_src[i] = e.prev_row
-                else:
-                    host_tokens[i] = seq.token_at(start)
-                positions[i] = start
-                slots[i] = seq.pages[start // ps] * ps + start % ps
-                seq_ids[i] = row
+            pos = np.arange(start, start + n)
+            if e.prev_row >= 0:
+                token_src[i] = e.prev_row
             else:
-                pos = np.arange(start, start + n)
-                if e.prev_row >= 0:
-                    token_src[i] = e.prev_row
-                else:
-                    host_tokens[i:i + n] = [seq.token_at(j) for j in pos]
-                positions[i:i + n] = pos
-                pages = np.asarray(seq.pages, np.int32)
-                slots[i:i + n] = pages[pos // ps] * ps + pos % ps
-                seq_ids[i:i + n] = row
-            page_table[row, :len(seq.pages)] = seq.pages
+                host_tokens[i:i + n] = [seq.token_at(j) for j in pos]
+            positions[i:i + n] = pos
+            pages = np.asarray(seq.pages, np.int32)
+            slots[i:i + n] = pages[pos // ps] * ps + pos % ps
+            seq_ids[i:i + n] = row
             context_lens[row] = start + n
             logit_idx[row] = i + n - 1
-            sp = seq.params
-            temperature[row] = sp.temperature
-            top_p[row] = sp.top_p
-            top_k[row] = sp.top_k
-            seeds[row] = (sp.seed or 0) & 0xFFFFFFFF
-            steps[row] = seq.num_generated - (1 if e.samples else 0)
-            wants_logprobs[row] = sp.logprobs is not None
-            history.append((sp, seq.prompt_ids, seq.output_ids))
             i += n
+        if rows:
+            tables = [e.seq.pages for e in entries]
+            lens = np.fromiter(map(len, tables), np.int64, rows)
+            flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(lens.sum()))
+            first = np.repeat(np.cumsum(lens) - lens, lens)
+            page_table[np.repeat(np.arange(rows), lens), np.arange(len(flat)) - first] = flat
+            (temperature[:rows], top_p[:rows], top_k[:rows], seeds[:rows],
+             wants_logprobs[:rows], processes) = zip(*[e.seq.sampling_row for e in entries])
+            steps[:rows] = [len(e.seq.output_ids) + e.seq.pending - e.samples
+                            for e in entries]
+        history = ([(e.seq.params, e.seq.prompt_ids, e.seq.output_ids) for e in entries]
+                   if rows and any(processes) else [])
         penalties = penalty_inputs(history, r, self.cfg.vocab_size, self.max_pages_per_seq
                                    * ps if self.fixed_shapes else None)
         blocks = slot = None
@@ -434,9 +488,11 @@ class ModelRunner:
             blocks, slot = prefill_metadata(seq_ids, positions, batch.num_decodes, i,
                                             block_q, min(r, self.forward.attention
                                                          .prefill_max_seqs))
-        meta = PagedMetadata(positions=positions, slot_mapping=slots, seq_ids=seq_ids,
-                             page_table=page_table, context_lens=context_lens,
-                             num_decodes=np.int32(batch.num_decodes),
+        # host (numpy) arrays for the pytrees' jax.Array leaves: a pytree's leaves have one
+        # type to mypy, numpy here and jax.Array once placed (_place)
+        meta = PagedMetadata(positions=positions, slot_mapping=slots, seq_ids=seq_ids,  # type: ignore[arg-type]
+                             page_table=page_table, context_lens=context_lens,  # type: ignore[arg-type]
+                             num_decodes=np.int32(batch.num_decodes),  # type: ignore[arg-type]
                              prefill_blocks=blocks, prefill_slot=slot)
-        return (host_tokens, token_src, meta, logit_idx, temperature, top_p, top_k, seeds,
-                steps, penalties, wants_logprobs)
+        return StepInputs(host_tokens, token_src, meta, logit_idx, temperature, top_p, top_k,  # type: ignore[arg-type]
+                          seeds, steps, penalties, wants_logprobs)  # type: ignore[arg-type]

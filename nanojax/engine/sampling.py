@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,7 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300       # entries per request
 MAX_STOP_TOKEN_IDS = 256
 INT32_MAX = 2**31 - 1
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
 class SamplingError(NanojaxError, ValueError):
@@ -51,6 +52,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
     # a grammar the output must match (a StructuredOutputsParams or its fields as a dict)
     structured_outputs: StructuredOutputsParams | dict | None = None
+    # what each RequestOutput of the request holds (vLLM's RequestOutputKind): cumulative
+    # (everything so far, each step), delta (only what is new since the last one: a
+    # stream), final_only (one output, when it finishes: offline and non-streaming use)
+    output_kind: str = "cumulative"
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -89,24 +94,30 @@ class SamplingParams:
             bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", "must be in [0, max_tokens]")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        # as __post_init__ left them: lists and a dict, not None or a str
+        stop = cast(list[str], self.stop)
+        stop_token_ids = cast(list[int], self.stop_token_ids)
+        logit_bias = cast(dict[int, float], self.logit_bias)
+        if any(not isinstance(s, str) or not s for s in stop):
             bad("stop", "must be non-empty strings")
-        if (len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS
-                or any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids)):
+        if (len(stop_token_ids) > MAX_STOP_TOKEN_IDS
+                or any(not 0 <= t <= INT32_MAX for t in stop_token_ids)):
             bad("stop_token_ids", f"must be at most {MAX_STOP_TOKEN_IDS} non-negative ids")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS or any(
+        if len(logit_bias) > MAX_LOGIT_BIAS or any(
                 not 0 <= k <= INT32_MAX or not -100.0 <= v <= 100.0  # NaN fails too
-                for k, v in self.logit_bias.items()):
+                for k, v in logit_bias.items()):
             bad("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to biases in "
                               "[-100, 100]")
+        if self.output_kind not in OUTPUT_KINDS:
+            bad("output_kind", f"must be one of {OUTPUT_KINDS}")
         if self.structured_outputs is not None and not isinstance(
                 self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", "must be a StructuredOutputsParams or a dict of its fields")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids in stop_token_ids and logit_bias must name tokens of the model."""
-        for field, ids in (("stop_token_ids", self.stop_token_ids),
-                           ("logit_bias", self.logit_bias)):
+        for field, ids in (("stop_token_ids", cast(list[int], self.stop_token_ids)),
+                           ("logit_bias", cast(dict[int, float], self.logit_bias))):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise SamplingError(f"{field}: token id {bad[0]} is outside the vocabulary "
@@ -173,7 +184,9 @@ def penalty_inputs(rows: list, num_rows: int, vocab_size: int,
         if p.logit_bias:
             bias_ids[r, :len(p.logit_bias)] = list(p.logit_bias)
             bias_values[r, :len(p.logit_bias)] = list(p.logit_bias.values())
-    return Penalties(ids, is_out, presence, frequency, repetition, bias_ids, bias_values)
+    # host arrays where the annotations say jax.Array: a pytree has one leaf type in
+    # Python's types, numpy here and jax.Array once placed on the device
+    return Penalties(ids, is_out, presence, frequency, repetition, bias_ids, bias_values)  # type: ignore[arg-type]
 
 
 def with_pending(pen: Penalties, pending_ids, pending_valid) -> Penalties:
@@ -236,10 +249,10 @@ def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties
     device gets there, so one cond at the end of the step made the host wait for the
     whole step every iteration (no dispatch ahead). logprobs: static, decided on the
     host (any_logprobs): False when no row asks, so the step skips the log-softmax and the
-    top-20 (on a GPU a radix sort of every row's vocabulary: ~9 ms an iteration for 1,026
-    rows of 128k, H200) and returns zeros and [R, 0] tops. With sampling, each row that asks for
-    top-k or top-p is masked from one descending sort; the others are not touched, so a
-    row's draw never depends on the rest of the batch.
+    top-20 (on a GPU a radix sort of every row's vocabulary, a sizeable share of the
+    iteration: bench/results/log/engine_host.md) and returns zeros and [R, 0] tops. With
+    sampling, each row that asks for top-k or top-p is masked from one descending sort;
+    the others are not touched, so a row's draw never depends on the rest of the batch.
     top_logprobs(logprobs, k) -> (values, ids): lax.top_k unless given (tensor parallelism
     passes one that reads each vocabulary shard on its device, parallel/tp.py); the
     chosen logprob is then a masked sum (one value plus zeros: exact), which also reduces
@@ -280,12 +293,12 @@ def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties
         rows = tokens.shape[0]
         return (tokens, jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, 0), jnp.int32),
                 jnp.zeros((rows, 0), jnp.float32))
-    logprobs = jax.nn.log_softmax(logits_in, axis=-1)  # the model's, before processing
+    all_lp = jax.nn.log_softmax(logits_in, axis=-1)  # the model's, before processing
     if top_logprobs is not None:
         hit = jnp.arange(logits.shape[-1], dtype=jnp.int32)[None, :] == tokens[:, None]
-        chosen = jnp.sum(jnp.where(hit, logprobs, 0.0), axis=-1)
-        top_lp, top_ids = top_logprobs(logprobs, MAX_LOGPROBS)
+        chosen = jnp.sum(jnp.where(hit, all_lp, 0.0), axis=-1)
+        top_lp, top_ids = top_logprobs(all_lp, MAX_LOGPROBS)
         return tokens, chosen, top_ids.astype(jnp.int32), top_lp
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+    chosen = jnp.take_along_axis(all_lp, tokens[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(all_lp, MAX_LOGPROBS)
     return tokens, chosen, top_ids.astype(jnp.int32), top_lp

@@ -23,8 +23,8 @@ reserving every request's final length at once (the sum of final lengths) admits
 quarter fewer 512/512 requests than the cache holds in steady state (1,024 tokens each
 instead of ~776 on average), which caps the decodes below B_dense / 2 and the batch
 below full. With every request arriving at once, greedy admission fills the cache with
-prompts and then preempts decodes by the hundred (H200, 1,024 requests: 227 preemptions,
-batches 43% full); predicted admission keeps them.
+prompts and then preempts decodes by the hundred, leaving the batches under half full
+(measured on the H200: bench/results/archive/README.md); predicted admission keeps them.
 
 Predicted admission also paces itself where there is a backlog (more requests running
 and waiting than the rows and the cache's predicted peak hold at once, `_Room.all_fit`):
@@ -39,6 +39,8 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
+import itertools
 import logging
 
 import numpy as np
@@ -52,7 +54,7 @@ from nanojax.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class BatchEntry:
     seq: Sequence
     start: int            # position of the entry's first token
@@ -66,7 +68,7 @@ class ScheduledBatch:
     entries: list[BatchEntry]
     num_decodes: int
 
-    @property
+    @functools.cached_property
     def num_tokens(self) -> int:
         return sum(e.num_tokens for e in self.entries)
 
@@ -201,29 +203,33 @@ class Scheduler:
         scheduled: set[int] = set()
         budget = self.b_dense
         if self.prefix_cache is not None:  # pages completed by the steps launched so far
-            for seq in self.running:
-                if seq.loading is None:  # a load in flight: its pages hold nothing yet
+            ps = self.page_size
+            for seq in self.running:  # (most have no new full page: skip them here)
+                # a load in flight: its pages hold nothing yet
+                if seq.loading is None and seq.num_computed // ps > seq.num_cached_pages:
                     self.prefix_cache.register(seq)
 
         # 1. decodes: every running request whose prompt is fully in the cache. Per
         # request only a few attribute reads: at 1,000 running requests this loop is much
         # of the host's time per iteration (a status check, not `seq in self.running`,
-        # which made it quadratic: bench/results/README.md §22)
+        # which made it quadratic: bench/results/log/engine_host.md)
         prefilling = []
+        running, page_size, max_len = Status.RUNNING, self.page_size, self.max_model_len
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING:
+            if seq.status is not running:
                 continue  # preempted by an earlier one's growth
-            known = seq.num_known
+            outputs = len(seq.output_ids)
+            known = len(seq.prompt_ids) + outputs
             if seq.num_computed < known:
                 prefilling.append(seq)
                 continue
             total = known + seq.pending
-            if (len(seq.output_ids) + seq.pending >= seq.params.max_tokens
-                    or total >= self.max_model_len):
+            if outputs + seq.pending >= seq.params.max_tokens or total >= max_len:
                 continue  # its last token is in flight; it retires when that is read
             if seq.num_computed != total - 1:
                 continue
-            if not self._grow_or_preempt(seq, total, scheduled):
+            if (total > len(seq.pages) * page_size  # a new page: allocate (or preempt)
+                    and not self._grow_or_preempt(seq, total, scheduled)):
                 continue
             row = prev_rows.get(id(seq), -1) if seq.pending else -1
             entries.append(BatchEntry(seq, seq.num_computed, 1, True, row))
@@ -318,13 +324,15 @@ class Scheduler:
         for p in match.gpu_pages:  # before allocating: a cached-free page must not be evicted
             self.allocator.ref(p)
         seq.pages = list(match.gpu_pages)
-        entries = pc.tier.fetch(match.tier_hashes) if match.tier_hashes else []
+        entries = (pc.tier.fetch(match.tier_hashes)
+                   if match.tier_hashes and pc.tier is not None else [])
         match.tier_hashes = match.tier_hashes[:len(entries)]
         pc.count(seq, match)
         seq.num_cached_pages = len(seq.pages)
         if entries:  # cached (registered) once loaded, by the next register() after it
             fresh = self.allocator.allocate(len(entries))
             seq.pages += fresh
+            assert pc.tier is not None  # the entries came from it
             seq.loading = pc.tier.stage(fresh, entries)
         seq.num_computed = len(seq.pages) * self.page_size
 
@@ -341,8 +349,7 @@ class Scheduler:
         # all_waiting_fit: the peak with every waiting request was checked this iteration,
         # and a subset of them cannot peak higher
         if self.admission == "predicted" and self.running and not room.all_waiting_fit:
-            now, rem = room.with_candidate(seq.num_total, self.expected_length(seq))
-            return predicted_peak(now, rem, self.page_size) <= self.allocator.num_pages
+            return room.next_fits(self)
         return True
 
     def expected_length(self, seq: Sequence) -> int:
@@ -352,8 +359,7 @@ class Scheduler:
         already holds."""
         prompt = len(seq.prompt_ids)
         out = seq.params.max_tokens
-        can_stop = not seq.params.ignore_eos or seq.params.stop or seq.params.stop_token_ids
-        if can_stop and self.finished_count:
+        if seq.can_stop and self.finished_count:
             out = min(out, -(-self.finished_outputs // self.finished_count))
         return max(seq.num_total + 1, min(prompt + out, self.max_model_len))
 
@@ -380,8 +386,8 @@ def predicted_peak(now: np.ndarray, remaining: np.ndarray, page_size: int) -> in
 
 # iterations' worth of pace saved up while requests wait but cannot be admitted (cache,
 # rows or batch full), so that a burst of finishing requests is replaced at once (trace
-# workloads, whose requests finish unevenly: saving one iteration's worth only took
-# 0.5-4.4% more iterations on sharegpt and lmsys in the scheduler simulation)
+# workloads, whose requests finish unevenly: saving one iteration's worth only took more
+# iterations on sharegpt and lmsys in the scheduler simulation, `nanojax bench schedule`)
 _PACE_SAVED = 16
 
 
@@ -395,19 +401,65 @@ class _Room:
         self.owed = 0
         self.all_waiting_fit = False  # set by the admission phase (all_fit)
         self._lengths: list[tuple[int, int, int]] = []  # (prompt, now, expected final)
+        self.admitted = 0  # requests admitted this iteration (added after the running)
+        # next_fits(): how many of the queue's head fit, counted from the _offset-th
+        # request admitted this iteration
+        self._fits: int | None = None
+        self._offset = 0  # set with _fits
+        # every running request, as add() would take them one by one (inlined: this runs
+        # over every running request every iteration)
+        ps, max_len, predicted = sched.page_size, sched.max_model_len, \
+            sched.admission == "predicted"
+        mean = (-(-sched.finished_outputs // sched.finished_count)
+                if sched.finished_count else None)
+        owed, lengths = 0, self._lengths
         for s in sched.running:
-            self.add(sched, s)
+            prompt, known = len(s.prompt_ids), len(s.prompt_ids) + len(s.output_ids)
+            owed += -(-(known + 1) // ps) - len(s.pages)
+            if predicted:
+                out = s.params.max_tokens
+                if s.can_stop and mean is not None:
+                    out = min(out, mean)
+                total = known + s.pending
+                lengths.append((prompt, total, max(total + 1, min(prompt + out, max_len))))
+        self.owed = owed
 
     def add(self, sched: Scheduler, seq: Sequence) -> None:
+        """seq admitted this iteration."""
         self.owed += pages_needed(seq.num_known + 1, sched.page_size) - len(seq.pages)
+        self.admitted += 1
         if sched.admission == "predicted":
             self._lengths.append((len(seq.prompt_ids), seq.num_total,
                                   sched.expected_length(seq)))
 
-    def with_candidate(self, now: int, final: int) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens now, tokens still to come) of every running request and a candidate."""
-        a = np.asarray(self._lengths + [(0, now, max(final, now + 1))], np.int64)
-        return a[:, 1], a[:, 2] - a[:, 1]
+    def next_fits(self, sched: Scheduler) -> bool:
+        """Whether the head of the queue fits the cache at the predicted peak beside the
+        running requests and the ones admitted before it. How many of the queue's head
+        fit is found once per iteration, at the first candidate: adding a request never
+        lowers the peak, so it is a binary search over the head (as far as the pace lets
+        in), not one peak per candidate (at 4,000 running, most of the host's time)."""
+        if self._fits is None:
+            self._offset = self.admitted
+            base = np.asarray(self._lengths, np.int64).reshape(-1, 3)
+            n = len(base)
+            most = min(len(sched.waiting), max(1, int(sched._credit)),
+                       sched.max_num_seqs - n)
+            head = np.asarray([(s.num_total, sched.expected_length(s)) for s in
+                               itertools.islice(sched.waiting, max(0, most))],
+                              np.int64).reshape(-1, 2)
+            now = np.concatenate([base[:, 1], head[:, 0]])
+            left = np.concatenate([base[:, 2], np.maximum(head[:, 1], head[:, 0] + 1)]) - now
+
+            def fits(k: int) -> bool:
+                return predicted_peak(now[:n + k], left[:n + k], sched.page_size) \
+                    <= sched.allocator.num_pages
+
+            lo, hi = 0, len(head)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+            self._fits = lo
+        return self.admitted - self._offset < self._fits
 
     def all_fit(self, sched: Scheduler) -> bool:
         """Whether every waiting request, admitted now, fits beside the running ones: in
@@ -430,6 +482,6 @@ class _Room:
                                      sched.expected_length(head))]
         a = np.asarray(lengths, np.float64)
         out = a[:, 2] - a[:, 0]
-        held = np.mean(a[:, 0] + out / 2) + sched.page_size / 2
+        held = float(np.mean(a[:, 0] + out / 2)) + sched.page_size / 2
         at_once = min(sched.allocator.num_pages * sched.page_size / held, sched.max_num_seqs)
         return float(at_once * np.mean(1 / (out + 1)))

@@ -3,8 +3,14 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from nanojax.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import concurrent.futures
+
+    from llguidance import LLMatcher
 
 
 class Status(enum.Enum):
@@ -24,6 +30,14 @@ class Sequence:
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.params = params
+        # the step's per-row sampling inputs, read every iteration: (temperature, top_p,
+        # top_k, seed as uint32, wants logprobs, processes logits)
+        self.sampling_row = (params.temperature, params.top_p, params.top_k,
+                             (params.seed or 0) & 0xFFFFFFFF, params.logprobs is not None,
+                             params.processes_logits)
+        # something other than max_tokens may end it (EOS, stop strings or ids): its
+        # expected length is the mean finished output (scheduler.expected_length)
+        self.can_stop = bool(not params.ignore_eos or params.stop or params.stop_token_ids)
         self.eos_ids = tuple(eos_ids)
         self.status = Status.WAITING
         self.pages: list[int] = []
@@ -31,7 +45,7 @@ class Sequence:
         self.num_cached_pages = 0             # leading pages in the prefix cache
         # an offload tier's pages on their way into its pages (a Future of the staged
         # copies): not scheduled, and its loaded pages not cached, until it is done
-        self.loading = None
+        self.loading: concurrent.futures.Future | None = None
         self.num_computed = 0
         self.pending = 0
         self.finish_reason: str | None = None
@@ -43,8 +57,7 @@ class Sequence:
         self.text = ""            # detokenized output (maintained by the engine)
         self.sent_text_len = 0    # how much text was already streamed
         self.sent_tokens = 0
-        self.retire_after_step = False  # finished: drop its result of the step in flight
-        self.matcher = None  # structured outputs: its llguidance matcher, fed its tokens
+        self.matcher: LLMatcher | None = None  # structured outputs: its llguidance matcher, fed its tokens
 
     @property
     def num_known(self) -> int:

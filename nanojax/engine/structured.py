@@ -17,14 +17,19 @@ import dataclasses
 import json
 import os
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from nanojax.errors import NanojaxError
 
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+    from llguidance._lib import JsonCompileOptions
+
 # llguidance's JSON compiler: no free whitespace between tokens (a small model otherwise
 # can pad a JSON value with newlines until max_tokens)
-JSON_OPTIONS = {"whitespace_flexible": False}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 MAX_CACHED_GRAMMARS = 256
 
 
@@ -92,6 +97,7 @@ class StructuredOutputsParams:
         if self.choice is not None:
             return LLMatcher.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(c) for c in self.choice))
+        assert self.grammar is not None  # one field is set (__post_init__): this one
         try:
             return grammar_from("grammar", self.grammar)  # Lark, or GBNF converted to it
         except ValueError as e:
@@ -145,7 +151,7 @@ class GrammarCompiler:
         """A fresh matcher for one request."""
         return self._compiled(spec).deep_copy()
 
-    def bitmask(self, rows: list[tuple[int, object]], num_rows: int) -> np.ndarray:
+    def bitmask(self, rows: list[tuple[LLMatcher, int]], num_rows: int) -> np.ndarray:
         """[num_rows, ceil(V/32)] int32: bit j of word w allows token 32w + j. rows:
         (matcher, row) of the constrained rows; every other row allows every token."""
         from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
@@ -159,9 +165,9 @@ class GrammarCompiler:
 
 
 def mask_threads() -> int:
-    """Threads filling a step's masks: a GPU host's spare cores (a batch of ~1,000
-    constrained rows takes ~10 us each on one) while the engine thread and XLA's keep
-    theirs; at least 2."""
+    """Threads filling a step's masks: a GPU host's spare cores (a large batch's masks
+    are slow to fill on one: bench/results/log/structured.md) while the engine thread and
+    XLA's keep theirs; at least 2."""
     return max(2, min(8, (os.cpu_count() or 2) // 2))
 
 

@@ -42,11 +42,12 @@ class Linear(nn.Module):
                             (x.shape[-1], self.features), self.dtype)
         # output in the model dtype (GPUs accumulate bf16 GEMMs in f32 anyway): an f32
         # output plus a convert costs a separate kernel inside stream regions, where XLA
-        # does not fold the convert into the GEMM (H200 timeline: ~28 us per GEMM)
+        # does not fold the convert into the GEMM (the H200 step's timeline:
+        # bench/results/log/step.md)
         if self.has_variable("quant", "q"):
             # the same weight block-quantized (layers/quant.py): the forward passes it
             # for steps of few rows on the CPU; the f32 kernel goes unread there
-            w = {k: self.get_variable("quant", k) for k in ("q", "d", "m")
+            w: dict = {k: self.get_variable("quant", k) for k in ("q", "d", "m")
                  if self.has_variable("quant", k)}
             y = quantized_dot(x, w).astype(self.dtype)
         else:

@@ -5,14 +5,13 @@ along `in`: "q" int8 [out, in/32, 32], "d" f32 [out, in/32] and, for Q4_1, "m" f
 [out, in/32]; the weight is d * q + m (Q8_0: d * q), the same f32 expression as the GGUF
 import's dequantization, so the float32 kernels and these hold the same values.
 
-Why: a one-token CPU step is bound by reading the weights (425 MB of f32 for SmolLM2's
-layers). XLA's CPU backend compiles `dot(x, dequantize(w).T)` for one row as one fused
-GEMV loop that reads 1 byte a weight and never materializes the f32 matrix: 30 layers of
-SmolLM2's projections in 34 ms against 52 ms from f32 in an interleaved probe (loaded
-2-core EPYC; bench/results/README.md §33). With 2 or more rows the same expression
-becomes a loop fusion that recomputes the weight per row (8 rows: 2.3x slower than f32),
-and dequantizing once per step then a GEMM costs more than reading the f32 copy, so
-steps with more rows use the f32 kernel (KernelConfig.cpu_quant_max_rows).
+Why: a one-token CPU step is bound by reading the weights (4 bytes a weight in f32).
+XLA's CPU backend compiles `dot(x, dequantize(w).T)` for one row as one fused GEMV loop
+that reads 1 byte a weight and never materializes the f32 matrix, faster than the f32
+GEMV. With 2 or more rows the same expression becomes a loop fusion that recomputes the
+weight per row, slower than f32, and dequantizing once per step then a GEMM costs more
+than reading the f32 copy, so steps with more rows use the f32 kernel
+(KernelConfig.cpu_quant_max_rows; measured: bench/results/log/cpu.md).
 """
 from __future__ import annotations
 

@@ -16,9 +16,9 @@ the down projection's partial sums meet in the layer's one all-reduce.
 Where the grouped GEMM runs: on a Hopper GPU, the Mosaic GPU grouped GEMM
 (pallas_kernels/grouped_matmul_mgpu.py) where it takes the operands; elsewhere
 jax.lax.ragged_dot, which jax lowers on the CPU, and XLA on NVIDIA GPUs (RaggedDotRewriter),
-as masked dense dots over all experts: on the H200 that ran at ~95 TFLOP/s against ~710 for
-one dense GEMM of the same rows, and XLA's cuDNN ragged-dot fusion changed nothing
-(bench/results/moe/). KernelConfig.grouped_gemm = "xla" keeps ragged_dot (the A/B).
+as masked dense dots over all experts: on the H200 that ran at a fraction of one dense
+GEMM's rate over the same rows, and XLA's cuDNN ragged-dot fusion changed nothing
+(bench/results/log/moe.md). KernelConfig.grouped_gemm = "xla" keeps ragged_dot (the A/B).
 """
 from __future__ import annotations
 

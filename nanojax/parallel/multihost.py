@@ -118,7 +118,7 @@ def step_broadcast(forward) -> StepBroadcast | None:
     them too), else None."""
     if jax.process_count() == 1:
         return None
-    mesh = getattr(forward, "mesh", None)
+    mesh = forward.mesh
     if mesh is None or mesh.devices.size != jax.device_count():
         raise ConfigError(f"a run over {jax.process_count()} processes needs "
                           f"tensor_parallel_size = the global device count "

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from nanojax.config import ModelConfig
-from nanojax.errors import ConfigError
+from nanojax.errors import ConfigError, UnsupportedError
 
 TP_AXIS = "tp"
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
@@ -169,20 +169,27 @@ class TensorParallelForward:
     for one shard's shape, runs inside shard_map."""
 
     def __init__(self, base, tp: int, devices=None):
-        self.layout = TPLayout(base.cfg, tp)
+        self.tp_layout = TPLayout(base.cfg, tp)
         self.cfg = base.cfg
         self.tp = tp
         self.mesh = make_mesh(tp, devices)
-        self.inner = base.for_shard(self.layout.shard_config, TP_AXIS)
+        self.inner = base.for_shard(self.tp_layout.shard_config, TP_AXIS)
         self.attention = base.attention
         self.chunk_cuts = base.chunk_cuts
         self.kv_page_axis = base.kv_page_axis
         self.compiler_options = base.compiler_options
         self.traced, self.num_traces = True, 0  # the shard runs traced inside shard_map
 
+    def layout(self, params, stack=jnp.stack):
+        """The parameter tree as prepare() places it (the shards' layout, unsharded)."""
+        return self.inner.layout(self.tp_layout.transform(params), stack=stack)
+
+    def for_shard(self, cfg, tp_axis: str):
+        raise UnsupportedError("a tensor-parallel forward is not split again")
+
     # ---- placement -------------------------------------------------------------------
     def _target(self, params):
-        return jax.eval_shape(lambda p: self.inner.layout(self.layout.transform(p)), params)
+        return jax.eval_shape(lambda p: self.inner.layout(self.tp_layout.transform(p)), params)
 
     def prepare(self, params):
         shardings = shardings_for(self._target(params), self.mesh)
@@ -201,10 +208,10 @@ class TensorParallelForward:
                 [jax.device_put(x, s) for x, s in zip(leaves, target)])
         if all(isinstance(x, jax.Array) for x in leaves):
             # already on devices (sharded by the loader): reshaped there, never gathered
-            f = jax.jit(lambda p: self.inner.layout(self.layout.transform(p)),
+            f = jax.jit(lambda p: self.inner.layout(self.tp_layout.transform(p)),
                         out_shardings=shardings)
             return f(params)
-        host = self.inner.layout(self.layout.transform(
+        host = self.inner.layout(self.tp_layout.transform(
             jax.tree_util.tree_map(np.asarray, params), np), stack=np.stack)
         return jax.tree_util.tree_map(place_host, host, shardings)
 
@@ -266,4 +273,4 @@ def sharded_forward(cfg: ModelConfig, forward, tp: int):
     if tp == 1:
         return forward, cfg
     fwd = TensorParallelForward(forward or default_forward(cfg), tp)
-    return fwd, fwd.layout.shard_config
+    return fwd, fwd.tp_layout.shard_config

@@ -18,8 +18,9 @@ that cover its range.
   must give the same tokens.
 - XLA (jax 0.11) runs a side-stream region as an async start/done pair on the main thread,
   so its scheduler sees no latency to hide and puts the done right after the start: the
-  main stream waits (H200: 0% of attention under a GEMM). What keeps regions concurrent
-  is an XLA scheduling group (`_scheduling_group_id`): its starts are scheduled before
+  main stream waits (on the H200 no attention ran under a GEMM; measured:
+  bench/results/log/overlap_search.md). What keeps regions concurrent is an XLA
+  scheduling group (`_scheduling_group_id`): its starts are scheduled before
   its dones. Only async pairs keep the annotation through XLA's fusion passes, so the
   GEMMs that should run beside attention go on a second side stream and join the
   attention's group (`overlap_groups`; `scheduling_groups=True`).
@@ -31,12 +32,14 @@ that cover its range.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
 from nanojax.config import KernelConfig, ModelConfig
-from nanojax.engine.forward import UnrolledForward, default_forward, gpu_compiler_options
+from nanojax.engine.forward import (Forward, UnrolledForward, default_forward,
+                                    gpu_compiler_options)
 from nanojax.layers.attention import AttentionBackend, PagedMetadata, slice_metadata
 from nanojax.layers.matmul import matmul_at
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
@@ -46,6 +49,7 @@ from nanojax.pipeline.plan import (GEMM_GROUPS, NETWORK_GROUPS, ablation, check_
                                    validate)
 from nanojax.pipeline.streams import (carry_metadata_to_stream_calls, on_stream,
                                       scheduling_group, streams_enabled)
+from pallas_kernels.device import device_sms
 
 log = logging.getLogger(__name__)
 
@@ -117,12 +121,14 @@ class PipelineForward(UnrolledForward):
 
     def __init__(self, cfg: ModelConfig, plan: dict, mode: str = "overlap",
                  kernels: KernelConfig = KernelConfig(),
-                 attention: AttentionBackend | None = None, num_sms: int = 132,
+                 attention: AttentionBackend | None = None, num_sms: int | None = None,
                  ctas_per_sm: int = 4, scheduling_groups: bool = True, keep: str = "",
                  tp: int = 1):
         """kernels: the kernels and placement (streams, GEMM shares); attention: a backend
-        other than the one the kernels describe (tests); tp: the tensor-parallel degree
-        the plan must be made for (the engine wraps this forward per shard)."""
+        other than the one the kernels describe (tests); num_sms: the SMs a plan's shares
+        divide (None: those of the device the step runs on, device_sms); ctas_per_sm:
+        Triton decode programs an SM; tp: the tensor-parallel degree the plan must be made
+        for (the engine wraps this forward per shard)."""
         validate(plan)
         check_model(plan, cfg, tp)
         self.plan = ablation(plan, mode)
@@ -131,16 +137,17 @@ class PipelineForward(UnrolledForward):
         self.kernels = kernels
         # attention nano-ops on a side stream: with the default kernel choice, Triton's.
         # On jax 0.11.2 a 32-layer overlap step whose side streams held the Mosaic GPU
-        # swap-AB kernel had not finished compiling after 4-7 minutes (XLA instantiating
+        # swap-AB kernel had not finished compiling after minutes (XLA instantiating
         # Mosaic custom calls inside async computations one by one), where the same step
-        # with Triton compiled in 58 s (bench/results/README.md §19)
+        # with Triton compiled in about a minute (bench/results/log/overlap_search.md)
         side_kernels = side_stream_kernels(kernels)
-        self.side_attention = attention
         if attention is None:
             attention = default_forward(cfg, kernels).attention
             self.side_attention = attention
             if side_kernels.decode_kernel != kernels.decode_kernel:
                 self.side_attention = default_forward(cfg, side_kernels).attention
+        else:
+            self.side_attention = attention
         super().__init__(cfg, attention)
         self.grouped_gemm = kernels.grouped_gemm
         # an MoE block's GEMM nano-op on a side stream: the same rule as attention's
@@ -149,11 +156,12 @@ class PipelineForward(UnrolledForward):
             op.get("stream", 0) != 0 and op["op"] not in NETWORK_GROUPS
             for op in self.plan["nano_ops"])
         self.compiler_options = gpu_compiler_options(kernels, side_streams=side)
-        self.num_sms, self.ctas_per_sm = num_sms, ctas_per_sm
+        self.num_sms = device_sms() if num_sms is None else num_sms
+        self.ctas_per_sm = ctas_per_sm
         # a diagnostic for cross-stream buffer reuse: each side-stream region also returns
         # its inputs ("inputs") or every value it computes ("values"), so they stay alive
         # to its done. On the H200 neither changed the overlap mode's tokens: those differ
-        # by kernel choice, not by a race (bench/results/README.md, mode_agreement)
+        # by kernel choice, not by a race (bench/results/log/overlap_search.md)
         if keep not in KEEP:
             raise ValueError(f"keep must be one of {KEEP}, got {keep!r}")
         self.keep = keep
@@ -161,7 +169,7 @@ class PipelineForward(UnrolledForward):
         # in the last trace: {"gemm[k]+attention[j]": {"launch", "reason", ...}}
         self.pairs = fused_pairs(self.plan)
         self.fused_report: dict[str, dict] = {}
-        self.fused_device = {}  # fused.unavailable's hopper / sms (tests pin them)
+        self.fused_device: dict = {}  # fused.unavailable's hopper / sms (tests pin them)
         self.chunk_cuts = tuple(a for a, _ in self.plan["nano_batches"]["attention"][1:])
         self.groups_in_order = plan_groups(self.plan)
         self.producer = producers(self.groups_in_order)
@@ -211,7 +219,7 @@ class PipelineForward(UnrolledForward):
 
         for li, kv_layer in enumerate(kv):
             lp = {"params": params["params"][f"layers_{li}"]}
-            out = {g: {} for g in groups}
+            out: dict = {g: {} for g in groups}
             by_key = {(op["op"], op["batch"]): op for op in ops}
             paired = set()  # nano-ops already run as part of a fused pair
             for op in ops:
@@ -227,7 +235,8 @@ class PipelineForward(UnrolledForward):
                                           out, kv_layer, placed)
                     continue
                 gid = self.groups.get((g, k))
-                # the scope names the nano-op in the HLO's metadata (bench/hlo_schedule.py)
+                # the scope names the nano-op in the HLO's metadata
+                # (nanojax/profiling/hlo_schedule.py reads it)
                 with scheduling_group(None if gid is None else li * 1000 + gid), \
                         jax.named_scope(f"nanoop_{g}_b{k}"):
                     kv_layer = self._nano_op(op, lp, x, metas, ranges, out, kv_layer,
@@ -323,7 +332,7 @@ class PipelineForward(UnrolledForward):
         def f(lp, gemm_args, q, kk, vv, kvl, m):
             with jax.named_scope(f"nanoop_attention_b{j}"):  # the append, as its nano-op's
                 kvl = backend.append(kk, vv, kvl, m, inv_freq)
-            mm = fused.PairMatmul(fused.fused_attend(backend), q, kvl, m, inv_freq,
+            mm = fused.PairMatmul(backend.attend_with, q, kvl, m, inv_freq,
                                   gemm_programs=pair["gemm_programs"],
                                   programs=pair["programs"])
             with jax.named_scope(f"nanoop_{g}_b{k}"):  # the launch: the GEMM's scope
@@ -333,7 +342,8 @@ class PipelineForward(UnrolledForward):
                     o = backend.attend(q, kvl, m, inv_freq)
             status["why"] = mm.why
             return y, o, kvl
-        y, o, kvl = placed(f, 0, lp, self._gemm_args(g, x, *ranges[g][k], out, ranges),
+        ga, gb = ranges[g][k]
+        y, o, kvl = placed(f, 0, lp, self._gemm_args(g, x, ga, gb, out, ranges),
                            q, kk, vv, kv_layer, m)
         self._report(name, pair, status["why"])
         out[g][k] = y
@@ -348,3 +358,7 @@ class PipelineForward(UnrolledForward):
         if why is not None and self.fused_report.get(name) != entry:
             log.warning("fused pair %s runs back to back: %s", name, why)
         self.fused_report[name] = entry
+
+
+if TYPE_CHECKING:  # mypy (.ci/run) checks that the executor is a Forward
+    _FORWARD: type[Forward] = PipelineForward

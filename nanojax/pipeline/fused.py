@@ -15,23 +15,18 @@ decode kernel), or no GEMM of the op that the kernel takes (`PairMatmul.why`).
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from nanojax.layers.attention import PagedAttention, attend_pallas, choose_decode_kernel
+from nanojax.layers.attention import AttentionBackend, choose_decode_kernel
 from nanojax.layers.kv_fp8 import is_fp8, kv_parts
+from pallas_kernels.device import device_sms
 
 
-def device_programs() -> int | None:
-    """Programs the device runs at once, one per SM (None off the GPU)."""
-    return getattr(jax.devices()[0], "core_count", None)
-
-
-def unavailable(attention, pair: dict, q, kv_layer, hopper: bool | None = None,
-                sms: int | None = None) -> str | None:
+def unavailable(attention: AttentionBackend, pair: dict, q, kv_layer,
+                hopper: bool | None = None, sms: int | None = None) -> str | None:
     """Why this pair cannot be one launch here (None: it can, if a GEMM fits). The decode
     kernel is the one the backend's attend would pick. hopper, sms: the device's (tests;
     None: asked)."""
@@ -40,18 +35,15 @@ def unavailable(attention, pair: dict, q, kv_layer, hopper: bool | None = None,
         hopper = on_hopper()
     if not hopper:
         return f"no Hopper GPU ({jax.default_backend()}): the fused kernel is Mosaic GPU"
-    if not (isinstance(attention, PagedAttention)
-            and isinstance(attention.attend, functools.partial)
-            and attention.attend.func is attend_pallas):
+    if attention.decode_kernel is None:
         return "the attention backend is not the Pallas one (attend_pallas)"
-    kernel = choose_decode_kernel(attention.attend.keywords.get("decode_kernel", "auto"), q,
-                                  kv_parts(kv_layer)[0])
+    kernel = choose_decode_kernel(attention.decode_kernel, q, kv_parts(kv_layer)[0])
     if kernel != "mosaic":
         return f"the decode kernel is {kernel}, not the swap-AB Mosaic GPU one"
     if is_fp8(kv_parts(kv_layer)[0].dtype):  # the fused launch passes no page scales
         return "FP8 pages: the fused launch takes 16-bit pages"
-    sms = device_programs() if sms is None else sms
-    if sms is not None and pair["programs"] > sms:
+    sms = device_sms() if sms is None else sms
+    if pair["programs"] > sms:
         return f"the plan's launch has {pair['programs']} programs, the device {sms} SMs"
     return None
 
@@ -68,7 +60,8 @@ class PairMatmul:
         self.meta, self.inv_freq = meta, inv_freq
         self.gemm_programs, self.programs = gemm_programs, programs
         self.base = base or jnp.dot
-        self.attention_out, self.why = None, "the GEMM nano-op ran no GEMM"
+        self.attention_out: jax.Array | None = None
+        self.why: str | None = "the GEMM nano-op ran no GEMM"
 
     def __call__(self, x, w):
         from pallas_kernels.fused_gemm_attention_mgpu import (fused_gemm_attention,
@@ -91,8 +84,3 @@ class PairMatmul:
                                                       self.inv_freq)
         self.why = None
         return gemm["out"]
-
-
-def fused_attend(attention: PagedAttention) -> Callable:
-    """decode_fn -> the backend's attend with that decode kernel."""
-    return lambda decode_fn: functools.partial(attention.attend, decode_fn=decode_fn)

@@ -264,7 +264,8 @@ def resize(plan: dict, b_dense: int) -> dict:
     for g in plan_groups(plan):
         cuts = [round(b * b_dense / old / gran) * gran for _, b in plan["nano_batches"][g]]
         cuts[-1] = b_dense
-        ranges, pos = [], 0
+        ranges: list[list[int]] = []
+        pos = 0
         for c in cuts:  # a cut that collapses onto the previous one keeps one token
             c = min(max(c, pos + 1), b_dense - (len(cuts) - len(ranges) - 1))
             ranges.append([pos, c])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Any, Callable
 
 import jax
 from jax.extend import core as jex_core
@@ -47,7 +48,7 @@ def streams_enabled(enabled: bool = True) -> bool:
 def _eval_inlined(jaxpr, consts, args, seen=None):
     """Evaluates jaxpr with every nested call inlined; seen, if a list, collects every
     intermediate value (the `keep_intermediates` diagnostic below)."""
-    env = {}
+    env: dict = {}
 
     def read(v):
         return v.val if isinstance(v, jex_core.Literal) else env[v]
@@ -89,7 +90,7 @@ def inline_calls(fn, keep_intermediates: int = 0):
     def flat(*args):
         leaves, _ = jax.tree_util.tree_flatten(args)
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        seen = [] if keep_intermediates else None
+        seen: list | None = [] if keep_intermediates else None
         outs = _eval_inlined(closed.jaxpr, closed.consts, leaves, seen)
         outs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
         if seen is None:
@@ -110,7 +111,7 @@ def scheduling_group(group_id):
         yield
 
 
-_METADATA_ON_CALLS = []
+_METADATA_ON_CALLS: list[bool] = []
 
 
 def carry_metadata_to_stream_calls() -> bool:
@@ -126,15 +127,16 @@ def carry_metadata_to_stream_calls() -> bool:
         import jax.experimental.compute_on as co
         from jax._src import core
         from jax._src.interpreters import mlir
-        annotate = getattr(co, "compute_on2", None) or co.compute_on
+        # the function form: its signature differs between jax versions (see on_stream)
+        annotate: Callable[..., Any] = getattr(co, "compute_on2", None) or co.compute_on
         probe = jax.make_jaxpr(annotate(lambda y: y, compute_type="gpu_stream:1",
                                         out_memory_spaces=core.MemorySpace.Device))
         prim = probe(jax.numpy.zeros(2)).eqns[0].primitive
         entry = mlir._lowerings[prim]
-        rule = getattr(entry, "rule", entry)
+        rule = getattr(entry, "rule", entry)  # older jax: the entry is the rule itself
 
         def rule_with_metadata(ctx, *args, **params):
-            outs = rule(ctx, *args, **params)
+            outs = rule(ctx, *args, **params)  # type: ignore[operator]  # jax-private entry types vary by version
             meta = getattr(ctx.jaxpr_eqn_ctx, "xla_metadata", None)
             if meta:
                 for o in jax.tree_util.tree_leaves(outs):
@@ -167,7 +169,8 @@ def on_stream(fn, stream: int, keep_intermediates: int = 0, enabled: bool = True
         return fn
     import jax.experimental.compute_on as co
     from jax._src import core
-    annotate = getattr(co, "compute_on2", None) or co.compute_on
+    # the function form: its signature differs between jax versions (see the docstring)
+    annotate: Callable[..., Any] = getattr(co, "compute_on2", None) or co.compute_on
     flat = inline_calls(fn, keep_intermediates)
 
     def placed(*args):

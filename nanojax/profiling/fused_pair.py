@@ -98,7 +98,7 @@ def measure_pair(spec: PairSpec, command: str, out: str | None = None,
     """The pair record at spec's shapes. After each GEMM's timed cases, and again after
     its correctness check, the record so far ("partial": true) is written to `out` and
     handed to saved(record), when given: a run cut short keeps its rows (on the H200 one
-    profile sat in a check until its limit, results §66)."""
+    profile sat in a check until its limit: bench/results/log/step.md)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -106,14 +106,16 @@ def measure_pair(spec: PairSpec, command: str, out: str | None = None,
     from nanojax.profiling.timing import device_seconds
     from pallas_kernels import decode_attention_swapab as swapab
     from pallas_kernels import fused_gemm_attention_mgpu as fused
+    from pallas_kernels.device import device_sms
     dev = jax.devices()[0]
-    n_prog = spec.programs or getattr(dev, "core_count", None) or 132
+    n_prog = spec.programs or device_sms(dev)
     (qh, kvh), d, ps = spec.heads, spec.head_dim, spec.page_size
     sampler = (PowerSampler(spec.gpu_index, spec.sample_ms) if spec.power_seconds > 0
                else None)
     start, say = time.perf_counter(), log
 
-    def log(line):  # stamped here: a pipe's buffering once lost the times (results §66)
+    # stamped here: a pipe's buffering once lost the times (bench/results/log/step.md)
+    def log(line):
         say(f"{time.perf_counter() - start:6.1f} s {line}")
 
     ks = jax.random.split(jax.random.PRNGKey(0), 4)

@@ -4,7 +4,8 @@ start and done, read from an optimized HLO dump (`nanojax bench step --dump-hlo 
 A region on stream N > 0 becomes an async start/done pair in the entry computation. The
 main stream runs the instructions listed between the two while the region runs; if none
 of them is a GEMM, the region's time is not hidden behind compute. The H200 timeline
-showed exactly that (0% of attention under a GEMM); this reads the cause off the schedule.
+showed exactly that (no attention under a GEMM: bench/results/log/overlap_search.md); this
+reads the cause off the schedule.
 """
 from __future__ import annotations
 

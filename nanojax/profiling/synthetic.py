@@ -74,7 +74,8 @@ def engine_batch_rows(lengths: dict, b_dense: int, cuts: tuple[int, ...] = (),
     NanojaxError when max_num_seqs is too few for a batch."""
     import jax
 
-    from nanojax.engine.runner import default_min_row_bucket, engine_rows
+    from nanojax.config import EngineConfig, Platform
+    from nanojax.engine.runner import engine_rows
     seqs = {w: steady_state_seqs(ls, b_dense, cuts) for w, ls in lengths.items()}
     most = max(seqs.values())
     if max_num_seqs is not None and max_num_seqs < most:
@@ -83,8 +84,8 @@ def engine_batch_rows(lengths: dict, b_dense: int, cuts: tuple[int, ...] = (),
                            f"workload {w}'s steady-state batch at B_dense {b_dense}")
     on_gpu = jax.default_backend() == "gpu" if on_gpu is None else on_gpu
     # the GPU engine runs one row shape (fixed shapes); the CPU's varies
-    return engine_rows(min(max_num_seqs or most, b_dense), default_min_row_bucket(on_gpu),
-                       one_shape=on_gpu)
+    rows = EngineConfig().resolve(Platform(on_gpu, 1, 1)).min_row_bucket  # the default's
+    return engine_rows(min(max_num_seqs or most, b_dense), rows, one_shape=on_gpu)
 
 
 def synthetic_batch(cfg: ModelConfig, b_dense: int, lengths: list[tuple[int, int]],

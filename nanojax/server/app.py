@@ -125,9 +125,11 @@ class _Choices:
 
     def start(self):
         p = self.parsed
+        # a stream reads what is new in each output; a whole response only the last
+        kind = "delta" if p.stream else "final_only"
         for pi, ids in enumerate(self.prompt_ids):
             for k in range(p.n):
-                params = p.params
+                params = dataclasses.replace(p.params, output_kind=kind)
                 if p.n > 1:  # distinct samples: derive a seed per choice
                     seed = None if params.seed is None else (params.seed + k) % 2**63
                     params = dataclasses.replace(params, seed=seed)
@@ -152,12 +154,14 @@ class _Choices:
                 n_new = len(out.delta_token_ids)
                 if n_new:
                     self.metrics.generation_tokens.inc(n_new)
-                    if first:
-                        self.metrics.ttft.observe(now - t0)
-                        first = False
-                    else:
-                        for _ in range(n_new):
-                            self.metrics.itl.observe((now - last) / n_new)
+                    gaps = n_new
+                    if first:  # a whole response's one output: the engine's first token
+                        ttft = (out.first_token_latency if n_new > 1 and
+                                out.first_token_latency is not None else now - t0)
+                        self.metrics.ttft.observe(ttft)
+                        first, last, gaps = False, t0 + ttft, n_new - 1
+                    for _ in range(gaps):
+                        self.metrics.itl.observe((now - last) / gaps)
                     last = now
                 if out.finished:
                     if out.finish_reason == "error":
@@ -178,15 +182,10 @@ class _Choices:
     async def deltas(self):
         """(index, output, log-probs of the tokens new in this output); counts the
         completion tokens of finished choices in self.completion_tokens."""
-        sent: dict[int, int] = {}
         self.completion_tokens = 0
-        async for idx, out in self.stream():
-            c = out.outputs[0]
-            lps = c.logprobs[sent.get(idx, 0):] if c.logprobs is not None else None
-            sent[idx] = len(c.token_ids)
-            if out.finished:
-                self.completion_tokens += len(c.token_ids)
-            yield idx, out, lps
+        async for idx, out in self.stream():  # the engine's outputs are deltas here
+            self.completion_tokens += len(out.delta_token_ids)
+            yield idx, out, out.outputs[0].logprobs
 
     async def stream(self):
         remaining = len(self.tasks)

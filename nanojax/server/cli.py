@@ -7,7 +7,8 @@ import signal
 import sys
 import time
 
-from nanojax.config_flags import add_engine_args, add_model_args, engine_config_from_args
+from nanojax.config_flags import (add_engine_args, add_model_args, engine_config_from_args,
+                                  integer, non_negative_float, positive_int)
 
 
 def configure_logging() -> None:
@@ -30,7 +31,8 @@ def build_engine(args, bundle):
     plan, why = choose_plan(args.plan, bundle.config, config.dense_batch())
     log.info("%s", why)
     forward = None
-    if plan is not None:
+    if plan is not None:  # the engine runs the plan's dense batch
+        config = config.replace(b_dense=config.dense_batch())
         from nanojax.pipeline.executor import PipelineForward
         forward = PipelineForward(bundle.config, plan, args.plan_mode, kernels=config.kernels,
                                   tp=config.tensor_parallel_size)
@@ -57,17 +59,18 @@ def warm_up(engine) -> None:
 def cmd_serve(args) -> int:
     from aiohttp import web
 
-    from checkpoints.loader import load_model
     from nanojax.engine.async_engine import AsyncLLMEngine
+    from nanojax.plugins import model_loader
     from nanojax.profiling.record import run_record
     from nanojax.server.app import build_app
 
     from nanojax.parallel.multihost import init_distributed, is_leader
     configure_logging()
     init_distributed(args)
-    bundle = load_model(args.model, dtype=args.dtype, cache_dir=args.cache_dir,
-                        tensor_parallel_size=engine_config_from_args(args).tensor_parallel_size,
-                        quantization=args.quantization)
+    bundle = model_loader().load_model(
+        args.model, dtype=args.dtype, cache_dir=args.cache_dir,
+        tensor_parallel_size=engine_config_from_args(args).tensor_parallel_size,
+        quantization=args.quantization)
     engine, chosen = build_engine(args, bundle)
     if not is_leader():  # process 0 serves; this one runs its steps until it stops
         n = engine.runner.follow()
@@ -111,7 +114,6 @@ def cmd_serve(args) -> int:
 
 
 def register(sub) -> None:
-    from nanojax.cli import integer, non_negative_float, positive_int
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_model_args(s)
     add_engine_args(s)

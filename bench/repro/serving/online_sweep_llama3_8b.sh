@@ -1,0 +1,35 @@
+#!/bin/bash
+# Issue 20 item 6 (NanoFlow Fig. 8): online latency against request rate on the
+# LLaMA-3-8B shape (random bf16 weights, one H200). For each TRACE and each PLAN, one
+# `nanojax serve --b-dense 2048` (compiled shapes come from the compile cache after the
+# first start) driven by `nanojax bench serve --request-rates RATES`: ~SWEEP_S seconds of Poisson
+# arrivals per rate, fresh prompts per rate, stopping once the mean normalized latency
+# passes 2x the 200 ms/token SLO. One JSON per (trace, plan) and one PNG of all of them.
+# Budget: a server start (~2.5 min the first time, less from the cache) + ~SWEEP_S x
+# (rates run + drain) per sweep; one trace and one plan setting per 10-minute call is safe.
+# Usage: OUT=dir [TRACES="splitwise lmsys sharegpt"] [PLANS="none auto"]
+#        [RATES=2,4,8,12,16,24,32] [SWEEP_S=40] bash bench/repro/serving/online_sweep_llama3_8b.sh
+# MODEL, B_DENSE, VOCAB only for a CPU dry run (random:tiny, 64, 512).
+set -u
+OUT=${OUT:?set OUT}
+mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+MODEL=${MODEL:-random:llama3-8b}; B_DENSE=${B_DENSE:-2048}; port=${PORT:-8124}
+for trace in ${TRACES:-splitwise lmsys sharegpt}; do
+  for plan in ${PLANS:-none auto}; do
+    flags=(); [ "$plan" != none ] && flags=(--plan "$plan")
+    tag=${trace}_plan-${plan}
+    python3 -m nanojax serve --model "$MODEL" --b-dense "$B_DENSE" --port "$port" \
+      --no-access-log "${flags[@]}" > "$OUT/serve_$tag.log" 2>&1 &
+    server=$!
+    for _ in $(seq 400); do  # compile, then listen
+      curl -sf "http://127.0.0.1:$port/health" > /dev/null && break; sleep 1; done
+    timeout "${LIMIT:-420}" python3 -m nanojax bench serve --base-url "http://127.0.0.1:$port" \
+      --trace "$trace" --request-rates "${RATES:-2,4,8,12,16,24,32}" \
+      --sweep-seconds "${SWEEP_S:-40}" --vocab-size "${VOCAB:-128256}" --quiet \
+      --json "$OUT/sweep_$tag.json" 2>&1 | grep -v "^[WI]1" | tail -n 12
+    kill "$server"; wait "$server" 2> /dev/null
+  done
+done
+python3 -m nanojax.bench.serve_sweep "$OUT"/sweep_*.json --out "$OUT/online_latency_sweep.png"
+ls -la "$OUT"

@@ -1,0 +1,202 @@
+"""The engine around the stand-in model (engine/mock_forward.py), where the model is beside
+the point: scheduling, chunked prefill, paging, preemption, prefix caching, async
+scheduling and aborts. The mock's greedy output is known in advance (`mock_outputs`),
+whatever a request is batched with, so every request's tokens are checked exactly; the
+mock writes each token into its KV slot, so the cache's pages are checked too."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from nanojax.config import EngineConfig, named_shape
+from nanojax.engine.llm_engine import LLMEngine
+from nanojax.engine.mock_forward import MockForward, mock_outputs, mock_params
+from nanojax.engine.sampling import SamplingParams
+from nanojax.models.bundle import ModelBundle
+
+VOCAB = 64
+CFG = dataclasses.replace(named_shape("tiny"), vocab_size=VOCAB)
+PAGE = 4
+# b_dense 32 with prompts up to 40 tokens: long prompts are prefilled in chunks
+BASE = dict(b_dense=32, page_size=PAGE, num_pages=96, max_model_len=128, max_num_seqs=8,
+            step_cache=False)
+
+
+def _engine(**kw) -> LLMEngine:
+    return LLMEngine(ModelBundle(CFG, mock_params(CFG.num_layers), None),
+                     EngineConfig(**{**BASE, **kw}), forward=MockForward(CFG))
+
+
+def _greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kw)
+
+
+def _workload(seed: int, n: int, max_prompt: int = 40, max_out: int = 30):
+    """n (prompt, max_tokens) pairs of mixed lengths (1-token prompts and 1-token outputs
+    included)."""
+    rng = np.random.default_rng(seed)
+    out = [([int(rng.integers(VOCAB))], 1), (rng.integers(0, VOCAB, max_prompt).tolist(),
+                                             max_out)]
+    for _ in range(n - 2):
+        out.append((rng.integers(0, VOCAB, int(rng.integers(1, max_prompt + 1))).tolist(),
+                    int(rng.integers(1, max_out + 1))))
+    return out
+
+
+def _run(eng: LLMEngine, work, check_kv: bool = False) -> dict:
+    """Adds the requests, steps to the end (checking the cache's pages after every step
+    with check_kv) and asserts each output is the mock's."""
+    ids = {eng.add_request(p, _greedy(m)): (p, m) for p, m in work}
+    done, steps = {}, 0
+    while not eng.is_idle:
+        for out in eng.step():
+            if out.finished:
+                assert out.request_id not in done
+                done[out.request_id] = out
+        if check_kv:
+            _assert_kv_holds_tokens(eng)
+        steps += 1
+        assert steps < 2000, "the engine stopped making progress"
+    assert set(done) == set(ids)
+    for rid, (p, m) in ids.items():
+        assert done[rid].token_ids == mock_outputs(p, m, VOCAB), rid
+        assert done[rid].finish_reason == "length"
+    return done
+
+
+def _assert_no_leaks(eng: LLMEngine) -> None:
+    a = eng.allocator
+    a.check_consistent()
+    assert a.num_used == 0 and a.num_free == a.num_pages
+    assert all(c == 0 for c in a.refcount)
+    assert not eng.scheduler.running and not eng.scheduler.waiting and not eng.requests
+
+
+def _assert_kv_holds_tokens(eng: LLMEngine) -> None:
+    """Every running sequence's cache slots hold its tokens (the mock writes the token
+    itself as its 'KV'), in every layer, for the tokens whose KV is written and whose value
+    the host knows (with async scheduling, the newest may still be on the device)."""
+    eng.runner.wait_dispatched()  # async_dispatch: the launched step is in runner.kv
+    kv = [np.asarray(layer) for layer in eng.runner.kv]
+    for seq in eng.scheduler.running:
+        n = min(seq.num_computed, seq.num_known)
+        want = np.array([seq.token_at(i) for i in range(n)], np.int32)
+        pages = np.array([seq.pages[i // PAGE] for i in range(n)], np.int64)
+        offsets = np.arange(n) % PAGE
+        for layer in kv:
+            np.testing.assert_array_equal(layer[pages, 0, offsets, 0], want,
+                                          err_msg=f"{seq.request_id}'s pages")
+
+
+@pytest.mark.parametrize("opts", [
+    dict(async_scheduling=True),
+    dict(async_scheduling=False),
+    dict(async_scheduling=True, enable_prefix_caching=False),
+    dict(async_scheduling=True, async_dispatch=True),
+], ids=["async", "sync", "async-no-prefix-cache", "async-dispatch"])
+def test_greedy_outputs_are_the_mock_outputs(opts):
+    eng = _engine(num_pages=160, **opts)  # 8 running of up to 18 pages each: no preemption
+    _run(eng, _workload(0, 14), check_kv=True)
+    assert eng.scheduler.num_preemptions == 0  # the cache holds them all: plain batching
+    _assert_no_leaks(eng)
+
+
+def test_prefix_cache_hits_give_the_same_tokens():
+    eng = _engine()
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(0, VOCAB, 33).tolist()  # 8 full pages and a token
+    first = prefix + rng.integers(0, VOCAB, 5).tolist()
+    second = prefix + rng.integers(0, VOCAB, 7).tolist()
+    _run(eng, [(first, 10)])
+    assert eng.prefix_cache.stats.hits == 0
+    computed = eng.stats.prompt_tokens
+    _run(eng, [(second, 12)], check_kv=True)
+    hits = eng.prefix_cache.stats.hits
+    assert hits >= 32 and hits % PAGE == 0  # the shared prefix's full pages at least
+    # only what was not found in the cache ran through the model
+    assert eng.stats.prompt_tokens - computed == len(second) - hits
+    # the same prompt again: all but the pages its last token needs come from the cache
+    _run(eng, [(second, 3)])
+    assert eng.prefix_cache.stats.hits - hits == (len(second) - 1) // PAGE * PAGE
+    _assert_no_leaks(eng)
+    assert eng.allocator.num_cached > 0  # cached pages stay, yet count as free
+
+
+def test_shared_prefix_running_together():
+    """Requests sharing a prefix in one batch: the later ones find the first one's pages
+    while it still runs (shared pages, refcount > 1), and every output is still exact."""
+    eng = _engine(max_num_seqs=4)
+    rng = np.random.default_rng(2)
+    prefix = rng.integers(0, VOCAB, 24).tolist()
+    work = [(prefix + rng.integers(0, VOCAB, k).tolist(), 15) for k in (1, 3, 6, 9, 2, 5)]
+    rid0 = eng.add_request(work[0][0], _greedy(work[0][1]))
+    for _ in range(3):  # the first one's prefix is computed and registered
+        eng.step()
+    shared = []
+    ids = {rid0: work[0]}
+    ids.update({eng.add_request(p, _greedy(m)): (p, m) for p, m in work[1:]})
+    done = {}
+    while not eng.is_idle:
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+        shared.append(any(c > 1 for c in eng.allocator.refcount))
+        _assert_kv_holds_tokens(eng)
+    for rid, (p, m) in ids.items():
+        assert done[rid].token_ids == mock_outputs(p, m, VOCAB)
+    assert any(shared) and eng.prefix_cache.stats.hits >= 5 * 24
+    _assert_no_leaks(eng)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-cache"])
+def test_preemption_keeps_outputs_exact(async_scheduling, prefix_caching):
+    # 14 pages of 4 tokens for 6 requests that grow to 28-40 tokens (7-10 pages) each:
+    # greedy admission fills the cache with prompts, then running requests are preempted
+    # and recomputed
+    eng = _engine(num_pages=14, max_num_seqs=6, max_model_len=48,
+                  async_scheduling=async_scheduling, enable_prefix_caching=prefix_caching)
+    rng = np.random.default_rng(3)
+    work = [(rng.integers(0, VOCAB, int(rng.integers(6, 13))).tolist(), 24) for _ in range(6)]
+    _run(eng, work, check_kv=True)
+    assert eng.scheduler.num_preemptions > 0
+    _assert_no_leaks(eng)
+
+
+def test_fixed_shapes_and_constant_batch_compile_only_at_warmup():
+    eng = _engine(fixed_shapes=True, constant_batch=True)
+    assert eng.runner.warmup() > 0
+    compiled = eng.runner.num_compiles
+    _run(eng, _workload(4, 10), check_kv=True)
+    assert eng.runner.num_compiles == compiled, "a step shape compiled while serving"
+    _assert_no_leaks(eng)
+
+
+def test_abort_frees_pages_and_spares_the_others():
+    eng = _engine(enable_prefix_caching=False, max_num_seqs=3)
+    rng = np.random.default_rng(5)
+    work = [(rng.integers(0, VOCAB, 9).tolist(), 20) for _ in range(5)]
+    ids = [eng.add_request(p, _greedy(m)) for p, m in work]
+    for _ in range(4):
+        eng.step()
+    running, waiting = eng.requests[ids[1]], eng.requests[ids[4]]
+    assert running in eng.scheduler.running and running.output_ids
+    assert waiting in eng.scheduler.waiting
+    pages, used = list(running.pages), eng.allocator.num_used
+    assert pages
+    assert eng.abort_request(ids[1]) and eng.abort_request(ids[4])
+    assert not eng.abort_request(ids[1])  # once only
+    assert all(eng.allocator.is_free(p) for p in pages)
+    assert eng.allocator.num_used == used - len(pages)
+    eng.allocator.check_consistent()
+    done = {}
+    for out in eng.step():  # the aborted ones' last outputs come with the next step
+        done[out.request_id] = out
+    assert done[ids[1]].finish_reason == "abort" and done[ids[4]].finish_reason == "abort"
+    assert done[ids[1]].token_ids == mock_outputs(*work[1], VOCAB)[:len(done[ids[1]].token_ids)]
+    assert done[ids[4]].token_ids == []
+    done = eng.run_to_completion(done=done)
+    for i in (0, 2, 3):
+        assert done[ids[i]].token_ids == mock_outputs(*work[i], VOCAB)
+    assert eng.stats.finished == {"abort": 2, "length": 3}
+    _assert_no_leaks(eng)
