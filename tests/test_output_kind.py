@@ -208,6 +208,8 @@ def test_stream_logprobs_and_usage_count_every_token(server, bundle):
     assert c["logprobs"]["tokens"] == tokens
     assert c["logprobs"]["token_logprobs"] == sum((lp["token_logprobs"] for lp in lps), [])
     assert c["logprobs"]["top_logprobs"] == tops
+    # text offsets run on across a stream's chunks, into the whole text (as vLLM's)
+    assert sum((lp["text_offset"] for lp in lps), []) == c["logprobs"]["text_offset"]
     assert whole["usage"]["completion_tokens"] == n
     assert server.idle()
 

@@ -25,7 +25,7 @@ from nanojax.engine.outputs import CompletionOutput, RequestOutput
 from nanojax.engine.runner import ModelRunner
 from nanojax.engine.sampling import SamplingError, SamplingParams
 from nanojax.engine.scheduler import ScheduledBatch, Scheduler
-from nanojax.engine.sequence import Sequence
+from nanojax.engine.sequence import Sequence, Status
 from nanojax.engine.structured import (GrammarCompiler, StructuredOutputError,
                                        StructuredOutputsParams)
 from nanojax.errors import NanojaxError
@@ -378,14 +378,16 @@ class LLMEngine:
         if record is not None:
             record.done_t = done
         results = []
+        ids = tokens.tolist()  # Python ints once, not a numpy scalar per row
+        generated = 0
         for row, e in enumerate(batch.entries):
             seq = e.seq
-            if not e.samples or seq.is_finished:
+            if not e.samples or seq.status is Status.FINISHED:
                 continue
             seq.pending -= 1
-            tok = int(tokens[row])
+            tok = ids[row]
             seq.output_ids.append(tok)
-            self.stats.generation_tokens += 1
+            generated += 1
             if seq.first_token_time is None:
                 seq.first_token_time = time.monotonic()
             if seq.params.logprobs is not None:
@@ -397,9 +399,10 @@ class LLMEngine:
                 self._check_finish(seq, tok)
             except Exception as exc:
                 seq.finish("error", f"{type(exc).__name__}: {exc}")
-            if seq.is_finished or seq.params.output_kind != "final_only":
+            finished = seq.status is Status.FINISHED
+            if finished or seq.params.output_kind != "final_only":
                 results.append(self._output(seq))
-            if seq.is_finished:
+            if finished:
                 # its last pages, and any dropped before (an offloader has a prefix cache)
                 if self.offloader is not None and self.prefix_cache is not None:
                     self.prefix_cache.register(seq)
@@ -407,6 +410,7 @@ class LLMEngine:
                     self.offloader.save(seq.pages[:n], seq.block_hashes[:n])
                 self.scheduler.remove(seq)
                 self._retire(seq)
+        self.stats.generation_tokens += generated
         return results
 
     def _check_finish(self, seq: Sequence, tok: int) -> None:

@@ -347,13 +347,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
     if parsed.stream:
         resp = await _sse(request)
+        sent: dict[int, int] = {}  # text streamed so far per choice: offsets run on
         try:
             async for idx, out, lps in choices.deltas():
                 c = out.outputs[0]
                 if out.delta_text or out.finished or out.delta_token_ids:
+                    offset = sent.get(idx, 0)
+                    sent[idx] = offset + len(out.delta_text)
                     await _send(resp, chunk([{
                         "index": idx, "text": out.delta_text,
-                        "logprobs": _completion_logprobs(tok, lps, 0, out.delta_text),
+                        "logprobs": _completion_logprobs(tok, lps, offset, out.delta_text),
                         "finish_reason": c.finish_reason if out.finished else None,
                         "stop_reason": c.stop_reason if out.finished else None}]))
         except (ConnectionError, asyncio.CancelledError):
