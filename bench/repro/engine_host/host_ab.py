@@ -33,8 +33,10 @@ def main(base: str, path: str, running: str = "1000,2000,4000", repeats: str = "
         best = {t: min(r["host_ms_per_iteration"] for r in rows
                        if r["running"] == n and r["tree"] == t) for t in ("base", "new")}
         summary[n] = {**best, "new_over_base": best["new"] / best["base"]}
+    from nanojax.profiling.record import run_record  # command, environment, XLA flags
     with open(path, "w") as f:
-        json.dump({"argv": sys.argv, "rows": rows, "summary": summary}, f, indent=1)
+        json.dump({**run_record(None), "argv": sys.argv, "rows": rows, "summary": summary},
+                  f, indent=1)
     print(json.dumps(summary))
 
 
