@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from nanojax.config import ModelConfig
-from nanojax.errors import CheckpointError
+from nanojax.errors import CheckpointError, UnsupportedError
 
 
 # Our tree path -> HF tensor name. Torch Linear weights are [out, in]; we store [in, out].
@@ -53,6 +53,10 @@ def _projection_names(cfg: ModelConfig, path: tuple, hf_prefix: str) -> dict:
 def _moe_tensor_names(cfg: ModelConfig, p: str, h: str) -> dict:
     """Mixtral: block_sparse_moe.{gate, experts.E.w1/w3/w2}; Qwen2-MoE: mlp.{gate,
     experts.E.gate_proj/up_proj/down_proj, shared_expert.*, shared_expert_gate}."""
+    if cfg.quantization is not None:  # an HF MoE checkpoint stored quantized
+        raise UnsupportedError(f"{cfg.quantization} checkpoints of MoE models are not "
+                               "supported: load the float checkpoint with quantization "
+                               "'fp8' (quantized at load)")
     mixtral = cfg.architecture == "mixtral"
     block = h + ("block_sparse_moe." if mixtral else "mlp.")
     ours = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if mixtral else \

@@ -48,8 +48,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0        # each expert's FFN width
     norm_topk_prob: bool = False          # renormalise the top-k weights (Mixtral: yes)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (0: none)
-    # Weight quantization of the dense projections (nanojax/layers/fp8.py): None, or "fp8"
-    # (e4m3 weights with per-channel scales, FP8 activations, f32 accumulation);
+    # Weight quantization of the dense projections and MoE experts (nanojax/layers/fp8.py):
+    # None, or "fp8" (e4m3 weights with per-channel scales, per (expert, channel) for the
+    # experts, FP8 activations, f32 accumulation);
     # activation_scale: "dynamic" (per token, computed on the fly) or "static" (each
     # projection's input_scale, from an FP8 checkpoint)
     quantization: str | None = None
@@ -83,9 +84,12 @@ class ModelConfig:
         if self.activation_scale not in ACTIVATION_SCALES:
             raise ConfigError(f"activation_scale must be one of {ACTIVATION_SCALES}, "
                               f"got {self.activation_scale!r}")
-        if self.quantization and self.is_moe:
-            raise UnsupportedError("FP8 quantization covers dense models only so far: the "
-                                   "MoE expert GEMMs have no FP8 kernel yet")
+        if self.quantization and self.is_moe and self.activation_scale == "static":
+            # the experts' rows are quantized per token (one activation scale per row of
+            # the grouped GEMM); a checkpoint's per-expert input_scale has no place there
+            raise UnsupportedError("FP8 MoE models quantize activations per token "
+                                   "(activation_scale 'dynamic'); static activation "
+                                   "scales cover dense models only")
 
     def __hash__(self):  # rope_scaling is a dict: hash the serialised form
         return hash(json.dumps(self.to_dict(), sort_keys=True))
@@ -315,6 +319,7 @@ def named_shape(name: str, dtype: str | None = None) -> ModelConfig:
 
 DECODE_KERNELS = ("auto", "triton", "mosaic", "mosaic-rows")
 GROUPED_GEMMS = ("auto", "xla")
+ACT_QUANTS = ("xla", "auto", "pallas")
 CPU_GEMMS = ("eigen", "ynnpack")
 CPU_WEIGHTS = ("q4", "f32")
 
@@ -362,6 +367,12 @@ class KernelConfig:
     grouped_gemm: str = dataclasses.field(default="auto", metadata=_opt(
         "MoE expert GEMMs: auto (the Mosaic GPU grouped GEMM on Hopper where it takes the "
         "operands, else XLA's ragged_dot), xla (always ragged_dot)", choices=GROUPED_GEMMS))
+    act_quant: str = dataclasses.field(default="xla", metadata=_opt(
+        "FP8 weights (--quantization fp8): who quantizes a projection's input per token: "
+        "xla (after its producer, two passes of their own), pallas (fused into RMSNorm "
+        "and SiLU x up: pallas_kernels/act_quant.py; interpreted off the GPU), auto "
+        "(pallas on a GPU); xla until the step measures the fused kernels",
+        choices=ACT_QUANTS))
     cpu_small_gemms: str = dataclasses.field(default="eigen", metadata=_opt(
         "CPU: XLA's library for the GEMMs of steps of 3 to 16 rows (XLA's own GEMV "
         "serves 1 row): eigen (faster than YNNPACK at these sizes on the CPU) or ynnpack "
@@ -400,6 +411,8 @@ class KernelConfig:
         if self.decode_kernel not in DECODE_KERNELS:
             raise ConfigError(f"unknown decode kernel {self.decode_kernel!r}; known: "
                               f"{', '.join(DECODE_KERNELS)}")
+        if self.act_quant not in ACT_QUANTS:
+            raise ConfigError(f"unknown act_quant {self.act_quant!r}; known: {ACT_QUANTS}")
         if self.grouped_gemm not in GROUPED_GEMMS:
             raise ConfigError(f"unknown grouped GEMM {self.grouped_gemm!r}; known: "
                               f"{', '.join(GROUPED_GEMMS)}")

@@ -122,8 +122,9 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas, decoding only a short window and
-    holding back an unfinished multi-byte character."""
+    """Turns a growing list of token ids into text deltas, holding back an unfinished
+    multi-byte character. With tokenizers' DecodeStream (0.21 and later) each token is
+    one call into Rust; else a short window of ids is decoded twice per push."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
@@ -131,8 +132,18 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
         self.text = ""
+        self._stream = _decode_stream()
+        self._backend = tokenizer.backend
 
     def push(self, new_ids) -> str:
+        if self._stream is not None:
+            delta = ""
+            for i in new_ids:
+                piece = self._stream.step(self._backend, int(i))
+                if piece is not None:
+                    delta += piece
+            self.text += delta
+            return delta
         self.ids.extend(int(i) for i in new_ids)
         decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset:self.read_offset])
@@ -143,3 +154,13 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
         return delta
+
+
+def _decode_stream():
+    """tokenizers' incremental decoder (special tokens skipped, as Tokenizer.decode does),
+    None where the installed tokenizers predates it."""
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError:
+        return None
+    return DecodeStream(skip_special_tokens=True)

@@ -193,6 +193,7 @@ def test_the_fp8w_mode_runs_fp8_weights_beside_the_float_ones():
     from checkpoints.loader import load_model
     from nanojax.bench.step import parse_mode, run_step_bench
     assert parse_mode("non-overlap::fp8w:fp8kv")["quantization"] == "fp8"
+    assert parse_mode("non-overlap::fp8w:fusedquant")["act_quant"] == "pallas"
     bundle = load_model("random:tiny")
     modes = ["non-overlap", "non-overlap::fp8w", "non-overlap::fp8w:fp8kv"]
     out = run_step_bench(bundle, _two_batch_plan(bundle.config), [64], ["48/16"], modes,

@@ -91,11 +91,11 @@ def test_engine_tokens_equal_the_reference_on_the_fp8_model(tiny_bundle):
         assert o.token_ids == ref.generate(p, 10, ignore_eos=True)
 
 
-def test_requantizing_or_quantizing_moe_is_refused(tiny_bundle):
+def test_requantizing_or_unsupported_quantization_is_refused(tiny_bundle):
     fp8 = quantize_bundle(tiny_bundle, "fp8")
     assert quantize_bundle(fp8, "fp8") is fp8  # an FP8 checkpoint asked for FP8: as it is
-    with pytest.raises(UnsupportedError, match="MoE"):
-        named_shape("tiny-moe").replace(quantization="fp8")
+    with pytest.raises(UnsupportedError, match="MoE"):  # FP8 MoE: tests/test_fp8_moe.py
+        named_shape("tiny-moe").replace(quantization="fp8", activation_scale="static")
     with pytest.raises(UnsupportedError, match="int4"):
         named_shape("tiny").replace(quantization="int4")
     with pytest.raises(UnsupportedError, match="int4"):

@@ -82,3 +82,15 @@ def test_cli_writes_the_runs(tmp_path):
     assert run["config"]["running"] == 100 and run["config"]["output_len"] == 16
     assert run["host_ms_per_iteration"] > 0 and run["window_iterations"] > 0
     assert "running 100: host" in proc.stderr
+
+
+def test_constrained_requests_run_their_grammar_with_masks_off_the_engine_thread():
+    """--structured-fraction: every request under the benchmark's JSON schema (grammars
+    against SmolLM2's tokenizer, the stand-in's vocabulary widened to it), steps
+    dispatched from the runner's thread: the masks are filled there (timed), and every
+    request runs to its length under its grammar."""
+    pytest.importorskip("llguidance")
+    run = run_host_bench(HostBenchConfig(running=16, input_len=8, output_len=8,
+                                         structured_fraction=1.0, async_dispatch=True))
+    assert run["async_dispatch"] is True and run["mask_fill_ms"] > 0
+    assert run["finish_reasons"] == {"length": 48}

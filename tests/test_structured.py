@@ -251,3 +251,30 @@ def test_preempted_constrained_requests_resume_their_grammar(llm, smollm2):
     assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
     for out in outs:
         assert _is_array_or_prefix(out.text, out.finish_reason), out.text
+
+
+def test_masks_filled_on_the_dispatch_thread_give_the_same_tokens(llm, smollm2, monkeypatch):
+    """With async dispatch (the GPU default) a constrained step's mask is filled, and its
+    sampler dispatched, on the runner's dispatch thread while the engine thread goes on:
+    the same tokens as the engine thread filling it, every output under its grammar."""
+    import threading
+    from nanojax.engine.llm import LLM
+    threaded = LLM(smollm2, b_dense=64, num_pages=96, max_model_len=512, max_num_seqs=24,
+                   async_dispatch=True)
+    grammars, fill_threads = threaded.engine.grammars, set()
+    fill = grammars.bitmask
+    monkeypatch.setattr(grammars, "bitmask", lambda rows, n: fill_threads.add(
+        threading.current_thread().name) or fill(rows, n))
+    prompts = [chat(llm, q) for q in ("Describe a person as JSON.", "Numbers?", "Say hi.")]
+    params = [SamplingParams(max_tokens=24, temperature=0.8, seed=3,
+                             structured_outputs={"json": PERSON}),
+              SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+                             structured_outputs=ARRAY),
+              SamplingParams(max_tokens=10, temperature=0)]
+    want = llm.generate(prompts, params, use_tqdm=False)
+    got = threaded.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert fill_threads and all(n.startswith("nanojax-dispatch") for n in fill_threads)
+    assert _is_array_or_prefix(got[1].text, got[1].finish_reason), got[1].text
+    if got[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(got[0].text), PERSON)

@@ -50,3 +50,22 @@ def test_incremental_detokenizer_equals_full_decode(smollm2):
     pieces = [detok.push([i]) for i in ids]
     assert "".join(pieces) == tok.decode(ids) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["DecodeStream", "window"])
+def test_incremental_detokenizer_paths_agree(smollm2, monkeypatch, stream):
+    """tokenizers' DecodeStream and the two-window fallback give the same deltas: random
+    ids (broken UTF-8 sequences, special tokens among them), one or three at a time."""
+    import numpy as np
+    from nanojax import tokenizer as tokenizer_mod
+    if not stream:
+        monkeypatch.setattr(tokenizer_mod, "_decode_stream", lambda: None)
+    tok = smollm2.tokenizer
+    rng = np.random.default_rng(7)
+    for n in (1, 3):
+        ids = rng.integers(0, tok.vocab_size, 90).tolist() + tok.encode("日本語 🤖")
+        detok = tokenizer_mod.IncrementalDetokenizer(tok)
+        assert (detok._stream is not None) == stream
+        pieces = [detok.push(ids[i:i + n]) for i in range(0, len(ids), n)]
+        assert "".join(pieces) == detok.text
+        assert detok.text == tok.decode(ids), (n, detok.text[-40:], tok.decode(ids)[-40:])

@@ -1,11 +1,12 @@
 """`nanojax bench [throughput] ...` (offline) and `nanojax bench serve ...` (online)."""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
-from nanojax.bench.workload import add_workload_args
+from nanojax.bench.workload import add_workload_args, structured_fraction
 from nanojax.config_flags import (add_engine_args, add_model_args, engine_config_from_args,
                                   kernel_config_from_args)
 from nanojax.bench.serve import register_serve
@@ -246,7 +247,9 @@ def cmd_host(args) -> int:
     runs = []
     for n in counts:
         cfg = HostBenchConfig(running=n, input_len=args.input_len,
-                              output_len=args.output_len, shape=args.shape)
+                              output_len=args.output_len, shape=args.shape,
+                              structured_fraction=args.structured_fraction,
+                              async_dispatch=args.async_dispatch)
         run = run_host_bench(cfg, f"{args.profile}.{n}" if args.profile else None)
         runs.append(run)
         print(f"running {n}: host {run['host_ms_per_iteration']:.2f} ms/iteration "
@@ -444,6 +447,13 @@ def register(sub) -> None:
                     help="the model shape whose layers the stand-in's parameters mimic")
     ho.add_argument("--profile", default=None, metavar="PATH",
                     help="cProfile stats of each run's steady iterations (PATH.<running>)")
+    ho.add_argument("--structured-fraction", type=structured_fraction, default=0.0,
+                    help="share of the requests under a JSON schema (their grammars "
+                         "against SmolLM2's tokenizer, the stand-in's vocabulary widened "
+                         "to it)")
+    ho.add_argument("--async-dispatch", action=argparse.BooleanOptionalAction, default=None,
+                    help="dispatch steps from the runner's thread (default: the platform's, "
+                         "on a GPU on)")
     ho.add_argument("--json", default=None)
     ho.set_defaults(func=cmd_host)
 

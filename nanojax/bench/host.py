@@ -28,6 +28,14 @@ class HostBenchConfig:
     vocab_size: int = 256         # the stand-in's (its logits and sampling stay small)
     page_size: int = 16
     seed: int = 0
+    # requests under the structured benchmark's JSON schema (bench/workload.py), spread
+    # evenly; their grammars compiled against `tokenizer`, whose vocabulary the stand-in's
+    # is widened to (the masks are as wide as a real model's)
+    structured_fraction: float = 0.0
+    tokenizer: str = "smollm2-135m"
+    detokenize: bool = False      # the engine holds the tokenizer: outputs carry text
+    output_kind: str = "final_only"  # SamplingParams.output_kind (the server streams delta)
+    async_dispatch: bool | None = None  # None: the platform's default (EngineConfig.resolve)
 
 
 def run_host_bench(cfg: HostBenchConfig, profile: str | None = None) -> dict:
@@ -39,24 +47,35 @@ def run_host_bench(cfg: HostBenchConfig, profile: str | None = None) -> dict:
     from nanojax.engine.sampling import SamplingParams
     from nanojax.models.bundle import ModelBundle
 
-    model = dataclasses.replace(named_shape(cfg.shape), vocab_size=cfg.vocab_size)
-    bundle = ModelBundle(model, mock_params(model.num_layers), None)
+    from nanojax.bench.workload import StructuredWorkload, load_tokenizer
+    structured = StructuredWorkload(cfg.structured_fraction)
+    need_tokenizer = cfg.structured_fraction or cfg.detokenize
+    tokenizer = load_tokenizer(cfg.tokenizer) if need_tokenizer else None
+    vocab = max(cfg.vocab_size, tokenizer.vocab_size if tokenizer is not None else 0)
+    model = dataclasses.replace(named_shape(cfg.shape), vocab_size=vocab)
+    bundle = ModelBundle(model, mock_params(model.num_layers),
+                         tokenizer if cfg.detokenize else None)
     max_len = cfg.input_len + cfg.output_len * 3 // 2 + 1
     pages_each = -(-max_len // cfg.page_size)
     engine_cfg = EngineConfig(
         b_dense=2 * cfg.running, max_num_seqs=cfg.running, page_size=cfg.page_size,
         num_pages=cfg.running * pages_each + 64, max_model_len=max_len, fixed_shapes=True,
-        admission="predicted", enable_prefix_caching=False, step_cache=False)
+        admission="predicted", enable_prefix_caching=False, step_cache=False,
+        async_dispatch=cfg.async_dispatch)
     engine = LLMEngine(bundle, engine_cfg, forward=MockForward(model))
+    if tokenizer is not None and not cfg.detokenize:  # (with it, the engine's own)
+        engine.use_grammar_tokenizer(tokenizer)
     engine.runner.warmup()
     engine.stats.trace = []
     rng = np.random.default_rng(cfg.seed)
     lo, hi = cfg.output_len // 2, cfg.output_len * 3 // 2
     outputs = rng.integers(lo, hi + 1, 3 * cfg.running)
-    for n in outputs:
+    for n, constrained in zip(outputs, structured.rows(len(outputs))):
         engine.add_request(rng.integers(0, cfg.vocab_size, cfg.input_len).tolist(),
                            SamplingParams(max_tokens=int(n), temperature=0, ignore_eos=True,
-                                          output_kind="final_only"))
+                                          output_kind=cfg.output_kind,
+                                          structured_outputs=(structured.constraint()
+                                                              if constrained else None)))
     mean_stay = float(outputs.mean()) + 1
     profiler = None
     start = time.perf_counter()
@@ -77,7 +96,11 @@ def run_host_bench(cfg: HostBenchConfig, profile: str | None = None) -> dict:
             "inputs_ms_per_iteration", "process_ms_per_iteration", "s_per_iteration",
             "device_wait_share")
     out = {"config": dataclasses.asdict(cfg), "iterations": engine.stats.steps,
-           "wall_s": wall, **{k: ss.get(k) for k in keys}}
+           "wall_s": wall, **{k: ss.get(k) for k in keys},
+           "async_dispatch": engine.runner.config.async_dispatch,
+           # filling grammar masks (on the dispatch thread with async dispatch), per mask
+           "mask_fill_ms": 1e3 * engine.runner.mask_s / max(1, engine.runner.num_masks),
+           "finish_reasons": dict(engine.stats.finished)}
     if ss.get("window"):  # the median iteration: robust to another process's preemptions
         first, last = ss["window"]
         host = sorted(r.host_s for r in engine.stats.trace[first:last + 1])

@@ -34,10 +34,8 @@ def simulate(lengths: list[tuple[int, int]], b_dense: int, num_pages: int, page_
     in_flight: ScheduledBatch | None = None
     left = len(lengths)
     while left:
-        prev_rows = ({id(e.seq): r for r, e in enumerate(in_flight.entries)}
-                     if in_flight else {})
         t = time.perf_counter()
-        batch = sched.schedule(prev_rows)
+        batch = sched.schedule(in_flight)  # its rows: the decodes' newest tokens
         host = time.perf_counter() - t
         if batch:
             records.append(IterationRecord(batch.num_tokens, batch.num_decodes,
@@ -46,25 +44,31 @@ def simulate(lengths: list[tuple[int, int]], b_dense: int, num_pages: int, page_
         if not batch and in_flight is None:
             raise RuntimeError(f"the scheduler stalled with {left} requests left")
         if in_flight is not None:
-            left -= _retire(sched, in_flight)
+            left -= read_tokens(sched, in_flight)
         in_flight = batch if batch else None
     return records, sched
 
 
-def _retire(sched: Scheduler, batch: ScheduledBatch) -> int:
-    """The engine's reading of a batch's tokens: one per sampling entry; returns how many
-    requests finished."""
+def read_tokens(sched: Scheduler, batch: ScheduledBatch, token=lambda seq: 1,
+                stop=lambda seq: False) -> int:
+    """What the engine's reading of a batch does to the scheduler's requests: token(seq)
+    appended for each sampling entry; a request ends at max_tokens or the model's length
+    ("length") or where stop(seq) says ("stop"). Returns how many finished."""
     finished = 0
     for e in batch.entries:
         seq = e.seq
         if not e.samples or seq.is_finished:
             continue
         seq.pending -= 1
-        seq.output_ids.append(1)
-        if len(seq.output_ids) >= seq.params.max_tokens:
+        seq.output_ids.append(token(seq))
+        if len(seq.output_ids) >= seq.params.max_tokens or seq.num_known >= sched.max_model_len:
             seq.finish("length")
-            sched.remove(seq)
-            finished += 1
+        elif stop(seq):
+            seq.finish("stop")
+        else:
+            continue
+        sched.remove(seq)
+        finished += 1
     return finished
 
 

@@ -34,6 +34,8 @@ _KV_OPTIONS = {"bf16kv": "bf16", "fp8kv": "fp8"}
 _WEIGHT_OPTIONS = {"fp8w": "fp8"}  # the mode's dense projections quantized (layers/fp8.py)
 # mode suffix -> the mode's decode kernel (KernelConfig.decode_kernel)
 _DECODE_OPTIONS = {"tritondecode": "triton", "mosaicdecode": "mosaic"}
+# mode suffix -> who quantizes FP8 projections' inputs (KernelConfig.act_quant)
+_ACT_QUANT_OPTIONS = {"fusedquant": "pallas", "xlaquant": "xla"}
 
 
 def check_rows(batch: SyntheticBatch) -> np.ndarray:
@@ -164,7 +166,7 @@ def parse_mode(mode: str) -> dict:
     """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs|keepall][:gemmSHARE]
     [:xlagrouped][:dotmerge|nodotmerge][:fusedappend|nofusedappend][:cmdbuf|nocmdbuf]
     [:longestfirst|nolongestfirst][:alllogits|seqlogits][:bf16kv|fp8kv]
-    [:tritondecode|mosaicdecode][:fp8w]
+    [:tritondecode|mosaicdecode][:fp8w][:fusedquant|xlaquant]
     ('xlagrouped': an MoE step's expert GEMMs through XLA's ragged_dot instead of the Mosaic
     GPU grouped GEMM, the A/B of models/moe.py; 'dotmerge' / 'nodotmerge': XLA's dot merger
     on / off (KernelConfig.merge_dots); 'fusedappend' / 'nofusedappend': the cache written
@@ -177,7 +179,9 @@ def parse_mode(mode: str) -> dict:
     'seqlogits' each workload's row count is its own shape, compiled at its first call;
     'bf16kv' / 'fp8kv': the mode's KV cache in bf16 / FP8 whatever --kv-cache-dtype says;
     'tritondecode' / 'mosaicdecode': the mode's decode kernel, whatever --decode-kernel says;
-    'fp8w': the mode's dense projections in FP8, quantized from the run's weights):
+    'fp8w': the mode's dense projections in FP8, quantized from the run's weights;
+    'fusedquant' / 'xlaquant': their inputs quantized by the fused RMSNorm and SiLU x up
+    kernels / by XLA after them (KernelConfig.act_quant)):
     'overlap:0.25' runs the plan with every attention nano-op at share 0.25; 'nogroups'
     turns off the executor's XLA scheduling groups (the ablation that shows what they do);
     'shardmap' runs the step through the tensor-parallel shard_map path even at TP 1
@@ -192,7 +196,7 @@ def parse_mode(mode: str) -> dict:
            "scheduling_groups": True, "keep": "", "xla_grouped": False, "shard_map": False,
            "logit_rows": "engine", "merge_dots": None, "fused_append": None,
            "command_buffers": None, "decode_longest_first": None, "kv_cache_dtype": None,
-           "decode_kernel": None, "quantization": None}
+           "decode_kernel": None, "quantization": None, "act_quant": None}
     try:
         if opts and opts[0]:
             out["attention_share"] = float(opts[0])
@@ -217,6 +221,8 @@ def parse_mode(mode: str) -> dict:
                 out["decode_kernel"] = _DECODE_OPTIONS[o]
             elif o in _WEIGHT_OPTIONS and out["quantization"] is None:
                 out["quantization"] = _WEIGHT_OPTIONS[o]
+            elif o in _ACT_QUANT_OPTIONS and out["act_quant"] is None:
+                out["act_quant"] = _ACT_QUANT_OPTIONS[o]
             else:
                 raise ValueError
     except ValueError:
@@ -241,6 +247,8 @@ def _variant(plan: dict, mode: str, kernels: KernelConfig):
         kernels = kernels.replace(grouped_gemm="xla")
     if m["decode_kernel"] is not None:
         kernels = kernels.replace(decode_kernel=m["decode_kernel"])
+    if m["act_quant"] is not None:
+        kernels = kernels.replace(act_quant=m["act_quant"])
     for name in _KERNEL_OPTIONS.values():  # None: the run's KernelConfig
         if m[name] is not None:
             kernels = kernels.replace(**{name: m[name]})
@@ -388,7 +396,8 @@ def _ratios(results: list, b_dense_list: list[int], workloads: list[str]) -> lis
                 opts = parse_mode(m)    # kernels (issues 17, 22)
                 ab = (opts["shard_map"] or opts["xla_grouped"] or opts["logit_rows"] != "engine"
                       or opts["kv_cache_dtype"] is not None or opts["decode_kernel"]
-                      or opts["quantization"] is not None or any(opts[k] is not None for k in _KERNEL_OPTIONS.values()))
+                      or opts["quantization"] is not None or opts["act_quant"] is not None
+                      or any(opts[k] is not None for k in _KERNEL_OPTIONS.values()))
                 if ab and base in t and m != base:
                     row[f"{m}_over_{base}"] = t[m] / t[base]
             ratios.append(row)

@@ -140,8 +140,7 @@ class AsyncLLMEngine:
             outputs = eng.step()
             if self.on_step is not None:
                 self.on_step(outputs, eng)
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._deliver_step(outputs)
 
     def _drain_commands(self) -> None:
         while self._commands:
@@ -164,6 +163,20 @@ class AsyncLLMEngine:
             except RuntimeError:  # its event loop is closed
                 pass
 
+    def _deliver_step(self, outputs) -> None:
+        """A step's outputs, one wake-up per event loop (call_soon_threadsafe writes to
+        the loop's self-pipe: one syscall a call, not one a request)."""
+        by_loop: dict = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # its event loop is closed
+                pass
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort what is left and stop the loop."""
         for rid in list(self._streams):
@@ -174,3 +187,8 @@ class AsyncLLMEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout)
+
+
+def _put_all(items) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

@@ -95,12 +95,14 @@ class UnrolledForward:
         self.model = LlamaForCausalLM(cfg, tp_axis=tp_axis)
         self.compiler_options: dict = {}
         self.grouped_gemm = "auto"  # an MoE FFN's expert GEMMs (KernelConfig.grouped_gemm)
+        self.act_quant = "xla"  # FP8 projections' input quantization (KernelConfig.act_quant)
 
     def layer(self, matmul=None, grouped_gemm: str | None = None) -> DecoderLayer:
         """A decoder layer whose GEMMs are `matmul` and expert GEMMs `grouped_gemm` (None:
         this forward's)."""
         return DecoderLayer(self.cfg, matmul=matmul, reduce=self.model.reduce,
-                            grouped_gemm=grouped_gemm or self.grouped_gemm)
+                            grouped_gemm=grouped_gemm or self.grouped_gemm,
+                            act_quant=self.act_quant)
 
     def layout(self, params, stack=jnp.stack):
         """The parameter tree restructured as prepare() places it (without the CPU's
@@ -209,6 +211,7 @@ class LayerwiseForward(UnrolledForward):
         stays that of one layer."""
         shard = ScanForward(cfg, self.attention, tp_axis)
         shard.grouped_gemm, shard.compiler_options = self.grouped_gemm, self.compiler_options
+        shard.act_quant = self.act_quant
         return shard
 
     def layout(self, params, stack=jnp.stack):
@@ -283,6 +286,7 @@ def default_forward(cfg: ModelConfig, kernels: KernelConfig = KernelConfig()) ->
            if jax.default_backend() == "gpu"
            else LayerwiseForward(cfg, small_gemms=kernels.cpu_small_gemms))
     fwd.grouped_gemm = kernels.grouped_gemm
+    fwd.act_quant = kernels.act_quant
     fwd.quant_max_rows = kernels.cpu_quant_max_rows
     fwd.compiler_options = {**fwd.compiler_options, **gpu_compiler_options(kernels)}
     return fwd

@@ -22,7 +22,7 @@ from nanojax.engine.forward import Forward, default_forward
 from nanojax.engine.gc_freeze import frozen_startup_objects
 from nanojax.engine.kv_cache import PageAllocator, size_cache
 from nanojax.engine.outputs import CompletionOutput, RequestOutput
-from nanojax.engine.runner import ModelRunner
+from nanojax.engine.runner import MaskedStep, ModelRunner
 from nanojax.engine.sampling import SamplingError, SamplingParams
 from nanojax.engine.scheduler import ScheduledBatch, Scheduler
 from nanojax.engine.sequence import Sequence, Status
@@ -156,7 +156,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stats = EngineStats()
         self._grammars: GrammarCompiler | None = None
-        self._retire_s = 0.0  # this step's launch: reading the step before (a grammar mask)
         # the server's threads check constraints while the engine's thread makes matchers:
         # one compiler (its tokenizer takes a while to build), not one per thread
         self._grammars_lock = threading.Lock()
@@ -223,7 +222,7 @@ class LLMEngine:
         if self.offloader is not None and self.prefix_cache is not None:
             usable = (len(ids) - 1) // self.config.page_size
             self.offloader.prefetch(self.prefix_cache.hashes(seq, usable))
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and _text_while_running(params):
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(seq)
         return request_id
@@ -284,11 +283,10 @@ class LLMEngine:
     # ---- one iteration -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         start, wait_before = time.perf_counter(), self.stats.wait_s
-        prev_rows = {}
-        if self._in_flight is not None:
-            prev_rows = {id(e.seq): r for r, e in enumerate(self._in_flight[0].entries)}
+        # the step in flight: its rows hold the newest tokens of the decodes in it
+        prev = self._in_flight[0] if self._in_flight is not None else None
         with TraceAnnotation("nanojax.schedule"):  # phases, for the engine's timelines
-            batch = self.scheduler.schedule(prev_rows)
+            batch = self.scheduler.schedule(prev)
         schedule_s = time.perf_counter() - start
         if not batch and self._in_flight is None:  # nothing to run but tier pages on the
             self.scheduler.wait_for_loads(0.01)    # way: wait for them, not spin
@@ -297,25 +295,29 @@ class LLMEngine:
         if loads:  # offloaded pages into fresh ones, ordered before this step
             assert self.offloader is not None  # the loads come from it
             self.offloader.load(loads)
-        retired: list = []  # the step in flight, when a grammar mask had to read it first
-        self._retire_s = 0.0
+        constrained = self._constrained_rows(batch) if batch else []
         with TraceAnnotation("nanojax.launch"):
-            launched = ((batch, self.runner.launch(batch, self._bitmask_fn(batch, retired)),
+            launched = ((batch, self.runner.launch(batch, masked=bool(constrained)),
                          self._record(batch)) if batch else None)
-        if launched and launched[2] is not None:  # the previous step's reading is not launch
-            launched[2].launch_s = time.perf_counter() - t_launch - self._retire_s
+        if launched and launched[2] is not None:
+            launched[2].launch_s = time.perf_counter() - t_launch
             launched[2].inputs_s = self.runner.last_inputs_s
         if launched:
             self.stats.steps += 1
             self.stats.scheduled_tokens += batch.num_tokens
             self.stats.prompt_tokens += sum(e.num_tokens
                                             for e in batch.entries[batch.num_decodes:])
-        results = [self._finish_output(s) for s in self._aborted] + retired
+        results = [self._finish_output(s) for s in self._aborted]
         self._aborted = []
-        if self.config.async_scheduling:
-            if self._in_flight is not None:
+        try:
+            if self.config.async_scheduling and self._in_flight is not None:
                 with TraceAnnotation("nanojax.process"):
                     results += self._process(*self._in_flight)
+        finally:  # the matchers have this step's newest tokens: its masks can be filled
+            if constrained:
+                assert launched is not None and isinstance(launched[1], MaskedStep)
+                launched[1].complete(self._bitmask_fn(batch, constrained))
+        if self.config.async_scheduling:
             self._in_flight = launched
         elif launched:
             results += self._process(*launched)
@@ -333,31 +335,22 @@ class LLMEngine:
             rec.schedule_s, rec.process_s = schedule_s, host - schedule_s - rec.launch_s
         return results
 
-    def _bitmask_fn(self, batch: ScheduledBatch, retired: list):
-        """The runner's bitmask_fn for a batch with constrained rows (None without). A
-        row's mask depends on its newest token: with a step in flight, that step is read
-        and processed first (its outputs into retired), while the device runs this step's
-        forward; then each constrained matcher fills its row."""
-        if self._grammars is None:  # no constrained request yet: not even a scan
-            return None
-        rows = [r for r, e in enumerate(batch.entries)
-                if e.samples and e.seq.matcher is not None]
-        if not rows:
-            return None
+    def _constrained_rows(self, batch: ScheduledBatch) -> list[int]:
+        """The rows that sample under a grammar (none before the first constrained
+        request: not even a scan)."""
+        if self._grammars is None:
+            return []
+        return [r for r, e in enumerate(batch.entries) if e.samples and e.seq.matcher is not None]
 
-        def bitmask(num_rows: int):
-            if self._in_flight is not None:
-                t = time.perf_counter()
-                with TraceAnnotation("nanojax.process"):
-                    retired.extend(self._process(*self._in_flight))
-                self._in_flight = None
-                self._retire_s = time.perf_counter() - t
-            # a request that just finished (its matcher released) leaves its row free:
-            # this step's token of it is dropped
-            seqs = [(batch.entries[r].seq, r) for r in rows]
-            return self.grammars.bitmask([(s.matcher, r) for s, r in seqs
-                                          if s.matcher is not None], num_rows)
-        return bitmask
+    def _bitmask_fn(self, batch: ScheduledBatch, rows: list[int]):
+        """The masked step's bitmask_fn, its matchers taken now (each has its row's newest
+        token: the step before was processed); the fill may run on the dispatch thread,
+        and nothing advances these matchers until this step's tokens are read. A request
+        that finished since it was scheduled (its matcher released) leaves its row free:
+        this step's token of it is dropped."""
+        matchers = [(m, r) for r in rows if (m := batch.entries[r].seq.matcher) is not None]
+        grammars = self.grammars
+        return lambda num_rows: grammars.bitmask(matchers, num_rows)
 
     def _record(self, batch: ScheduledBatch) -> IterationRecord | None:
         if self.stats.trace is None:
@@ -452,6 +445,8 @@ class LLMEngine:
         return self._output(seq)
 
     def _output(self, seq: Sequence) -> RequestOutput:
+        if self.tokenizer is not None and not _text_while_running(seq.params):
+            seq.text = self.tokenizer.decode(seq.output_ids)  # once, at the end
         text = seq.text
         if not seq.is_finished and seq.params.stop:  # hold back a possible stop prefix
             text = text[:max(seq.sent_text_len, len(text) - max(map(len, seq.params.stop)) + 1)]
@@ -484,3 +479,9 @@ class LLMEngine:
                             progress.update(1)
                 max_steps = None if max_steps is None else max_steps - 1
         return done
+
+
+def _text_while_running(params: SamplingParams) -> bool:
+    """Whether a request's text is needed before it ends (stop strings, streamed or
+    cumulative outputs); a final-only one is detokenized once, off the per-token path."""
+    return bool(params.stop) or params.output_kind != "final_only"

@@ -115,6 +115,34 @@ class DispatchedStep:
         return self.result().to_host()
 
 
+class MaskedStep:
+    """A step with grammar-constrained rows: its forward is dispatched at launch, its
+    sampler by complete(bitmask_fn) once the engine has advanced the rows' matchers (it
+    reads the step before first). With async dispatch the mask is filled on the dispatch
+    thread, so the engine thread goes on to the next iteration's schedule meanwhile."""
+
+    def __init__(self, runner: "ModelRunner", inputs: StepInputs, forward):
+        self._runner, self._inputs, self._forward = runner, inputs, forward
+        self._out: StepOutput | concurrent.futures.Future | None = None
+
+    def complete(self, bitmask_fn) -> None:
+        """bitmask_fn(num_rows) -> [num_rows, ceil(V/32)] int32 (GrammarCompiler.bitmask),
+        called after the forward is dispatched, on the dispatch thread where there is one."""
+        self._out = self._runner._complete(self._inputs, self._forward, bitmask_fn)
+
+    def result(self) -> StepOutput:
+        if self._out is None:
+            raise RuntimeError("a masked step read before complete() dispatched its sampler")
+        return self._out.result() if isinstance(self._out, concurrent.futures.Future) else self._out
+
+    @property
+    def tokens(self) -> jax.Array:
+        return self.result().tokens
+
+    def to_host(self):
+        return self.result().to_host()
+
+
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, config: EngineConfig, *,
                  forward: Forward | None = None, num_pages: int, max_rows: int,
@@ -144,6 +172,8 @@ class ModelRunner:
         self._trace_lock = threading.Lock()
         self.num_sampler_compiles = 0
         self.last_inputs_s = 0.0
+        self.mask_s = 0.0   # filling grammar masks, summed (MaskedStep.complete)
+        self.num_masks = 0
         self._lock = threading.Lock()
         # across processes every step's inputs are global arrays: plain jit there
         self.step_cache = step_cache if broadcast is None else None
@@ -328,27 +358,42 @@ class ModelRunner:
         with self._lock:
             self.kv = fn(self.kv)
 
-    def launch(self, batch: ScheduledBatch, bitmask_fn=None) -> "StepOutput | DispatchedStep":
+    def launch(self, batch: ScheduledBatch, masked: bool = False
+               ) -> "StepOutput | DispatchedStep | MaskedStep":
         """Builds the step's inputs on the host and dispatches it (with async_dispatch
         from the dispatch thread, whose StepOutput comes when it is dispatched); does not
-        block.
-        bitmask_fn(num_rows): the rows' grammar masks ([num_rows, ceil(V/32)] int32,
-        structured.GrammarCompiler.bitmask), called after the forward is dispatched and
-        before the sampler is, so the host fills them while the device runs the forward;
-        None (no row constrained): the sampler takes no mask."""
+        block. masked (some row under a grammar): only the forward is dispatched; the
+        returned MaskedStep's complete() dispatches the sampler with the rows' masks."""
         t = time.perf_counter()
         with jax.profiler.TraceAnnotation("nanojax.inputs"):
             inputs = self._host_inputs(batch, *self.shapes_for(batch))
         self.last_inputs_s = time.perf_counter() - t  # CPU work, for the engine's records
         if self.broadcast is not None:
-            if bitmask_fn is not None:  # followers would need the mask sent after it
+            if masked:  # followers would need the mask sent after it
                 raise NotImplementedError("structured outputs across processes")
             self.broadcast.send(inputs)
-        if self._dispatcher is None or bitmask_fn is not None:
-            self.wait_dispatched()  # (a grammar mask reads the step before: on this thread)
-            return self._run(inputs, bitmask_fn)
-        self._dispatching = self._dispatcher.submit(self._run, inputs)
-        return DispatchedStep(self._dispatching)
+        if masked:
+            return MaskedStep(self, inputs, self._submit(self._dispatch_forward, inputs))
+        out = self._submit(self._run, inputs)
+        return DispatchedStep(out) if isinstance(out, concurrent.futures.Future) else out
+
+    def _submit(self, fn, *args):
+        """fn(*args) on the dispatch thread (a Future, in launch order), or here."""
+        if self._dispatcher is None:
+            return fn(*args)
+        self._dispatching = self._dispatcher.submit(fn, *args)
+        return self._dispatching
+
+    def _complete(self, inputs: StepInputs, forward, bitmask_fn):
+        def masked_sample():
+            fwd = forward.result() if isinstance(forward, concurrent.futures.Future) else forward
+            t = time.perf_counter()
+            with jax.profiler.TraceAnnotation("nanojax.grammar_mask"):
+                bitmask = bitmask_fn(len(inputs.temperature))
+            self.mask_s += time.perf_counter() - t
+            self.num_masks += 1
+            return self._dispatch_sample(inputs, fwd, bitmask)
+        return self._submit(masked_sample)
 
     def wait_dispatched(self) -> None:
         """Returns once every launched step is dispatched (async_dispatch)."""
@@ -393,19 +438,25 @@ class ModelRunner:
         return inputs
 
     def _run(self, inputs: StepInputs, bitmask_fn=None) -> StepOutput:
-        # the sampler's variant, from the host arrays before placing them
-        sampling = any_sampling(inputs.temperature)
-        logprobs = any_logprobs(inputs.wants_logprobs)
+        fwd = self._dispatch_forward(inputs)
+        return self._dispatch_sample(
+            inputs, fwd, bitmask_fn(len(inputs.temperature)) if bitmask_fn else None)
+
+    def _dispatch_forward(self, inputs: StepInputs):
+        """The step's forward dispatched: (placed inputs, previous tokens, logits)."""
         x = self._place(inputs)
         with self._lock:
             prev = self._prev
             with jax.profiler.TraceAnnotation("nanojax.dispatch_forward"):
                 self.kv, logits = self._forward(self.params, self.kv, prev, x.host_tokens,
                                                 x.token_src, x.meta, x.logit_idx)
-        bitmask = None
-        if bitmask_fn is not None:  # outside the lock: it may read and retire a step
-            with jax.profiler.TraceAnnotation("nanojax.grammar_mask"):
-                bitmask = bitmask_fn(len(inputs.temperature))
+        return x, prev, logits
+
+    def _dispatch_sample(self, inputs: StepInputs, forward, bitmask) -> StepOutput:
+        x, prev, logits = forward
+        # the sampler's variant, from the host arrays before placing them
+        sampling = any_sampling(inputs.temperature)
+        logprobs = any_logprobs(inputs.wants_logprobs)
         # only penalties read the tokens: one sampler per variant, not one per token
         # bucket too
         host_tokens, token_src = ((x.host_tokens, x.token_src) if x.penalties is not None

@@ -33,6 +33,12 @@ a backlog as fast as prefill allows fills the cache with requests of nearly the 
 they finish together, and until their replacements have prefilled the batch is decodes
 only, about half full for 512/512, again each time that cohort comes round. A burst that
 fits at once has no replacements to wait for and goes in as fast as prefill allows.
+
+An iteration's host cost follows what changed, not what runs (issue 43): the running
+requests' numbers are columns of arrays (`_Rows`), written where a request joins or leaves,
+gains a page or a prefill chunk; the decodes, the pages they need, the room, the predicted
+peak and the pace are computed over those columns, and Python runs per request only where
+one changed and for the batch's entries (bench/results/host_loop/schedule_ab_cpu.json).
 """
 from __future__ import annotations
 
@@ -42,6 +48,8 @@ import dataclasses
 import functools
 import itertools
 import logging
+import operator
+from typing import NamedTuple
 
 import numpy as np
 
@@ -67,6 +75,9 @@ class BatchEntry:
 class ScheduledBatch:
     entries: list[BatchEntry]
     num_decodes: int
+    # the entries' requests' keys (Scheduler._key_of), row by row: where the next
+    # schedule() finds the rows of its decodes' newest tokens without a dict per step
+    keys: np.ndarray | None = None
 
     @functools.cached_property
     def num_tokens(self) -> int:
@@ -74,6 +85,79 @@ class ScheduledBatch:
 
     def __bool__(self) -> bool:
         return bool(self.entries)
+
+
+class RowView(NamedTuple):
+    """The running requests' numbers, one element per request in `Scheduler.running`
+    order: views into _Rows' storage (writes go through; stale after an append or delete)."""
+    key: np.ndarray         # the scheduler's key for its stay (ascending: admission order)
+    prompt: np.ndarray      # len(prompt_ids)
+    total: np.ndarray       # num_total: prompt, outputs and the tokens still on the device
+    computed: np.ndarray    # num_computed
+    pages: np.ndarray       # len(pages)
+    cached: np.ndarray      # num_cached_pages
+    loading: np.ndarray     # 1 while an offload tier's pages are on their way in
+    max_tokens: np.ndarray
+    can_stop: np.ndarray
+
+
+class _Rows:
+    """RowView's columns, kept in step with `Scheduler.running`: a request's column is
+    written when it joins and where the scheduler changed it (a page, a prefill chunk,
+    its decode: vectorized), and deleted when it leaves, so an iteration reads every
+    running request's state from arrays instead of from its Sequence. Its outputs and
+    `pending` change outside the scheduler, but their sum does not (a token read from the
+    device moves from pending to the outputs): `total` is the scheduler's own; `pending`
+    itself is gathered where it is needed."""
+
+    def __init__(self, capacity: int = 64):
+        self._a = np.zeros((len(RowView._fields), capacity), np.int64)
+        self.n = 0
+        self._view: RowView | None = None  # view()'s, until the next append or delete
+
+    def view(self) -> RowView:
+        if self._view is None:
+            self._view = RowView(*self._a[:, :self.n])
+        return self._view
+
+    def find(self, key: int) -> int:
+        """The position of the request with this key."""
+        return int(np.searchsorted(self._a[0, :self.n], key))
+
+    def append(self, key: int, seq: Sequence) -> None:
+        if self.n == self._a.shape[1]:
+            self._a = np.concatenate([self._a, np.zeros_like(self._a)], axis=1)
+        self.n += 1
+        self._view = None
+        self.write(self.n - 1, key, seq)
+
+    def write(self, i: int, key: int, seq: Sequence) -> None:
+        self._a[:, i] = (key, len(seq.prompt_ids), seq.num_total, seq.num_computed,
+                         len(seq.pages), seq.num_cached_pages, seq.loading is not None,
+                         seq.params.max_tokens, seq.can_stop)
+
+    def delete(self, i: int) -> None:
+        """Columns after i move up one (a tail delete leaves the others in place)."""
+        self._a[:, i:self.n - 1] = self._a[:, i + 1:self.n]
+        self.n -= 1
+        self._view = None
+
+
+# a request's fields, gathered over many with map() (C-level: no Python loop per request)
+_PENDING = operator.attrgetter("pending")
+_PROMPT_IDS = operator.attrgetter("prompt_ids")
+_OUTPUT_IDS = operator.attrgetter("output_ids")
+_MAX_TOKENS = operator.attrgetter("params.max_tokens")
+_CAN_STOP = operator.attrgetter("can_stop")
+
+
+def _nonzero(mask: np.ndarray) -> np.ndarray:
+    return mask.nonzero()[0]
+
+
+def _pending(seqs: list[Sequence]) -> np.ndarray:
+    """Each request's tokens still on the device."""
+    return np.fromiter(map(_PENDING, seqs), np.int64, len(seqs))
 
 
 class Scheduler:
@@ -97,7 +181,12 @@ class Scheduler:
         self.max_num_seqs = min(max_num_seqs, b_dense)
         self.max_model_len = max_model_len
         self.waiting: collections.deque[Sequence] = collections.deque()
-        self.running: list[Sequence] = []   # admission order: newest last
+        # admission order, newest last; change it only through _start/_stop_running,
+        # which keep _rows (its numbers, column by column) and _key_of in step
+        self.running: list[Sequence] = []
+        self._rows = _Rows(self.max_num_seqs)
+        self._key_of: dict[Sequence, int] = {}  # a running request's key in _rows
+        self._keys = itertools.count()          # a new key per stay (a restart is a new one)
         self.num_preemptions = 0
         self.prefix_cache = prefix_cache
         self.max_prefill_seqs = max_prefill_seqs or b_dense
@@ -116,11 +205,31 @@ class Scheduler:
         self._drop_load(seq)
         if self.prefix_cache is not None:  # its last full pages stay cached
             self.prefix_cache.register(seq)
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
+        if not self._stop_running(seq) and seq in self.waiting:
             self.waiting.remove(seq)
         self._free(seq)
+
+    def _start_running(self, seq: Sequence) -> None:
+        key = next(self._keys)
+        self._key_of[seq] = key
+        self.running.append(seq)
+        self._rows.append(key, seq)
+
+    def _stop_running(self, seq: Sequence) -> bool:
+        """Takes seq out of running (False: it was not running)."""
+        key = self._key_of.pop(seq, None)
+        if key is None:
+            return False
+        i = self._rows.find(key)
+        assert self.running[i] is seq, "running changed outside the scheduler"
+        del self.running[i]
+        self._rows.delete(i)
+        return True
+
+    def _sync(self, seq: Sequence) -> None:
+        """Rewrites a running request's column after the scheduler changed it."""
+        key = self._key_of[seq]
+        self._rows.write(self._rows.find(key), key, seq)
 
     def _free(self, seq: Sequence) -> None:
         if seq.pages:
@@ -166,7 +275,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self._drop_load(seq)
-        self.running.remove(seq)
+        self._stop_running(seq)
         self._free(seq)
         seq.num_computed = 0
         seq.status = Status.WAITING
@@ -184,74 +293,131 @@ class Scheduler:
         except OutOfPages:
             return False
 
-    def _grow_or_preempt(self, seq: Sequence, num_tokens: int, scheduled: set) -> bool:
-        """Pages for seq, preempting the newest unscheduled running request if needed."""
+    def _grow_or_preempt(self, seq: Sequence, num_tokens: int,
+                         entries: list[BatchEntry]) -> bool:
+        """Pages for seq, preempting the newest running request not in entries if needed."""
         while not self._grow(seq, num_tokens):
-            victims = [s for s in self.running if id(s) not in scheduled]
-            if not victims:
+            scheduled = {id(e.seq) for e in entries}  # (only when short of pages)
+            victim = next((s for s in reversed(self.running) if id(s) not in scheduled), None)
+            if victim is None:
                 return False
-            victim = victims[-1]
             self._preempt(victim)
             if victim is seq:
                 return False
         return True
 
     # ---- one iteration ------------------------------------------------------------------
-    def schedule(self, prev_rows: dict[int, int] | None = None) -> ScheduledBatch:
-        prev_rows = prev_rows or {}
-        entries: list[BatchEntry] = []
-        scheduled: set[int] = set()
-        budget = self.b_dense
-        if self.prefix_cache is not None:  # pages completed by the steps launched so far
-            ps = self.page_size
-            for seq in self.running:  # (most have no new full page: skip them here)
-                # a load in flight: its pages hold nothing yet
-                if seq.loading is None and seq.num_computed // ps > seq.num_cached_pages:
-                    self.prefix_cache.register(seq)
-
-        # 1. decodes: every running request whose prompt is fully in the cache. Per
-        # request only a few attribute reads: at 1,000 running requests this loop is much
-        # of the host's time per iteration (a status check, not `seq in self.running`,
-        # which made it quadratic: bench/results/log/engine_host.md)
-        prefilling = []
-        running, page_size, max_len = Status.RUNNING, self.page_size, self.max_model_len
-        for seq in list(self.running):
-            if seq.status is not running:
-                continue  # preempted by an earlier one's growth
-            outputs = len(seq.output_ids)
-            known = len(seq.prompt_ids) + outputs
-            if seq.num_computed < known:
-                prefilling.append(seq)
-                continue
-            total = known + seq.pending
-            if outputs + seq.pending >= seq.params.max_tokens or total >= max_len:
-                continue  # its last token is in flight; it retires when that is read
-            if seq.num_computed != total - 1:
-                continue
-            if (total > len(seq.pages) * page_size  # a new page: allocate (or preempt)
-                    and not self._grow_or_preempt(seq, total, scheduled)):
-                continue
-            row = prev_rows.get(id(seq), -1) if seq.pending else -1
-            entries.append(BatchEntry(seq, seq.num_computed, 1, True, row))
-            scheduled.add(id(seq))
-            budget -= 1
+    def schedule(self, prev: ScheduledBatch | dict[int, int] | None = None) -> ScheduledBatch:
+        """The next batch. prev: the batch still on the device, whose rows hold the
+        newest tokens of the decodes in it (or a dict {id(seq): its row there})."""
+        if self.prefix_cache is not None:
+            self._register_full_pages(self.prefix_cache)
+        entries, decode_keys, prefilling = self._decodes(prev)
         num_decodes = len(entries)
+        budget = self._prefills(prefilling, entries, self.b_dense - num_decodes)
+        self._admit(entries, budget, num_decodes)
+        return self._advance(entries, decode_keys)
 
-        # 2. running requests part-way through their prompt
+    def _register_full_pages(self, prefix_cache: PrefixCache) -> None:
+        """Pages completed by the steps launched so far go into the prefix cache (not
+        while a load is in flight: its pages hold nothing yet)."""
+        r = self._rows.view()
+        due = (r.loading == 0) & (r.computed // self.page_size > r.cached)
+        for i in _nonzero(due).tolist():  # (most have no new full page)
+            seq = self.running[i]
+            prefix_cache.register(seq)
+            r.cached[i] = seq.num_cached_pages
+
+    def _decodes(self, prev) -> tuple[list[BatchEntry], np.ndarray, list[Sequence]]:
+        """1. decodes: every running request whose prompt is fully in the cache, one token
+        each, in running order; found over the arrays. Python runs only for the requests
+        that need a new page (one in page_size decodes) and to make the entries. Returns
+        them, their keys and the requests part-way through their prompt."""
+        running = self.running
+        r = self._rows.view()
+        pending = _pending(running)
+        prefilling = r.computed < r.total - pending
+        # its last token in flight: it retires when that is read; a decode's input is the
+        # newest token, so computed is one short of total (a decode has pending >= 1)
+        decode = (~prefilling & (r.total - r.prompt < r.max_tokens)
+                  & (r.total < self.max_model_len) & (r.computed == r.total - 1))
+        grow = decode & (r.total > r.pages * self.page_size)
+        if grow.any():
+            self._decode_pages(_nonzero(grow), r)
+        alive = len(running)  # every request past it was preempted
+        rows = _nonzero(decode[:alive])
+        keys = r.key[rows]
+        seqs = [running[i] for i in rows.tolist()]
+        entries = list(map(BatchEntry, seqs, r.computed[rows].tolist(), itertools.repeat(1),
+                           itertools.repeat(True), self._prev_rows(prev, seqs, keys)))
+        return entries, keys, [running[i] for i in _nonzero(prefilling[:alive]).tolist()]
+
+    def _decode_pages(self, rows: np.ndarray, r: RowView) -> None:
+        """New pages for the decodes in these rows, whose newest token starts a page (one
+        in page_size decodes): one allocation where the free pages cover them all (the
+        same pages, in the same order, as one request at a time), else one at a time,
+        preempting from the tail."""
+        need = -(-r.total[rows] // self.page_size) - r.pages[rows]
+        ends = np.cumsum(need)
+        if ends[-1] <= self.allocator.num_free:
+            pages = self.allocator.allocate(int(ends[-1]))
+            for i, start, end in zip(rows.tolist(), (ends - need).tolist(), ends.tolist()):
+                self.running[i].pages.extend(pages[start:end])
+            r.pages[rows] += need
+            return
+        for i in rows.tolist():
+            if i >= len(self.running):
+                break  # preempted (from the tail) for an earlier one's page
+            seq = self.running[i]
+            if self._decode_page(seq, int(r.total[i])):
+                r.pages[i] = len(seq.pages)  # (tail deletes leave column i in place)
+
+    def _decode_page(self, seq: Sequence, total: int) -> bool:
+        """A decode's new page, preempting the newest running request while none is
+        free: that is the last one (every earlier one is scheduled or skipped, a later
+        one unscheduled); False where it is seq itself."""
+        while not self._grow(seq, total):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    @staticmethod
+    def _prev_rows(prev, seqs: list[Sequence], keys: np.ndarray) -> list[int]:
+        """The decodes' rows in prev (-1: the host has the token), found by key."""
+        if not seqs or not prev:
+            return [-1] * len(seqs)
+        if isinstance(prev, dict):
+            return [prev.get(id(s), -1) for s in seqs]
+        if prev.keys is None:  # not one of this scheduler's batches
+            where = {id(e.seq): row for row, e in enumerate(prev.entries)}
+            return [where.get(id(s), -1) for s in seqs]
+        order = np.argsort(prev.keys)
+        ordered = prev.keys[order]
+        at = np.minimum(np.searchsorted(ordered, keys), len(ordered) - 1)
+        return np.where(ordered[at] == keys, order[at], -1).tolist()
+
+    def _prefills(self, prefilling: list[Sequence], entries: list[BatchEntry],
+                  budget: int) -> int:
+        """2. running requests part-way through their prompt; returns the budget left."""
+        num_decodes = len(entries)
         for seq in prefilling:
             if budget <= 0 or len(entries) - num_decodes >= self.max_prefill_seqs:
                 break
             if seq.status is not Status.RUNNING or not self._loaded(seq):
-                continue
+                continue  # (preempted for an earlier one)
             chunk = self._chunk(seq.num_known - seq.num_computed, budget)
-            if not self._grow_or_preempt(seq, seq.num_computed + chunk, scheduled):
+            if not self._grow_or_preempt(seq, seq.num_computed + chunk, entries):
                 continue
             entries.append(self._prefill_entry(seq, chunk))
-            scheduled.add(id(seq))
+            self._sync(seq)  # its pages, for _Room
             budget -= chunk
+        return budget
 
-        # 3. admit from the queue, first come first served; predicted admission at its
-        # pace (`_Room.pace`)
+    def _admit(self, entries: list[BatchEntry], budget: int, num_decodes: int) -> None:
+        """3. admit from the queue, first come first served; predicted admission at its
+        pace (`_Room.pace`)."""
         room = None  # what running requests hold and owe; built when first needed
         if self.admission == "predicted":
             if not self.waiting:  # nothing saved up while idle; one arrival goes straight in
@@ -281,8 +447,8 @@ class Scheduler:
             self._credit = max(0.0, self._credit - 1)
             self.waiting.popleft()
             seq.status = Status.RUNNING
-            self.running.append(seq)
             self._take_prefix(seq, match)
+            self._start_running(seq)
             if seq.loading is not None:  # scheduled once its tier pages are staged
                 room.add(self, seq)
                 continue
@@ -291,14 +457,31 @@ class Scheduler:
             assert ok, "admission checked the pages"
             room.add(self, seq)
             entries.append(self._prefill_entry(seq, chunk))
-            scheduled.add(id(seq))
             budget -= chunk
 
-        for e in entries:
+    def _advance(self, entries: list[BatchEntry], decode_keys: np.ndarray) -> ScheduledBatch:
+        """The launched tokens count as computed (and a sampled one as pending), in the
+        Sequences and in their columns: the decodes' at once, the rest one by one."""
+        num_decodes = len(decode_keys)
+        for e in entries[:num_decodes]:
+            seq = e.seq
+            seq.num_computed += 1
+            seq.pending += 1
+        r = self._rows.view()
+        at = np.searchsorted(r.key, decode_keys)  # (decodes are never preempted)
+        r.computed[at] += 1
+        r.total[at] += 1
+        rest = entries[num_decodes:]
+        for e in rest:
             e.seq.num_computed += e.num_tokens
             if e.samples:
                 e.seq.pending += 1
-        return ScheduledBatch(entries, num_decodes)
+            self._sync(e.seq)
+        keys = np.concatenate([decode_keys, np.fromiter(
+            (self._key_of[e.seq] for e in rest), np.int64, len(rest))])
+        batch = ScheduledBatch(entries, num_decodes, keys)
+        batch.num_tokens = num_decodes + sum(e.num_tokens for e in rest)  # (not summed again)
+        return batch
 
     def _chunk(self, wanted: int, budget: int) -> int:
         """Tokens of a prefill chunk starting at the batch position b_dense - budget."""
@@ -363,6 +546,25 @@ class Scheduler:
             out = min(out, -(-self.finished_outputs // self.finished_count))
         return max(seq.num_total + 1, min(prompt + out, self.max_model_len))
 
+    def expected_lengths(self, prompt: np.ndarray, total: np.ndarray, max_tokens: np.ndarray,
+                         can_stop: np.ndarray) -> np.ndarray:
+        """expected_length over arrays of the requests' numbers."""
+        out = max_tokens
+        if self.finished_count:
+            mean = -(-self.finished_outputs // self.finished_count)
+            out = np.where(can_stop != 0, np.minimum(out, mean), out)
+        return np.maximum(total + 1, np.minimum(prompt + out, self.max_model_len))
+
+    def _lengths_of(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+        """num_total and expected_length of each of seqs (waiting ones: no columns)."""
+        n = len(seqs)
+        prompt = np.fromiter(map(len, map(_PROMPT_IDS, seqs)), np.int64, n)
+        total = prompt + np.fromiter(map(len, map(_OUTPUT_IDS, seqs)), np.int64, n) \
+            + _pending(seqs)
+        return total, self.expected_lengths(
+            prompt, total, np.fromiter(map(_MAX_TOKENS, seqs), np.int64, n),
+            np.fromiter(map(_CAN_STOP, seqs), np.int64, n))
+
 
 def predicted_peak(now: np.ndarray, remaining: np.ndarray, page_size: int) -> int:
     """Most pages the requests will hold at once if request i, holding now[i] tokens,
@@ -371,17 +573,26 @@ def predicted_peak(now: np.ndarray, remaining: np.ndarray, page_size: int) -> in
     requests with remaining >= r hold ceil((now + r) / page_size) pages each."""
     if not len(now):
         return 0
-    order = np.argsort(remaining, kind="stable")
-    r, now = remaining[order], now[order]
-    alive = np.arange(len(r), 0, -1)                   # requests k.. (sorted by r)
-    tokens = np.cumsum(now[::-1])[::-1] + alive * r    # what they hold at time r[k]
-    # rounding up to whole pages, by residue of now mod page_size: counts per residue
-    # of the requests k.., and the padding each residue needs at time r[k]
-    residue = np.zeros((len(r), page_size), np.int64)
-    residue[np.arange(len(r)), now % page_size] = 1
-    counts = np.cumsum(residue[::-1], axis=0)[::-1]
-    pad = -(np.arange(page_size)[None, :] + r[:, None]) % page_size
-    return int(np.max((tokens + (counts * pad).sum(axis=1)) // page_size))
+    return int(held_pages(now, remaining, page_size, np.unique(remaining)).max())
+
+
+def held_pages(now: np.ndarray, remaining: np.ndarray, page_size: int,
+               times: np.ndarray) -> np.ndarray:
+    """Pages the requests of predicted_peak hold at each of `times` (ascending): request
+    i, alive while remaining[i] >= t, holds q_i + ceil((c_i + t) / page_size) where
+    now[i] = q_i page_size + c_i. Summed per time from a histogram of the requests by
+    (the last time they are alive, c): O(requests + times x page_size), no matrix of
+    requests x page_size."""
+    ps, g = page_size, len(times)
+    last = np.searchsorted(times, remaining, side="right") - 1  # -1: alive at none
+    now, last = now[last >= 0], last[last >= 0]
+    q, c = np.divmod(now, ps)
+    # requests alive at times[j] (last >= j) by residue c, and the sum of their q
+    by_residue = np.bincount(last * ps + c, minlength=g * ps).reshape(g, ps)
+    alive = np.cumsum(by_residue[::-1], axis=0)[::-1]
+    full = np.cumsum(np.bincount(last, q, minlength=g)[::-1])[::-1].astype(np.int64)
+    part = (np.arange(ps) + times[:, None] + ps - 1) // ps  # ceil((c + t) / ps)
+    return full + (alive * part).sum(axis=1)
 
 
 # iterations' worth of pace saved up while requests wait but cannot be admitted (cache,
@@ -395,70 +606,55 @@ class _Room:
     """What the running requests hold and owe, gathered once per admission phase and kept
     current as requests are admitted: pages still owed to running prompts (plus one), and
     with predicted admission each request's prompt, tokens now and expected final length
-    (for the predicted peak and the pace)."""
+    (for the predicted peak and the pace). The running requests' part is read from the
+    scheduler's arrays (_Rows), not request by request."""
 
     def __init__(self, sched: Scheduler):
-        self.owed = 0
         self.all_waiting_fit = False  # set by the admission phase (all_fit)
-        self._lengths: list[tuple[int, int, int]] = []  # (prompt, now, expected final)
         self.admitted = 0  # requests admitted this iteration (added after the running)
         # next_fits(): how many of the queue's head fit, counted from the _offset-th
         # request admitted this iteration
         self._fits: int | None = None
         self._offset = 0  # set with _fits
-        # every running request, as add() would take them one by one (inlined: this runs
-        # over every running request every iteration)
-        ps, max_len, predicted = sched.page_size, sched.max_model_len, \
-            sched.admission == "predicted"
-        mean = (-(-sched.finished_outputs // sched.finished_count)
-                if sched.finished_count else None)
-        owed, lengths = 0, self._lengths
-        for s in sched.running:
-            prompt, known = len(s.prompt_ids), len(s.prompt_ids) + len(s.output_ids)
-            owed += -(-(known + 1) // ps) - len(s.pages)
-            if predicted:
-                out = s.params.max_tokens
-                if s.can_stop and mean is not None:
-                    out = min(out, mean)
-                total = known + s.pending
-                lengths.append((prompt, total, max(total + 1, min(prompt + out, max_len))))
-        self.owed = owed
+        r = sched._rows.view()
+        known = r.total - _pending(sched.running)
+        self.owed = int((-(-(known + 1) // sched.page_size) - r.pages).sum())
+        # (prompt, now, expected final): the running requests', as expected_length()
+        # gives them, then the ones admitted this iteration
+        self._running = np.zeros((0, 3), np.int64)
+        self._added: list[tuple[int, int, int]] = []
+        if sched.admission == "predicted":
+            final = sched.expected_lengths(r.prompt, r.total, r.max_tokens, r.can_stop)
+            self._running = np.stack([r.prompt, r.total, final], axis=1)
 
     def add(self, sched: Scheduler, seq: Sequence) -> None:
         """seq admitted this iteration."""
         self.owed += pages_needed(seq.num_known + 1, sched.page_size) - len(seq.pages)
         self.admitted += 1
         if sched.admission == "predicted":
-            self._lengths.append((len(seq.prompt_ids), seq.num_total,
-                                  sched.expected_length(seq)))
+            self._added.append((len(seq.prompt_ids), seq.num_total, sched.expected_length(seq)))
+
+    def lengths(self) -> np.ndarray:
+        """(prompt, now, expected final) of every request, running order then admitted."""
+        if not self._added:
+            return self._running
+        return np.concatenate([self._running, np.asarray(self._added, np.int64)])
 
     def next_fits(self, sched: Scheduler) -> bool:
         """Whether the head of the queue fits the cache at the predicted peak beside the
         running requests and the ones admitted before it. How many of the queue's head
         fit is found once per iteration, at the first candidate: adding a request never
-        lowers the peak, so it is a binary search over the head (as far as the pace lets
-        in), not one peak per candidate (at 4,000 running, most of the host's time)."""
+        lowers the peak, so the peaks with the first 1, 2, ... of the head (as far as the
+        pace lets in) are one cumulative sum over them at every finishing time, not one
+        predicted_peak per count (at 4,000 running, most of the host's time)."""
         if self._fits is None:
             self._offset = self.admitted
-            base = np.asarray(self._lengths, np.int64).reshape(-1, 3)
-            n = len(base)
+            base = self.lengths()
             most = min(len(sched.waiting), max(1, int(sched._credit)),
-                       sched.max_num_seqs - n)
-            head = np.asarray([(s.num_total, sched.expected_length(s)) for s in
-                               itertools.islice(sched.waiting, max(0, most))],
-                              np.int64).reshape(-1, 2)
-            now = np.concatenate([base[:, 1], head[:, 0]])
-            left = np.concatenate([base[:, 2], np.maximum(head[:, 1], head[:, 0] + 1)]) - now
-
-            def fits(k: int) -> bool:
-                return predicted_peak(now[:n + k], left[:n + k], sched.page_size) \
-                    <= sched.allocator.num_pages
-
-            lo, hi = 0, len(head)
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-            self._fits = lo
+                       sched.max_num_seqs - len(base))
+            now, final = sched._lengths_of(list(itertools.islice(sched.waiting, max(0, most))))
+            self._fits = _fitting_prefix(base[:, 1], base[:, 2] - base[:, 1], now,
+                                         final - now, sched.page_size, sched.allocator.num_pages)
         return self.admitted - self._offset < self._fits
 
     def all_fit(self, sched: Scheduler) -> bool:
@@ -466,8 +662,8 @@ class _Room:
         the row cap, and in the cache at the predicted peak of all of them."""
         if len(sched.running) + len(sched.waiting) > sched.max_num_seqs:
             return False
-        a = np.asarray(self._lengths + [(0, s.num_total, sched.expected_length(s))
-                                        for s in sched.waiting], np.int64)
+        now, final = sched._lengths_of(list(sched.waiting))
+        a = np.concatenate([self.lengths(), np.stack([np.zeros_like(now), now, final], axis=1)])
         return predicted_peak(a[:, 1], a[:, 2] - a[:, 1], sched.page_size) \
             <= sched.allocator.num_pages
 
@@ -478,10 +674,28 @@ class _Room:
         tokens a request holds during its stay (prompt + half its output, + half a page)
         or max_num_seqs, the smaller. Estimated from the running requests (the head of the
         queue when none runs)."""
-        lengths = self._lengths or [(len(head.prompt_ids), head.num_total,
-                                     sched.expected_length(head))]
-        a = np.asarray(lengths, np.float64)
+        lengths = self.lengths()
+        if not len(lengths):
+            lengths = np.asarray([(len(head.prompt_ids), head.num_total,
+                                   sched.expected_length(head))])
+        a = lengths.astype(np.float64)
         out = a[:, 2] - a[:, 0]
         held = float(np.mean(a[:, 0] + out / 2)) + sched.page_size / 2
         at_once = min(sched.allocator.num_pages * sched.page_size / held, sched.max_num_seqs)
         return float(at_once * np.mean(1 / (out + 1)))
+
+
+def _fitting_prefix(now: np.ndarray, left: np.ndarray, head_now: np.ndarray,
+                    head_left: np.ndarray, page_size: int, num_pages: int) -> int:
+    """The most k such that the requests (now, left) with the first k of the head's
+    predict a peak within num_pages (predicted_peak of them together). The peaks are
+    taken at every finishing time of all of them: at a time that is no finishing time of
+    a subset, its usage is at most that at its next one, so the maximum is the same."""
+    if not len(head_now):
+        return 0
+    times = np.unique(np.concatenate([left, head_left]))
+    base = held_pages(now, left, page_size, times)
+    head = np.where(times <= head_left[:, None],  # each head request's pages at each time
+                    (head_now[:, None] + times + page_size - 1) // page_size, 0)
+    peaks = (base + np.cumsum(head, axis=0)).max(axis=1)  # with the first 1, 2, ... of them
+    return int(np.searchsorted(peaks, num_pages, side="right"))  # (peaks never decrease)

@@ -5,10 +5,12 @@ packed token bitmask the sampler applies on the device (sampling.apply_bitmask).
 Where the mask is computed: a row's mask for step i+1 depends on its token of step i. With
 async scheduling that token is still on the device when step i+1 is formed, so (as vLLM
 and SGLang do) a constrained step is split: the engine dispatches step i+1's forward,
-then reads step i's tokens, advances the matchers and fills the mask while the device
-runs that forward, and only then dispatches step i+1's sampler with the mask
-(LLMEngine.step, ModelRunner.launch). A step with no constrained row is launched as
-before, with no mask and no extra sampler variant.
+then reads step i's tokens and advances the matchers while the device runs that forward;
+the mask is filled and step i+1's sampler dispatched after (LLMEngine.step,
+runner.MaskedStep). With async dispatch (the GPU default) the fill and the mask's copy
+run on the runner's dispatch thread (llguidance fills rows in its own threads, without
+the GIL) while the engine thread schedules the next iteration. A step with no
+constrained row is launched as before, with no mask and no extra sampler variant.
 """
 from __future__ import annotations
 
@@ -160,7 +162,9 @@ class GrammarCompiler:
             fill_next_token_bitmask_par(self._executor, rows, mask)
             # a matcher in its error state allows nothing; its request ends with an error
             # when the token is read, and an all -inf row must never reach the sampler
-            mask[~mask.any(axis=1)] = -1
+            # (only the filled rows are looked at: the rest are the allocation's ones)
+            filled = np.fromiter((r for _, r in rows), np.intp, len(rows))
+            mask[filled[~mask[filled].any(axis=1)]] = -1
         return mask
 
 

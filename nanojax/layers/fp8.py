@@ -13,8 +13,15 @@ add, SiLU x up, the q/k/v reshape) rather than a pass of its own.
 
 `fp8_linear` is the whole projection, `reference_linear` the same function dequantized
 to float32 (what the tests compare with).
+
+An MoE block's stacked expert weights (models/moe.py; float [E, in, out]) quantize the
+same way per (expert, output channel): weight e4m3 [E, out, in], weight_scale f32 [E, out]
+(`quantize_weight` on the stack). Their grouped GEMM is `fp8_grouped_matmul` here (XLA)
+or the Mosaic GPU kernel of pallas_kernels/grouped_matmul_mgpu.py (moe.expert_matmul_fp8).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +31,12 @@ FP8_MAX = 448.0          # the largest finite e4m3fn value
 _MIN_SCALE = 1e-12       # an all-zero row or channel gets this scale, not a division by 0
 
 # The projections a quantized model keeps in FP8 (the LM head, embeddings, norms, the MoE
-# router and the shared expert's gate stay in the model dtype).
-FP8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# router and the shared expert's sigmoid gate stay in the model dtype; the shared expert's
+# own SwiGLU is a dense FFN and goes FP8).
+FP8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                   "shared_gate_proj", "shared_up_proj", "shared_down_proj")
+# An MoE block's stacked expert weights: arrays [E, in, out] under these names, not Linears
+FP8_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def _to_fp8(x):
@@ -33,11 +44,25 @@ def _to_fp8(x):
 
 
 def quantize_weight(kernel):
-    """A float kernel [in, out] (the unquantized layout) -> (weight e4m3 [out, in],
-    weight_scale f32 [out]): each output channel scaled so its absmax maps to 448."""
-    w = jnp.asarray(kernel, jnp.float32).T
-    scale = jnp.maximum(jnp.max(jnp.abs(w), axis=1), _MIN_SCALE) / FP8_MAX
-    return _to_fp8(w / scale[:, None]), scale
+    """A float kernel [..., in, out] (the unquantized layout; a stack of experts
+    [E, in, out] too) -> (weight e4m3 [..., out, in], weight_scale f32 [..., out]): each
+    output channel (of each expert) scaled so its absmax maps to 448."""
+    w = jnp.swapaxes(jnp.asarray(kernel, jnp.float32), -1, -2)
+    scale = jnp.maximum(jnp.max(jnp.abs(w), axis=-1), _MIN_SCALE) / FP8_MAX
+    return _to_fp8(w / scale[..., None]), scale
+
+
+def is_expert_stack(name, node) -> bool:
+    """Is this parameter node an MoE block's stacked float expert weight [E, in, out]?"""
+    return (name in FP8_EXPERT_PROJECTIONS and not isinstance(node, dict)
+            and getattr(node, "ndim", 0) == 3)
+
+
+def quantize_experts(stack) -> dict:
+    """Stacked float expert weights [E, in, out] -> {"weight": e4m3 [E, out, in],
+    "weight_scale": f32 [E, out]}: the node an FP8 MoE block declares."""
+    weight, scale = quantize_weight(stack)
+    return {"weight": weight, "weight_scale": scale}
 
 
 def quantize_activation(x, input_scale=None):
@@ -64,11 +89,48 @@ def fp8_matmul(x8, weight, out_dtype):
     return jax.lax.dot_general(x8, weight, dims, preferred_element_type=out_dtype)
 
 
+def fp8_grouped_matmul(x8, weight, group_sizes):
+    """Rows of group e of x8 [M, K] times expert e's weight[e] [N, K] (transposed) ->
+    [M, N] f32, unscaled: XLA's ragged dot, weight contracted on its last axis (the
+    [E, out, in] layout kept for the Mosaic GPU kernel: K-major, as FP8 WGMMA wants).
+    The operands are widened first, as exact values: to f32 on the CPU (fp8_matmul's
+    reason), to bf16 elsewhere (XLA's ragged-dot rewrite is not known to take FP8, and
+    every e4m3 value is a bf16 one); the GPU's FP8 path is the Mosaic kernel."""
+    wide = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2,)), ((), ())),
+        lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    return jax.lax.ragged_dot_general(x8.astype(wide), weight.astype(wide),
+                                      group_sizes.astype(jnp.int32), dims,
+                                      preferred_element_type=jnp.float32)
+
+
+def reference_grouped_matmul(x8, x_scale, weight, weight_scale, group_sizes):
+    """fp8_grouped_matmul's product with both scales applied, in float32: the quantized
+    operands dequantized (x_scale [M, 1] per row, weight_scale [E, N]), then each group's
+    exact (HIGHEST precision) dot."""
+    xd = x8.astype(jnp.float32) * x_scale
+    wd = weight.astype(jnp.float32) * weight_scale[..., None]
+    return jax.lax.ragged_dot(xd, jnp.swapaxes(wd, 1, 2), group_sizes.astype(jnp.int32),
+                              precision=jax.lax.Precision.HIGHEST)
+
+
+class QuantizedActivation(NamedTuple):
+    """Activations already quantized per token by their producer (the fused kernels of
+    pallas_kernels/act_quant.py): what an FP8 projection takes in place of x."""
+    values: jax.Array  # [T, in] e4m3
+    scale: jax.Array   # [T, 1] f32
+
+
 def fp8_linear(x, weight, weight_scale, input_scale=None, out_dtype=None):
     """x [T, in] -> [T, out] in out_dtype (default x's dtype): quantize x, FP8 GEMM,
-    rescale."""
+    rescale. x may be a QuantizedActivation (then out_dtype is needed)."""
+    if isinstance(x, QuantizedActivation):
+        assert out_dtype is not None, "an FP8 input has no output dtype to keep"
+        x8, sx = x
+    else:
+        x8, sx = quantize_activation(x, input_scale)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    x8, sx = quantize_activation(x, input_scale)
     y = fp8_matmul(x8, weight, out_dtype)
     return (y.astype(jnp.float32) * (sx * weight_scale)).astype(out_dtype)
 
@@ -85,10 +147,13 @@ def reference_linear(x, weight, weight_scale, input_scale=None):
 def quantize_params(params: dict, static_input_scales: bool = False) -> dict:
     """A float parameter tree (as the model keeps it) -> the same tree with every
     FP8_PROJECTIONS node {"kernel": [in, out], ...} replaced by {"weight", "weight_scale",
-    ...} (biases kept). Works on host (numpy) and traced arrays alike. With
-    static_input_scales, each projection gets input_scale 1.0 (a calibration writes the
-    real ones)."""
+    ...} (biases kept) and every MoE expert stack [E, in, out] by quantize_experts' node.
+    Works on host (numpy) and traced arrays alike. With static_input_scales, each
+    projection gets input_scale 1.0 (a calibration writes the real ones; MoE models take
+    dynamic scales only, ModelConfig says so)."""
     def walk(node, name=None):
+        if is_expert_stack(name, node):
+            return quantize_experts(node)
         if not isinstance(node, dict):
             return node
         if name in FP8_PROJECTIONS and "kernel" in node:

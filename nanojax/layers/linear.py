@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from nanojax.layers.fp8 import FP8, fp8_linear
+from nanojax.layers.fp8 import FP8, QuantizedActivation, fp8_linear
 from nanojax.layers.quant import quantized_dot
 
 
@@ -17,8 +17,14 @@ class RMSNorm(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, quantize: bool = False):
+        """quantize: the output as FP8 projections take it, normalized and quantized per
+        token in one fused kernel (pallas_kernels/act_quant.py; interpreted off the GPU)."""
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        if quantize:
+            from pallas_kernels.act_quant import rms_norm_quant
+            return QuantizedActivation(*rms_norm_quant(
+                x, scale, self.eps, interpret=jax.default_backend() != "gpu"))
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return scale * y.astype(self.dtype)
@@ -57,11 +63,14 @@ class Linear(nn.Module):
     def _fp8(self, x):
         # real weights arrive quantized (checkpoints/quantize.py); these inits only shape
         # the tree (random models are made in the float dtype, then quantized)
-        weight = self.param("weight", nn.initializers.zeros, (self.features, x.shape[-1]), FP8)
+        width = (x.values if isinstance(x, QuantizedActivation) else x).shape[-1]
+        weight = self.param("weight", nn.initializers.zeros, (self.features, width), FP8)
         scale = self.param("weight_scale", nn.initializers.ones, (self.features,), jnp.float32)
         in_scale = (self.param("input_scale", nn.initializers.ones, (), jnp.float32)
                     if self.static_input_scale else None)
-        return fp8_linear(x.astype(self.dtype), weight, scale, in_scale, self.dtype)
+        if not isinstance(x, QuantizedActivation):
+            x = x.astype(self.dtype)
+        return fp8_linear(x, weight, scale, in_scale, self.dtype)
 
     def _bias(self, y):
         if self.use_bias:

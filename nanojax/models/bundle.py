@@ -37,15 +37,17 @@ def quantize_bundle(bundle: ModelBundle, quantization: str | None) -> ModelBundl
     import jax
     import numpy as np
 
-    from nanojax.layers.fp8 import FP8_PROJECTIONS, quantize_params
+    from nanojax.layers.fp8 import (FP8_PROJECTIONS, is_expert_stack, quantize_experts,
+                                    quantize_params)
     cfg = bundle.config
     if quantization is None or cfg.quantization == quantization:
         return bundle
     if cfg.quantization is not None:
         raise CheckpointError(f"the checkpoint is quantized as {cfg.quantization}; it "
                               f"cannot be re-quantized as {quantization}")
-    new_cfg = cfg.replace(quantization=quantization)  # validates (dense models only)
+    new_cfg = cfg.replace(quantization=quantization)  # validates
     one = jax.jit(lambda node: quantize_params({"q_proj": node})["q_proj"])
+    experts = jax.jit(quantize_experts)  # an MoE block's stacked expert weights
 
     def walk(node):
         if not isinstance(node, dict):
@@ -53,11 +55,13 @@ def quantize_bundle(bundle: ModelBundle, quantization: str | None) -> ModelBundl
         out = {}
         for k, v in node.items():
             if isinstance(v, dict) and "kernel" in v and k in FP8_PROJECTIONS:
-                q = one(v)
-                on_host = isinstance(v["kernel"], np.ndarray)
-                out[k] = jax.tree_util.tree_map(np.asarray, q) if on_host else q
+                q, on_host = one(v), isinstance(v["kernel"], np.ndarray)
+            elif is_expert_stack(k, v):
+                q, on_host = experts(v), isinstance(v, np.ndarray)
             else:
                 out[k] = walk(v)
+                continue
+            out[k] = jax.tree_util.tree_map(np.asarray, q) if on_host else q
         return out
     return dataclasses.replace(bundle, config=new_cfg, params=walk(bundle.params))
 

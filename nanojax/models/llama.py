@@ -18,6 +18,7 @@ import flax.linen as nn
 import numpy as np
 
 from nanojax.config import ModelConfig
+from nanojax.layers.fp8 import QuantizedActivation
 from nanojax.layers.linear import Linear, RMSNorm
 from nanojax.layers.quant import quantized_dot
 from nanojax.layers.rotary import inverse_frequencies
@@ -35,6 +36,7 @@ class DecoderLayer(nn.Module):
     # (one collective per block); None: one device, nothing to sum
     reduce: Callable | None = None
     grouped_gemm: str = "auto"  # an MoE FFN's expert GEMMs (KernelConfig.grouped_gemm)
+    act_quant: str = "xla"  # FP8 projections' input quantization (KernelConfig.act_quant)
 
     def setup(self):
         c, dt = self.cfg, _dtype(self.cfg)
@@ -58,7 +60,7 @@ class DecoderLayer(nn.Module):
     def qkv(self, x):
         """[T, hidden] -> q [T, H, D], k, v [T, KVH, D] (unrotated)."""
         c = self.cfg
-        h = self.input_norm(x)
+        h = self.input_norm(x, quantize=self._fused_quant(c.hidden_size))
         t = x.shape[0]
         return (self.q_proj(h).reshape(t, c.num_heads, c.head_dim),
                 self.k_proj(h).reshape(t, c.num_kv_heads, c.head_dim),
@@ -79,10 +81,26 @@ class DecoderLayer(nn.Module):
 
     def mlp_partial(self, x):
         """The MLP without its residual, before the sum over TP shards."""
-        h = self.post_attention_norm(x)
-        if self.cfg.is_moe:
-            return self.moe(h)
-        return self.down_proj(nn.silu(self.gate_proj(h)) * self.up_proj(h))
+        c = self.cfg
+        if c.is_moe:
+            return self.moe(self.post_attention_norm(x))
+        h = self.post_attention_norm(x, quantize=self._fused_quant(c.hidden_size))
+        gate, up = self.gate_proj(h), self.up_proj(h)
+        if self._fused_quant(gate.shape[-1]):
+            from pallas_kernels.act_quant import silu_mul_quant
+            return self.down_proj(QuantizedActivation(*silu_mul_quant(
+                gate, up, interpret=jax.default_backend() != "gpu")))
+        return self.down_proj(nn.silu(gate) * up)
+
+    def _fused_quant(self, width: int) -> bool:
+        """Whether an FP8 projection's input of this width is quantized by its producer's
+        fused kernel (act_quant "pallas"; "auto": on a GPU) rather than by XLA after it."""
+        c, mode = self.cfg, self.act_quant
+        if (mode == "xla" or c.quantization != "fp8" or c.activation_scale == "static"
+                or (mode == "auto" and jax.default_backend() != "gpu")):
+            return False
+        from pallas_kernels.act_quant import unsupported
+        return unsupported(width) is None
 
     def __call__(self, x, kv_layer, meta, attention, inv_freq):
         q, k, v = self.qkv(x)

@@ -28,8 +28,9 @@ from nanojax.config import ModelConfig
 from nanojax.errors import ConfigError, UnsupportedError
 
 TP_AXIS = "tp"
-_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
-_ROW = ("o_proj", "down_proj", "embed")  # embed: [V, hidden], split on the vocab rows
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head",
+           "shared_gate_proj", "shared_up_proj")  # (an MoE block's shared expert)
+_ROW = ("o_proj", "down_proj", "embed", "shared_down_proj")  # embed: split on vocab rows
 KV_HEAD_AXIS = -3  # pages [..., num_pages, KVH, page_size, D]
 
 
@@ -54,9 +55,11 @@ class TPLayout:
             raise ConfigError(f"tensor_parallel_size ({tp}) exceeds num_kv_heads "
                               f"({c.num_kv_heads}) and is not a multiple of it, so KV heads "
                               "cannot be replicated evenly")
-        if c.intermediate_size % tp:
-            raise ConfigError(f"intermediate_size ({c.intermediate_size}) is not divisible "
-                              f"by tensor_parallel_size ({tp})")
+        for field in ("intermediate_size", "moe_intermediate_size",
+                      "shared_expert_intermediate_size"):  # FFN widths split over shards
+            if getattr(c, field) % tp:
+                raise ConfigError(f"{field} ({getattr(c, field)}) is not divisible by "
+                                  f"tensor_parallel_size ({tp})")
 
     @property
     def kv_repeat(self) -> int:
@@ -73,6 +76,8 @@ class TPLayout:
         return c.replace(num_heads=c.num_heads // tp,
                          num_kv_heads=c.num_kv_heads * self.kv_repeat // tp,
                          intermediate_size=c.intermediate_size // tp,
+                         moe_intermediate_size=c.moe_intermediate_size // tp,
+                         shared_expert_intermediate_size=c.shared_expert_intermediate_size // tp,
                          vocab_size=self.padded_vocab // tp)
 
     def transform(self, params, xp=jnp):

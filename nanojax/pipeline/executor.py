@@ -150,6 +150,7 @@ class PipelineForward(UnrolledForward):
             self.side_attention = attention
         super().__init__(cfg, attention)
         self.grouped_gemm = kernels.grouped_gemm
+        self.act_quant = kernels.act_quant
         # an MoE block's GEMM nano-op on a side stream: the same rule as attention's
         self.side_grouped_gemm = side_kernels.grouped_gemm
         side = streams_enabled(kernels.streams) and any(  # network ops: never placed

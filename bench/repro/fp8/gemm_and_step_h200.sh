@@ -4,7 +4,9 @@
 # 32-layer step at B_dense 2048 with bf16 weights, FP8 weights (':fp8w', W8A8 quantized
 # from the same random weights) and FP8 weights + FP8 KV in one process, held 2 s per mode
 # and workload for power and clock, with a timeline; the step's optimized HLO is searched
-# for cuBLASLt's FP8 GEMM.
+# for cuBLASLt's FP8 GEMM. ':fusedquant': the FP8 projections' inputs quantized inside
+# RMSNorm and SiLU x up (pallas_kernels/act_quant.py) instead of by XLA's two passes after
+# them (KernelConfig.act_quant; its default flips to auto once this measures it faster).
 # Usage: OUT=dir bash bench/repro/fp8/gemm_and_step_h200.sh
 set -u
 OUT=${OUT:?set OUT}
@@ -13,7 +15,7 @@ timeout "${LIMIT_GEMM:-150}" python3 bench/kernels/fp8_gemm.py --out "$OUT/fp8_g
   2>&1 | grep -v "^[WI]1" | cut -c1-400
 timeout "${LIMIT_STEP:-400}" python3 -m nanojax bench step --model random:llama3-8b \
   --plan llama3-8b-1gpu --b-dense 2048 --workloads "${WORKLOADS:-512/512,sharegpt,lmsys,splitwise}" \
-  --modes "${MODES:-non-overlap,non-overlap::fp8w,non-overlap::fp8w:fp8kv,non-overlap::fp8w:dotmerge}" \
+  --modes "${MODES:-non-overlap,non-overlap::fp8w,non-overlap::fp8w:fp8kv,non-overlap::fp8w:fp8kv:fusedquant,non-overlap::fp8w:dotmerge}" \
   --repeats 10 --sustain-seconds "${SUSTAIN:-2}" --timeline "$OUT/timeline_fp8.png" \
   --dump-hlo "$OUT/hlo" --quiet --json "$OUT/step_fp8_h200.json" 2>&1 | grep -v "^[WI]1" | tail -n 30
 for f in "$OUT"/hlo/*after_optimizations.txt; do

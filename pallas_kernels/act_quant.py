@@ -1,0 +1,132 @@
+"""FP8 activation quantization fused into its producer: Pallas kernels and their pure-JAX
+references.
+
+An FP8 projection (W8A8) takes its input as e4m3 values with one float32 scale per token
+(absmax / 448). Computed by XLA after the producer, that quantization is two more passes
+over the activations (one for the absmax, one to divide and convert) on top of the
+producer's own. Here the producer and the quantization are one kernel, one program per
+token: the row is loaded once, kept in registers, reduced to its absmax and stored as
+e4m3, so the only traffic is the producer's input and the 1-byte output.
+
+Two producers, those of the FP8 projections' inputs in a LLaMA layer:
+- `rms_norm_quant`: RMSNorm (the input of q/k/v and of gate/up);
+- `silu_mul_quant`: SiLU(gate) x up (the input of down).
+
+Both compute in float32 from the producer's inputs to the quantization, with no rounding
+to the model dtype in between (as XLA's GPU fusions do, excess precision being allowed by
+default); the references are the same functions in XLA.
+
+Pallas' Triton lowering needs power-of-2 shapes: a row is taken in `chunk` columns at a
+time (the largest power of 2 dividing its width, at most MAX_CHUNK), unrolled, so a row
+of 14,336 is 7 chunks of 2,048.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0      # the largest finite e4m3fn value
+MIN_SCALE = 1e-12    # an all-zero row's scale (no division by 0)
+MAX_CHUNK = 2048     # columns per unrolled piece of a row
+MAX_CHUNKS = 16      # pieces a row may take (the registers a program holds)
+
+
+def _quantize_rows(y):
+    """y [..., N] f32 -> (e4m3, scale [..., 1] f32): each row's absmax maps to 448."""
+    scale = jnp.maximum(jnp.max(jnp.abs(y), axis=-1, keepdims=True), MIN_SCALE) / FP8_MAX
+    return jnp.clip(y / scale, -FP8_MAX, FP8_MAX).astype(FP8), scale
+
+
+def rms_norm_quant_reference(x, weight, eps: float):
+    """x [T, H], weight [H] -> (e4m3 [T, H], scale [T, 1] f32): RMSNorm (layers/linear.py)
+    then per-token quantization (layers/fp8.py), in f32."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return _quantize_rows(weight.astype(jnp.float32) * y)
+
+
+def silu_mul_quant_reference(gate, up):
+    """gate, up [T, I] -> (e4m3 [T, I], scale [T, 1] f32): SiLU(gate) x up then per-token
+    quantization, in f32."""
+    g = gate.astype(jnp.float32)
+    return _quantize_rows(g * jax.nn.sigmoid(g) * up.astype(jnp.float32))
+
+
+def chunk_of(width: int) -> int | None:
+    """The columns a kernel takes at a time for rows of `width` (None: it cannot)."""
+    chunk = min(width & -width, MAX_CHUNK)  # the largest power of 2 dividing width
+    if chunk < 16 or width // chunk > MAX_CHUNKS:
+        return None
+    return chunk
+
+
+def unsupported(width: int) -> str | None:
+    """Why the kernels cannot take rows of this width (None when they can)."""
+    if chunk_of(width) is None:
+        return (f"rows of {width}: the kernels take rows of at most {MAX_CHUNKS} pieces "
+                f"of a power of 2 from 16 to {MAX_CHUNK} columns")
+    return None
+
+
+def _store_quantized(pieces, q_ref, s_ref, row, chunk):
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(p)) for p in pieces])
+    scale = jnp.maximum(amax, MIN_SCALE) / FP8_MAX
+    for c, p in enumerate(pieces):
+        q_ref[row, pl.ds(c * chunk, chunk)] = jnp.clip(p / scale, -FP8_MAX,
+                                                       FP8_MAX).astype(q_ref.dtype)
+    s_ref[row] = scale
+
+
+def _rms_norm_quant_kernel(x_ref, w_ref, q_ref, s_ref, *, chunk, eps):
+    row, width = pl.program_id(0), x_ref.shape[1]
+    xs = [x_ref[row, pl.ds(c * chunk, chunk)].astype(jnp.float32)
+          for c in range(width // chunk)]
+    mean_sq = sum(jnp.sum(p * p) for p in xs) / width
+    inv = jax.lax.rsqrt(mean_sq + eps)
+    pieces = [w_ref[pl.ds(c * chunk, chunk)].astype(jnp.float32) * (p * inv)
+              for c, p in enumerate(xs)]
+    _store_quantized(pieces, q_ref, s_ref, row, chunk)
+
+
+def _silu_mul_quant_kernel(g_ref, u_ref, q_ref, s_ref, *, chunk):
+    row = pl.program_id(0)
+    pieces = []
+    for c in range(g_ref.shape[1] // chunk):
+        g = g_ref[row, pl.ds(c * chunk, chunk)].astype(jnp.float32)
+        u = u_ref[row, pl.ds(c * chunk, chunk)].astype(jnp.float32)
+        pieces.append(g * jax.nn.sigmoid(g) * u)
+    _store_quantized(pieces, q_ref, s_ref, row, chunk)
+
+
+def _call(kernel, rows: int, width: int, args, *, num_warps: int, interpret: bool, name: str):
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+    q, s = pl.pallas_call(
+        kernel, grid=(rows,), name=name, interpret=interpret,
+        out_shape=(jax.ShapeDtypeStruct((rows, width), FP8),
+                   jax.ShapeDtypeStruct((rows,), jnp.float32)), **params)(*args)
+    return q, s[:, None]
+
+
+def rms_norm_quant(x, weight, eps: float, *, num_warps: int = 4, interpret: bool = False):
+    """Fused rms_norm_quant_reference: x [T, H], weight [H] -> (e4m3 [T, H], scale [T, 1])."""
+    if (why := unsupported(x.shape[1])) is not None:
+        raise ValueError(why)
+    kern = functools.partial(_rms_norm_quant_kernel, chunk=chunk_of(x.shape[1]), eps=eps)
+    return _call(kern, x.shape[0], x.shape[1], (x, weight),
+                 num_warps=num_warps, interpret=interpret, name="rms_norm_quant")
+
+
+def silu_mul_quant(gate, up, *, num_warps: int = 8, interpret: bool = False):
+    """Fused silu_mul_quant_reference: gate, up [T, I] -> (e4m3 [T, I], scale [T, 1])."""
+    if (why := unsupported(gate.shape[1])) is not None:
+        raise ValueError(why)
+    kern = functools.partial(_silu_mul_quant_kernel, chunk=chunk_of(gate.shape[1]))
+    return _call(kern, gate.shape[0], gate.shape[1], (gate, up),
+                 num_warps=num_warps, interpret=interpret, name="silu_mul_quant")

@@ -1,0 +1,88 @@
+"""The fused activation-quantization kernels (pallas_kernels/act_quant.py) against their
+pure-JAX references: interpret mode on the CPU, and lowered for CUDA (the Triton lowering
+runs here) at the LLaMA-3-8B widths."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.act_quant import (FP8, chunk_of, rms_norm_quant, rms_norm_quant_reference,
+                                      silu_mul_quant, silu_mul_quant_reference, unsupported)
+
+
+def _close_fp8(got, want):
+    """Same scales; values equal but for rare one-step differences (the sums' order:
+    the kernel reduces a row piece by piece)."""
+    (q, s), (q_ref, s_ref) = got, want
+    assert q.dtype == q_ref.dtype == FP8 and q.shape == q_ref.shape
+    np.testing.assert_allclose(np.asarray(s), np.asarray(s_ref), rtol=1e-6)
+    a, b = np.asarray(q, np.float32), np.asarray(q_ref, np.float32)
+    differ = a != b
+    assert differ.mean() < 0.002, differ.mean()
+    # one e4m3 step: 3 mantissa bits, at most 1/8 of the value (or a subnormal's step)
+    np.testing.assert_allclose(a[differ], b[differ], rtol=0.125, atol=2.0 ** -9)
+
+
+@pytest.mark.parametrize("t, width, dtype", [(8, 64, jnp.float32), (5, 14336, jnp.bfloat16),
+                                             (3, 4096, jnp.bfloat16)])
+def test_silu_mul_quant_matches_reference_interpret(t, width, dtype):
+    kg, ku = jax.random.split(jax.random.PRNGKey(width))
+    gate = (3 * jax.random.normal(kg, (t, width))).astype(dtype)
+    up = jax.random.normal(ku, (t, width)).astype(dtype).at[0, 5].set(40.0)  # an outlier
+    _close_fp8(silu_mul_quant(gate, up, interpret=True), silu_mul_quant_reference(gate, up))
+
+
+@pytest.mark.parametrize("t, width, dtype", [(8, 64, jnp.float32), (4, 4096, jnp.bfloat16)])
+def test_rms_norm_quant_matches_reference_interpret(t, width, dtype):
+    kx, kw = jax.random.split(jax.random.PRNGKey(width + 1))
+    x = (10 * jax.random.normal(kx, (t, width))).astype(dtype)
+    x = x.at[1].set(0)  # an all-zero row: scale MIN_SCALE / 448, zeros out
+    w = (1 + 0.1 * jax.random.normal(kw, (width,))).astype(dtype)
+    got = rms_norm_quant(x, w, 1e-5, interpret=True)
+    _close_fp8(got, rms_norm_quant_reference(x, w, 1e-5))
+    assert not np.asarray(got[0][1], np.float32).any()
+
+
+def test_widths_the_kernels_cannot_take_are_refused():
+    assert chunk_of(14336) == 2048 and chunk_of(4096) == 2048 and chunk_of(7168) == 1024
+    assert unsupported(100) is not None and unsupported(2048 * 17) is not None
+    with pytest.raises(ValueError, match="pieces"):
+        silu_mul_quant(jnp.zeros((2, 100)), jnp.zeros((2, 100)), interpret=True)
+
+
+@pytest.mark.parametrize("which, width", [("silu", 14336), ("silu", 7168), ("rms", 4096)])
+def test_kernels_lower_for_cuda(which, width):
+    """The Triton lowering of both kernels at the 8B's widths (and the intermediate
+    size's half under TP 2), on the CPU."""
+    from jax import export
+    sd = jax.ShapeDtypeStruct
+    x = sd((2048, width), jnp.bfloat16)
+    if which == "silu":
+        f, args = jax.jit(silu_mul_quant), (x, x)
+    else:
+        f, args = jax.jit(lambda x, w: rms_norm_quant(x, w, 1e-5)), (x, sd((width,), jnp.bfloat16))
+    exp = export.export(f, platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    assert ("silu_mul_quant" if which == "silu" else "rms_norm_quant") in exp.mlir_module()
+    assert exp.out_avals[0].dtype == FP8 and exp.out_avals[1].shape == (2048, 1)
+
+
+def test_engine_with_fused_quantization_gives_the_xla_quantizations_tokens(tiny_bundle):
+    """The FP8 model with its projections' inputs quantized by the fused kernels
+    (KernelConfig.act_quant 'pallas', interpreted here) gives the greedy tokens of XLA's
+    quantization, and its logits within rounding of them."""
+    from nanojax.config import KernelConfig
+    from nanojax.engine.llm import LLM
+    from nanojax.engine.sampling import SamplingParams
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [300, 2, 41], list(range(100, 130))]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+    outs = {}
+    for mode in ("xla", "pallas"):
+        llm = LLM(tiny_bundle, quantization="fp8", b_dense=32, max_model_len=64,
+                  kernels=KernelConfig(act_quant=mode))
+        assert llm.engine.runner.forward.act_quant == mode
+        outs[mode] = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(outs["xla"], outs["pallas"]):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose([x["logprob"] for x in a.outputs[0].logprobs],
+                                   [x["logprob"] for x in b.outputs[0].logprobs], atol=2e-2)

@@ -1,0 +1,146 @@
+"""The scheduler's array-backed state (issue 43: the running requests' numbers kept as
+columns, updated where they change) against a recomputation from the Sequences, through
+random joins, finishes, aborts, preemptions and prefix-cache hits; the vectorized predicted
+admission against its definition."""
+import numpy as np
+import pytest
+
+from nanojax.bench.schedule_sim import read_tokens
+from nanojax.engine import scheduler
+from nanojax.engine.kv_cache import PageAllocator
+from nanojax.engine.prefix_cache import PrefixCache
+from nanojax.engine.sampling import SamplingParams
+from nanojax.engine.scheduler import (RowView, Scheduler, _fitting_prefix, held_pages,
+                                      predicted_peak)
+from nanojax.engine.sequence import Sequence
+
+
+def _assert_rows_match(sched: Scheduler) -> None:
+    r = sched._rows.view()
+    running = sched.running
+    assert len(r.key) == len(running) == len(sched._key_of)
+    assert list(r.key) == [sched._key_of[s] for s in running]
+    assert np.all(np.diff(r.key) > 0)  # ascending: found by binary search
+    want = {"prompt": [len(s.prompt_ids) for s in running],
+            "total": [s.num_total for s in running],
+            "computed": [s.num_computed for s in running],
+            "pages": [len(s.pages) for s in running],
+            "cached": [s.num_cached_pages for s in running],
+            "loading": [s.loading is not None for s in running],
+            "max_tokens": [s.params.max_tokens for s in running],
+            "can_stop": [s.can_stop for s in running]}
+    assert set(want) | {"key"} == set(RowView._fields)
+    for name, values in want.items():
+        assert getattr(r, name).tolist() == [int(v) for v in values], name
+
+
+def _retire(sched: Scheduler, batch, rng) -> int:
+    """The engine's reading of a batch: some requests stop early (EOS), the rest at
+    max_tokens."""
+    return read_tokens(sched, batch, token=lambda seq: int(rng.integers(0, 8)),
+                       stop=lambda seq: seq.can_stop and rng.random() < 0.02)
+
+
+@pytest.mark.parametrize("admission,prefix,pages", [
+    ("greedy", False, 60),      # small caches: preemptions (tens)
+    ("predicted", False, 90),
+    ("greedy", True, 60),       # shared prefixes: cached pages, evictions, preemptions
+    ("predicted", True, 260),
+])
+def test_columns_match_the_sequences_through_random_traffic(admission, prefix, pages,
+                                                           monkeypatch):
+    room = scheduler._Room.__init__
+
+    def checked_room(self, sched):  # mid-iteration too: admission reads the columns
+        _assert_rows_match(sched)
+        room(self, sched)
+    monkeypatch.setattr(scheduler._Room, "__init__", checked_room)
+    rng = np.random.default_rng(7)
+    ps = 4
+    alloc = PageAllocator(pages)
+    sched = Scheduler(alloc, ps, b_dense=48, max_num_seqs=24, max_model_len=96,
+                      chunk_cuts=(16, 32), admission=admission, max_prefill_seqs=4,
+                      prefix_cache=PrefixCache(alloc, ps, b"root") if prefix else None)
+    stems = [rng.integers(0, 8, 40).tolist() for _ in range(3)]
+    n, left, in_flight, aborted = 0, 0, None, 0
+    for it in range(600):
+        if it < 400 and rng.random() < 0.5:  # arrivals
+            for _ in range(int(rng.integers(1, 4))):
+                prompt = (stems[n % 3][:int(rng.integers(4, 40))]
+                          + rng.integers(0, 8, int(rng.integers(1, 12))).tolist())
+                sched.add(Sequence(f"r{n}", prompt, SamplingParams(
+                    max_tokens=int(rng.integers(1, 40)), ignore_eos=bool(n % 2))))
+                n, left = n + 1, left + 1
+        batch = sched.schedule(in_flight)
+        _assert_rows_match(sched)
+        assert batch.num_tokens == sum(e.num_tokens for e in batch.entries)
+        if in_flight is not None:  # a decode's input on the device: its row there
+            rows = {id(e.seq): row for row, e in enumerate(in_flight.entries)}
+            for e in batch.entries[:batch.num_decodes]:
+                assert e.prev_row == rows.get(id(e.seq), -1)
+        if in_flight is not None:
+            left -= _retire(sched, in_flight, rng)
+        if rng.random() < 0.1 and batch:  # now and then a step read at once (no async)
+            left -= _retire(sched, batch, rng)
+            batch = None
+        if rng.random() < 0.05 and left:  # an abort, running or waiting
+            seq = rng.choice(np.array(sched.running + list(sched.waiting), dtype=object))
+            seq.finish("abort")
+            sched.remove(seq)
+            left, aborted = left - 1, aborted + 1
+        _assert_rows_match(sched)
+        in_flight = batch or None
+    while left:  # drain
+        batch = sched.schedule(in_flight)
+        _assert_rows_match(sched)
+        if in_flight is not None:
+            left -= _retire(sched, in_flight, rng)
+        assert batch or in_flight is not None, "stalled"
+        in_flight = batch or None
+    assert not sched.running and not sched._key_of and sched._rows.n == 0
+    assert alloc.num_free == pages
+    if pages < 100:
+        assert sched.num_preemptions > 10  # the small caches did preempt
+    if prefix:
+        assert sched.prefix_cache is not None and sched.prefix_cache.stats.hits > 0
+    assert aborted > 0
+
+
+def test_schedule_takes_the_batch_in_flight_or_its_rows():
+    """The engine passes the step in flight; a dict of its rows gives the same batch."""
+    def run(as_dict: bool):
+        sched = Scheduler(PageAllocator(64), 4, 32, 8, 64)
+        for i in range(6):
+            sched.add(Sequence(f"r{i}", [1] * (3 + i), SamplingParams(max_tokens=5)))
+        out, prev = [], None
+        for _ in range(8):
+            arg = ({id(e.seq): r for r, e in enumerate(prev.entries)}
+                   if as_dict and prev else prev)
+            batch = sched.schedule(arg)
+            out.append([(e.seq.request_id, e.start, e.num_tokens, e.samples, e.prev_row)
+                        for e in batch.entries])
+            if prev is not None:
+                _retire(sched, prev, np.random.default_rng(0))
+            prev = batch or None
+        return out
+    batches = run(False)
+    assert batches == run(True)
+    assert any(e[4] >= 0 for b in batches for e in b)  # some inputs came from the device
+
+
+def test_held_pages_and_fitting_prefix_follow_their_definitions():
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        ps = int(rng.integers(1, 17))
+        n, k = int(rng.integers(0, 30)), int(rng.integers(0, 12))
+        now, left = rng.integers(0, 90, n), rng.integers(1, 60, n)
+        hnow, hleft = rng.integers(0, 90, k), rng.integers(1, 60, k)
+        times = np.unique(rng.integers(0, 70, 8))
+        brute = [sum(-(-(now[i] + t) // ps) for i in range(n) if left[i] >= t) for t in times]
+        assert held_pages(now, left, ps, times).tolist() == brute
+        # the most of the head that fits: what a search over predicted_peak finds
+        cap = int(rng.integers(0, 400))
+        peaks = [predicted_peak(np.r_[now, hnow[:j]], np.r_[left, hleft[:j]], ps)
+                 for j in range(1, k + 1)]
+        want = next((j for j, p in enumerate(peaks) if p > cap), k)
+        assert _fitting_prefix(now, left, hnow, hleft, ps, cap) == want
