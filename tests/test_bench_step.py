@@ -254,7 +254,7 @@ def test_step_modes_parse_into_their_options():
                  "shard_map": False, "logit_rows": "engine", "merge_dots": None,
                  "fused_append": None, "command_buffers": None,
                  "decode_longest_first": None, "kv_cache_dtype": None, "decode_kernel": None,
-                 "quantization": None}
+                 "quantization": None, "act_quant": None}
     assert parse_mode("non-overlap::alllogits")["logit_rows"] == "all"
     assert parse_mode("overlap:0.5:seqlogits")["logit_rows"] == "seqs"
     assert parse_mode("overlap:1.0:keepall")["keep"] == "values"
