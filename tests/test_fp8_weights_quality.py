@@ -22,7 +22,7 @@ def test_fp8_weights_stay_close_to_the_float_model(smollm2):
     fp8 = quantize_bundle(smollm2, "fp8")
     res = measure_variants({"float32": (smollm2, "auto"), "fp8": (fp8, "auto"),
                             "fp8+kv": (fp8, "fp8")}, "float32", QUALITY_PROMPTS[:16], 64,
-                           log=lambda m: None)
+                           group=1, log=lambda m: None)  # group: see test_fp8_kv_quality
     w8, w8kv = res["compared"]["fp8"], res["compared"]["fp8+kv"]
     print(res["generate_seconds"], res["teacher_forced_seconds"], w8, w8kv)
     assert w8["scored_positions"] == w8kv["scored_positions"] == 16 * 64

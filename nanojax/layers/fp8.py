@@ -39,7 +39,8 @@ FP8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 FP8_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-def _to_fp8(x):
+def to_fp8(x):
+    """Saturating cast to e4m3: values past +-448 clip instead of becoming NaN."""
     return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(FP8)
 
 
@@ -49,7 +50,7 @@ def quantize_weight(kernel):
     output channel (of each expert) scaled so its absmax maps to 448."""
     w = jnp.swapaxes(jnp.asarray(kernel, jnp.float32), -1, -2)
     scale = jnp.maximum(jnp.max(jnp.abs(w), axis=-1), _MIN_SCALE) / FP8_MAX
-    return _to_fp8(w / scale[..., None]), scale
+    return to_fp8(w / scale[..., None]), scale
 
 
 def is_expert_stack(name, node) -> bool:
@@ -73,7 +74,7 @@ def quantize_activation(x, input_scale=None):
         scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1, keepdims=True), _MIN_SCALE) / FP8_MAX
     else:
         scale = jnp.asarray(input_scale, jnp.float32)
-    return _to_fp8(xf / scale), scale
+    return to_fp8(xf / scale), scale
 
 
 def fp8_matmul(x8, weight, out_dtype):

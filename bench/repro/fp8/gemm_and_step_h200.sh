@@ -7,12 +7,13 @@
 # for cuBLASLt's FP8 GEMM. ':fusedquant': the FP8 projections' inputs quantized inside
 # RMSNorm and SiLU x up (pallas_kernels/act_quant.py) instead of by XLA's two passes after
 # them (KernelConfig.act_quant; its default flips to auto once this measures it faster).
-# Usage: OUT=dir bash bench/repro/fp8/gemm_and_step_h200.sh
+# Usage: OUT=dir [GEMM=0: skip the GEMM bench] [MODES=...] [WORKLOADS=...] [SUSTAIN=s]
+#   bash bench/repro/fp8/gemm_and_step_h200.sh
 set -u
 OUT=${OUT:?set OUT}
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-timeout "${LIMIT_GEMM:-150}" python3 bench/kernels/fp8_gemm.py --out "$OUT/fp8_gemm_h200.json" \
-  2>&1 | grep -v "^[WI]1" | cut -c1-400
+[ "${GEMM:-1}" = 0 ] || timeout "${LIMIT_GEMM:-150}" python3 bench/kernels/fp8_gemm.py \
+  --out "$OUT/fp8_gemm_h200.json" 2>&1 | grep -v "^[WI]1" | cut -c1-400
 timeout "${LIMIT_STEP:-400}" python3 -m nanojax bench step --model random:llama3-8b \
   --plan llama3-8b-1gpu --b-dense 2048 --workloads "${WORKLOADS:-512/512,sharegpt,lmsys,splitwise}" \
   --modes "${MODES:-non-overlap,non-overlap::fp8w,non-overlap::fp8w:fp8kv,non-overlap::fp8w:fp8kv:fusedquant,non-overlap::fp8w:dotmerge}" \

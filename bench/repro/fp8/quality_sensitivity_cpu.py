@@ -127,7 +127,7 @@ def fake_weight(kernel, scale_mode: str, tensor_amax=None):
     import jax.numpy as jnp
     import numpy as np
 
-    from nanojax.layers.fp8 import FP8_MAX, _to_fp8, quantize_weight
+    from nanojax.layers.fp8 import FP8_MAX, to_fp8, quantize_weight
     if scale_mode == "channel":
         w8, scale = quantize_weight(kernel)
         return np.asarray((w8.astype(jnp.float32) * scale[:, None]).T)
@@ -136,11 +136,11 @@ def fake_weight(kernel, scale_mode: str, tensor_amax=None):
         pad = np.pad(np.asarray(kernel, np.float32), ((0, -k % BLOCK), (0, -n % BLOCK)))
         tiles = pad.reshape(pad.shape[0] // BLOCK, BLOCK, pad.shape[1] // BLOCK, BLOCK)
         scale = np.maximum(np.abs(tiles).max(axis=(1, 3), keepdims=True), 1e-12) / FP8_MAX
-        back = np.asarray(_to_fp8(jnp.asarray(tiles / scale)).astype(jnp.float32)) * scale
+        back = np.asarray(to_fp8(jnp.asarray(tiles / scale)).astype(jnp.float32)) * scale
         return back.reshape(pad.shape)[:k, :n].astype(np.float32)
     amax = float(np.abs(kernel).max()) if tensor_amax is None else tensor_amax
     scale = max(amax, 1e-12) / FP8_MAX
-    return np.asarray(_to_fp8(jnp.asarray(kernel, jnp.float32) / scale).astype(jnp.float32)
+    return np.asarray(to_fp8(jnp.asarray(kernel, jnp.float32) / scale).astype(jnp.float32)
                       * scale)
 
 
