@@ -41,6 +41,27 @@ def test_bitmask_is_unpacked_as_llguidance_packs_it():
     np.testing.assert_array_equal(np.asarray(apply_bitmask(logits, mask)), want)
 
 
+def test_compact_masks_equal_the_whole_batch_mask():
+    """A step's masks for its constrained rows only, scattered on the device (padding rows
+    past the batch dropped), give the logits a whole-batch mask gives."""
+    from nanojax.engine.sampling import apply_bitmask
+    from nanojax.engine.structured import mask_rows
+    rng = np.random.default_rng(1)
+    num_rows, words = 64, 4
+    logits = rng.standard_normal((num_rows, 100)).astype(np.float32)
+    rows = np.array([3, 17, 40, 63], np.int32)
+    size = mask_rows(len(rows), num_rows)
+    assert size == 8 and mask_rows(8, num_rows) == 8 and mask_rows(9, num_rows) == 64
+    compact = np.full((size, words), -1, np.int32)
+    compact[:len(rows)] = rng.integers(-2**31, 2**31, size=(len(rows), words)).astype(np.int32)
+    index = np.concatenate([rows, np.full(size - len(rows), num_rows, np.int32)])  # padding
+    full = np.full((num_rows, words), -1, np.int32)
+    full[rows] = compact[:len(rows)]
+    assert (np.asarray(apply_bitmask(logits, full)) == -np.inf).any()  # the masks mask
+    np.testing.assert_array_equal(
+        np.asarray(apply_bitmask(logits, compact, index)), np.asarray(apply_bitmask(logits, full)))
+
+
 def test_constraints_hold_in_a_mixed_batch(llm):
     """JSON schema, any JSON object, regex, choice and a Lark grammar share a batch with an
     unconstrained request, which samples what it samples alone."""

@@ -42,7 +42,7 @@ def test_the_default_schema_never_closes_its_array(smollm2):
     grammars = GrammarCompiler(tok, smollm2.config.vocab_size, tok.eos_token_ids)
     matcher = grammars.matcher(StructuredOutputsParams(json=DEFAULT_STRUCTURED_SCHEMA))
     assert all(matcher.consume_token(t) for t in tok.encode("[1,2"))
-    row = grammars.bitmask([(matcher, 0)], 1)[0]
+    row = grammars.bitmask([(matcher, 0)], 1).mask[0]
     assert _allows(row, tok.encode(",")[0]) and not _allows(row, tok.encode("]")[0])
 
 

@@ -25,6 +25,7 @@ from nanojax.engine.forward import Forward, default_forward
 from nanojax.engine.sampling import (Penalties, any_logprobs, any_sampling, penalty_inputs,
                                      sample, with_pending)
 from nanojax.engine.scheduler import ScheduledBatch
+from nanojax.engine.structured import GrammarMasks, mask_sizes
 from nanojax.layers.attention import PagedMetadata, prefill_metadata
 
 if TYPE_CHECKING:
@@ -126,7 +127,7 @@ class MaskedStep:
         self._out: StepOutput | concurrent.futures.Future | None = None
 
     def complete(self, bitmask_fn) -> None:
-        """bitmask_fn(num_rows) -> [num_rows, ceil(V/32)] int32 (GrammarCompiler.bitmask),
+        """bitmask_fn(num_rows) -> the step's GrammarMasks (GrammarCompiler.bitmask),
         called after the forward is dispatched, on the dispatch thread where there is one."""
         self._out = self._runner._complete(self._inputs, self._forward, bitmask_fn)
 
@@ -328,20 +329,25 @@ class ModelRunner:
 
     def _warm_samplers(self, empty, masked: bool) -> None:
         """The sampler's other variants (one row shape): a padding row at temperature 1
-        and / or asking for logprobs, each also under an all-allowing grammar mask when
-        masked (the mask changes the program, not its values); it samples a token nobody
-        reads. The unmasked greedy one ran with the step shapes."""
-        variants = [(t, lp, False) for t, lp in ((1.0, False), (0.0, True), (1.0, True))]
-        if masked:
-            variants += [(t, lp, True) for t in (0.0, 1.0) for lp in (False, True)]
+        and / or asking for logprobs, each also under all-allowing grammar masks of each
+        size when masked (the mask changes the program, not its values); it samples a
+        token nobody reads. The unmasked greedy one ran with the step shapes."""
+        num_rows = len(self._host_inputs(empty, *self.shapes_for(empty)).temperature)
+        variants: list[tuple[float, bool, int | None]] = [
+            (t, lp, None) for t, lp in ((1.0, False), (0.0, True), (1.0, True))]
+        if masked:  # every size a step's masks come in (structured.mask_sizes)
+            variants += [(t, lp, n) for t in (0.0, 1.0) for lp in (False, True)
+                         for n in mask_sizes(num_rows)]
         words = -(-self.cfg.vocab_size // 32)  # the packed mask's width
         self.wait_dispatched()
-        for temperature, logprobs, with_mask in variants:
+        for temperature, logprobs, mask_size in variants:
             inputs = self._host_inputs(empty, *self.shapes_for(empty))
             inputs.temperature[0], inputs.wants_logprobs[0] = temperature, logprobs
             if self.broadcast is not None:
                 self.broadcast.send(inputs)
-            allow_all = (lambda rows: np.full((rows, words), -1, np.int32)) if with_mask else None
+            allow_all = None if mask_size is None else (
+                lambda rows, n=mask_size: GrammarMasks(np.full((n, words), -1, np.int32),
+                                                       np.full(n, rows, np.int32)))
             jax.block_until_ready(self._run(inputs, allow_all).tokens)
 
     def with_kv(self, fn):

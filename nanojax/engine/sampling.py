@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nanojax.engine.structured import StructuredOutputError, StructuredOutputsParams
+from nanojax.engine.structured import (GrammarMasks, StructuredOutputError,
+                                       StructuredOutputsParams)
 from nanojax.errors import NanojaxError
 
 MAX_LOGPROBS = 20
@@ -215,12 +216,17 @@ def apply_penalties(logits, pen: Penalties):
             - pen.presence[:, None] * (counts > 0).astype(jnp.float32))
 
 
-def apply_bitmask(logits, bitmask):
+def apply_bitmask(logits, bitmask, rows=None):
     """Grammar masks: bitmask [R, ceil(V/32)] int32 as llguidance packs it (bit j of word w
-    allows token 32w + j), unpacked here on the device; disallowed tokens get -inf.
+    allows token 32w + j), unpacked here on the device; disallowed tokens get -inf. With
+    rows [N] (GrammarMasks), bitmask holds N rows' masks only: scattered into an allow-all
+    mask first (rows past R dropped).
     Under tensor parallelism the logits are vocab-sharded and this elementwise select is
     sharded with them (the packed mask is small and replicated)."""
     r, v = logits.shape
+    if rows is not None:
+        bitmask = jnp.full((r, bitmask.shape[1]), -1, jnp.int32).at[rows].set(
+            bitmask, mode="drop")
     bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
     allowed = bits.reshape(r, -1)[:, :v] != 0
     return jnp.where(allowed, logits, -jnp.inf)
@@ -238,10 +244,11 @@ def any_logprobs(wants) -> bool:
 
 
 def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties | None = None,
-           top_logprobs=None, sampling: bool = True, logprobs: bool = True, bitmask=None):
+           top_logprobs=None, sampling: bool = True, logprobs: bool = True,
+           bitmask: GrammarMasks | None = None):
     """logits [R, V] f32; per-row temperature, top_p, top_k (<=0: off), seeds [R] uint32x2,
-    steps [R]; penalties: None or the logit-processing pass's inputs; bitmask: None or
-    the grammar masks (apply_bitmask), None when no row is constrained -> (tokens [R],
+    steps [R]; penalties: None or the logit-processing pass's inputs; bitmask: the
+    constrained rows' grammar masks (apply_bitmask), None when no row is -> (tokens [R],
     chosen logprob [R], top ids [R, K], top logprobs [R, K]).
     sampling: static, decided on the host (any_sampling): False when every row is greedy,
     so the step holds no draw and no sort. It is not a lax.cond on the device: on a GPU
@@ -261,7 +268,7 @@ def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties
     if penalties is not None:
         logits = apply_penalties(logits, penalties)
     if bitmask is not None:
-        logits = apply_bitmask(logits, bitmask)
+        logits = apply_bitmask(logits, bitmask.mask, bitmask.rows)
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     safe_t = jnp.where(temperature > 0, temperature, 1.0)
     scaled = logits / safe_t[:, None]

@@ -9,6 +9,8 @@
 # (rates run + drain) per sweep; one trace and one plan setting per 10-minute call is safe.
 # Usage: OUT=dir [TRACES="splitwise lmsys sharegpt"] [PLANS="none auto"]
 #        [RATES=2,4,8,12,16,24,32] [SWEEP_S=40] bash bench/repro/serving/online_sweep_llama3_8b.sh
+# RATES_<trace> (RATES_sharegpt=16,24,32, ...) gives one trace its own rates: all three
+# traces around their earlier highest rates in one call.
 # MODEL, B_DENSE, VOCAB only for a CPU dry run (random:tiny, 64, 512).
 set -u
 OUT=${OUT:?set OUT}
@@ -19,13 +21,14 @@ for trace in ${TRACES:-splitwise lmsys sharegpt}; do
   for plan in ${PLANS:-none auto}; do
     flags=(); [ "$plan" != none ] && flags=(--plan "$plan")
     tag=${trace}_plan-${plan}
+    rates_var=RATES_$trace; rates=${!rates_var:-${RATES:-2,4,8,12,16,24,32}}
     python3 -m nanojax serve --model "$MODEL" --b-dense "$B_DENSE" --port "$port" \
       --no-access-log "${flags[@]}" > "$OUT/serve_$tag.log" 2>&1 &
     server=$!
     for _ in $(seq 400); do  # compile, then listen
       curl -sf "http://127.0.0.1:$port/health" > /dev/null && break; sleep 1; done
     timeout "${LIMIT:-420}" python3 -m nanojax bench serve --base-url "http://127.0.0.1:$port" \
-      --trace "$trace" --request-rates "${RATES:-2,4,8,12,16,24,32}" \
+      --trace "$trace" --request-rates "$rates" \
       --sweep-seconds "${SWEEP_S:-40}" --vocab-size "${VOCAB:-128256}" --quiet \
       --json "$OUT/sweep_$tag.json" 2>&1 | grep -v "^[WI]1" | tail -n 12
     kill "$server"; wait "$server" 2> /dev/null
