@@ -56,6 +56,15 @@ def tiling_for(m: int, n: int) -> GroupedTiling:
     return WIDE_TILING if m > 128 and n % WIDE_TILING.block_n == 0 else GroupedTiling()
 
 
+def _tile_misfit(m: int, k: int, n: int, tiling: GroupedTiling) -> str | None:
+    """Which of M, K, N a tiling does not divide (None when it divides all three)."""
+    for name, size, tile in (("M", m, tiling.block_m), ("K", k, tiling.block_k),
+                             ("N", n, tiling.block_n * tiling.grid_block_n)):
+        if size % tile:
+            return f"{name} = {size} is not a multiple of {tile}"
+    return None
+
+
 def unsupported(x, w, tiling: GroupedTiling = GroupedTiling()) -> str | None:
     """Why the kernel cannot take these operands (None when it can)."""
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
@@ -63,11 +72,7 @@ def unsupported(x, w, tiling: GroupedTiling = GroupedTiling()) -> str | None:
     if x.dtype != w.dtype or jnp.dtype(x.dtype).itemsize != 2:
         return f"needs two 16-bit operands of one dtype, got {x.dtype} and {w.dtype}"
     (m, k), n = x.shape, w.shape[2]
-    for name, size, tile in (("M", m, tiling.block_m), ("K", k, tiling.block_k),
-                             ("N", n, tiling.block_n * tiling.grid_block_n)):
-        if size % tile:
-            return f"{name} = {size} is not a multiple of {tile}"
-    return None
+    return _tile_misfit(m, k, n, tiling)
 
 
 @functools.partial(jax.jit, static_argnames=("tiling",))
@@ -111,11 +116,7 @@ def unsupported_fp8(x8, w8, tiling: GroupedTiling | None = None,
         return f"writes a 16-bit output, not {jnp.dtype(out_dtype)}"
     tiling = tiling or fp8_tiling_for(x8.shape[0], w8.shape[1])
     (m, k), n = x8.shape, w8.shape[1]
-    for name, size, tile in (("M", m, tiling.block_m), ("K", k, tiling.block_k),
-                             ("N", n, tiling.block_n * tiling.grid_block_n)):
-        if size % tile:
-            return f"{name} = {size} is not a multiple of {tile}"
-    return None
+    return _tile_misfit(m, k, n, tiling)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tiling", "num_programs",
