@@ -79,12 +79,43 @@ def _load(model: str, dtype: str | None, cache_dir, num_layers: int | None,
     return load_source(Path(model), dtype, tensor_parallel_size)
 
 
-def convert(src: Path, dst: Path, dtype: str = "float32", overwrite: bool = False) -> Path:
+def convert(src: Path, dst: Path, dtype: str = "float32", overwrite: bool = False,
+            quantization: str | None = None,
+            calibration: list[str] | list[list[int]] | None = None,
+            calibration_max_tokens: int = 512) -> Path:
+    """src (GGUF, HF or nanojax) -> a nanojax checkpoint at dst. quantization "fp8": the
+    dense projections stored in FP8 (per output channel); calibration (texts, or token-id
+    sequences): with static activation scales from the float model's activations on them
+    (nanojax/models/fp8_calibration.py; each sample cut to calibration_max_tokens), as
+    llm-compressor's static FP8 recipe writes them; without it, dynamic per-token ones."""
     from checkpoints.orbax_store import save_orbax
     dst = Path(dst).absolute()
     if dst.exists() and not overwrite:  # refused before the weights are read, not after
         raise CheckpointError(f"destination {dst} already exists (use --overwrite)")
-    return save_orbax(load_source(Path(src), dtype), dst, overwrite=overwrite)
+    if calibration is not None and quantization != "fp8":
+        raise CheckpointError("calibration data sets FP8 static activation scales: give "
+                              "quantization 'fp8' with it")
+    if calibration is not None and not any(calibration):
+        raise CheckpointError("the calibration data holds no sample")
+    bundle = load_source(Path(src), dtype)
+    absmax = None
+    if calibration is not None:
+        from nanojax.models.fp8_calibration import input_absmax
+        if bundle.config.is_moe:
+            raise CheckpointError("static FP8 activation scales are not supported for MoE "
+                                  "models (their experts take dynamic scales)")
+        if isinstance(calibration[0], str):
+            if bundle.tokenizer is None:
+                raise CheckpointError(f"{src} has no tokenizer to read the calibration "
+                                      "text with")
+            calibration = [bundle.tokenizer.encode(t) for t in calibration]
+        seqs = [list(s)[:calibration_max_tokens] for s in calibration if len(s)]
+        absmax = input_absmax(bundle, seqs)
+    bundle = quantize_bundle(bundle, quantization)
+    if absmax is not None:
+        from nanojax.models.fp8_calibration import with_static_scales
+        bundle = with_static_scales(bundle, absmax)
+    return save_orbax(bundle, dst, overwrite=overwrite)
 
 
 def load_tokenizer(model: str, cache_dir=None) -> Tokenizer:

@@ -68,10 +68,41 @@ def cmd_generate(args) -> int:
 
 
 def cmd_convert(args) -> int:
+    calibration = None
+    if args.calibration_data is not None:  # read before the weights: a bad file fails fast
+        calibration = read_calibration_texts(args.calibration_data)
+        if args.quantization != "fp8":
+            raise SystemExit("nanojax: --calibration-data sets FP8 static activation "
+                             "scales: give --quantization fp8 with it")
     dst = plugins.model_loader().convert(args.src, args.dst, dtype=args.dtype or "float32",
-                                         overwrite=args.overwrite)
+                                         overwrite=args.overwrite,
+                                         quantization=args.quantization,
+                                         calibration=calibration)
     print(f"nanojax: wrote {dst}", file=sys.stderr)
     return 0
+
+
+def read_calibration_texts(path: str) -> list[str]:
+    """Calibration samples: a .jsonl file of {"text": ...} objects, or plain text with one
+    sample per line (blank lines skipped)."""
+    from pathlib import Path
+    p = Path(path)
+    if not p.is_file():
+        raise SystemExit(f"nanojax: --calibration-data: no file {path}")
+    try:
+        lines = [ln for ln in p.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        if p.suffix == ".jsonl":
+            texts = [json.loads(ln)["text"] for ln in lines]
+            if not all(isinstance(t, str) for t in texts):
+                raise TypeError("a 'text' that is not a string")
+        else:
+            texts = lines
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"nanojax: --calibration-data {path}: {type(e).__name__}: {e} "
+                         "(want one text per line, or .jsonl lines {\"text\": ...})") from None
+    if not texts:
+        raise SystemExit(f"nanojax: --calibration-data {path} holds no sample")
+    return texts
 
 
 def cmd_info(args) -> int:
@@ -119,6 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("dst")
     c.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     c.add_argument("--overwrite", action="store_true")
+    c.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="fp8: store the dense projections in FP8 (e4m3, per output channel); "
+                        "activations quantized per token at run time unless "
+                        "--calibration-data is given")
+    c.add_argument("--calibration-data", default=None, metavar="FILE",
+                   help="with --quantization fp8: static activation scales (one per "
+                        "projection, absmax / 448 of its inputs over these samples, cut to "
+                        "512 tokens each), as llm-compressor's static FP8 recipe; one text "
+                        "a line, or .jsonl lines {\"text\": ...}")
     c.set_defaults(func=cmd_convert)
 
     i = sub.add_parser("info", help="print a model's config and parameter count")

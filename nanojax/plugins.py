@@ -41,8 +41,12 @@ class ModelLoader(Protocol):
         shards under tensor parallelism) and quantized as asked."""
 
     def convert(self, src: str | os.PathLike, dst: str | os.PathLike,
-                dtype: str = "float32", overwrite: bool = False) -> Path:
-        """Writes src as a nanojax checkpoint at dst; returns dst."""
+                dtype: str = "float32", overwrite: bool = False,
+                quantization: str | None = None,
+                calibration: list[str] | list[list[int]] | None = None) -> Path:
+        """Writes src as a nanojax checkpoint at dst, its projections quantized as asked
+        (with calibration, FP8 with static activation scales calibrated on those texts
+        or token-id sequences); returns dst."""
 
     def load_tokenizer(self, model: str, cache_dir=None) -> Tokenizer:
         """A registered model's tokenizer, without its weights."""

@@ -223,18 +223,7 @@ def _overlap_decision(prof, best: dict, serial: float, pair: dict | None) -> dic
 def cmd_profile(args) -> int:
     from nanojax.plugins import model_loader
     from search.milp import SearchError
-    from search.profiler import run_profile
-    if args.tp > 1 and args.model.startswith("random:"):
-        # only one shard's shape is profiled (random weights): never load the whole model
-        from nanojax.config import named_shape
-        from nanojax.models.bundle import ModelBundle, default_dtype
-        bundle = ModelBundle(named_shape(args.model.split(":", 1)[1],
-                                         args.dtype or default_dtype()).replace(
-            quantization=args.quantization), None, None)
-    else:
-        bundle = model_loader().load_model(args.model, dtype=args.dtype,
-                                           cache_dir=args.cache_dir,
-                                           quantization=args.quantization)
+    from search.profiler import check_pair_pages, run_profile
     try:
         shares = [float(x) for x in args.shares.split(",")]
     except ValueError:
@@ -257,6 +246,21 @@ def cmd_profile(args) -> int:
         raise SystemExit(f"nanojax: --pair-gemms: unknown {bad}; choose from {list(GEMMS)}")
     from nanojax.profiling.synthetic import workload_lengths
     workload_lengths(args.workload, 2048)  # a bad workload fails before the profile runs
+    try:
+        check_pair_pages(pair_shares, args.kv_cache_dtype)
+    except SearchError as e:
+        raise SystemExit(f"nanojax: {e}") from None
+    if args.tp > 1 and args.model.startswith("random:"):
+        # only one shard's shape is profiled (random weights): never load the whole model
+        from nanojax.config import named_shape
+        from nanojax.models.bundle import ModelBundle, default_dtype
+        bundle = ModelBundle(named_shape(args.model.split(":", 1)[1],
+                                         args.dtype or default_dtype()).replace(
+            quantization=args.quantization), None, None)
+    else:
+        bundle = model_loader().load_model(args.model, dtype=args.dtype,
+                                           cache_dir=args.cache_dir,
+                                           quantization=args.quantization)
     command = " ".join(["nanojax"] + sys.argv[1:])
 
     def write(prof):
@@ -269,7 +273,8 @@ def cmd_profile(args) -> int:
                            iters=args.iters, tp=args.tp,
                            kernels=kernel_config_from_args(args), pair_shares=pair_shares,
                            pair_power_seconds=args.pair_power_seconds,
-                           pair_gemms=pair_gemms, checkpoint=write)
+                           pair_gemms=pair_gemms, checkpoint=write,
+                           kv_cache_dtype=args.kv_cache_dtype)
     except SearchError as e:
         raise SystemExit(f"nanojax: {e}") from None
     write(prof)
@@ -383,4 +388,5 @@ def register(sub) -> None:
                          "samples clock and power (0: off)")
     pr.add_argument("--out", required=True)
     add_engine_args(pr, kernels_only=True)
+    add_engine_args(pr, only=("kv_cache_dtype",))
     pr.set_defaults(func=cmd_profile)

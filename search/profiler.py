@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from nanojax.config import KernelConfig
 from nanojax.engine.forward import default_forward
 from nanojax.layers.attention import slice_metadata
+from nanojax.layers.kv_fp8 import QuantizedKV, is_fp8, quantize, resolve_kv_cache_dtype
 from nanojax.models.llama import DecoderLayer, LlamaForCausalLM
 from nanojax.pipeline.executor import side_stream_kernels
 from nanojax.profiling.synthetic import engine_batch_rows, synthetic_batch, workload_lengths
@@ -56,14 +57,16 @@ class LayerOps:
 
     def __init__(self, bundle, b_dense: int, granularity: int, workload: str = "512/512",
                  page_size: int = 16, num_pages: int = 16384, max_model_len: int = 2048,
-                 num_sms: int | None = None, kernels: KernelConfig = KernelConfig()):
+                 num_sms: int | None = None, kernels: KernelConfig = KernelConfig(),
+                 kv_cache_dtype: str = "auto"):
         """num_sms: the SMs an attention share divides (None: the device's, as the
-        executor's)."""
+        executor's); kv_cache_dtype: the pages attention reads (--kv-cache-dtype)."""
         self.kernels = kernels
         self.cfg = cfg = bundle.config
         self.layer = DecoderLayer(cfg)
         self.lp = jax.device_put({"params": bundle.params["params"]["layers_0"]})
         self.dtype = jnp.dtype(cfg.dtype)
+        self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, cfg.dtype)
         self.lengths = workload_lengths(workload, max_model_len)
         self.page_size, self.num_pages = page_size, num_pages
         self.num_sms = device_sms() if num_sms is None else num_sms
@@ -96,7 +99,14 @@ class LayerOps:
         # prepared as the executor prepares a nano-batch's (the decode order, once a step)
         meta = self.attention.prepare(slice_metadata(jax.device_put(self.dense.meta), 0, n))
         shape = (self.num_pages, c.num_kv_heads, self.page_size, c.head_dim)
-        kv = (jax.random.normal(key, shape, self.dtype), jax.random.normal(key, shape, self.dtype))
+        # two buffers (the timing loop donates the cache)
+        k_pages, v_pages = (jax.random.normal(key, shape, self.dtype) for _ in range(2))
+        if is_fp8(self.kv_dtype):  # as the engine's FP8 cache: e4m3 pages, scales of 1.0
+            scale = jnp.ones((c.num_kv_heads,), jnp.float32)
+            kv = QuantizedKV(quantize(k_pages, scale, head_axis=1),
+                             quantize(v_pages, scale, head_axis=1), scale, scale + 0)
+        else:
+            kv = (k_pages.astype(self.kv_dtype), v_pages.astype(self.kv_dtype))
         q = jax.random.normal(key, (n, c.num_heads, c.head_dim), self.dtype)
         k = jax.random.normal(key, (n, c.num_kv_heads, c.head_dim), self.dtype)
         return q, k, k, kv, meta
@@ -260,12 +270,20 @@ def measure_pair_or_skip(lay, b_dense, granularity, pair_shares, power_seconds=1
         return {"measured": False, "reason": why}
 
 
+def check_pair_pages(pair_shares, kv_cache_dtype: str) -> None:
+    """The fused pair's attention reads 16-bit pages only (nanojax/profiling/fused_pair.py)."""
+    if pair_shares and is_fp8(resolve_kv_cache_dtype(kv_cache_dtype, "bfloat16")):
+        raise SearchError("the fused GEMM + attention pair reads bf16 pages only: profile "
+                          "FP8 pages without --pair-shares")
+
+
 def run_profile(bundle, b_dense: int, granularity: int, workload: str = "512/512",
                 shares=(0.25, 0.5, 1.0), iters: int = 10, progress: bool = True,
                 num_pages: int = 16384, tp: int = 1,
                 kernels: KernelConfig = KernelConfig(), pair_shares=(),
-                pair_power_seconds: float = 1.0, pair_gemms=None, checkpoint=None) -> dict:
-    """pair_shares: the GEMM programs G to measure the fused pair at (empty: not
+                pair_power_seconds: float = 1.0, pair_gemms=None, checkpoint=None,
+                kv_cache_dtype: str = "auto") -> dict:
+    """kv_cache_dtype: the pages attention reads (fp8: the FP8 cache's kernels); pair_shares: the GEMM programs G to measure the fused pair at (empty: not
     measured, no "pair"); pair_gemms: its GEMM nano-ops (None: all four). checkpoint(out)
     is called with the op profile before the pair is measured (minutes with the Mosaic
     GPU kernels: a run cut short there keeps the op profile, which the search reads as
@@ -276,11 +294,12 @@ def run_profile(bundle, b_dense: int, granularity: int, workload: str = "512/512
     from nanojax.profiling.record import environment
     if b_dense % granularity:
         raise SearchError(f"B_dense {b_dense} is not a multiple of the granularity {granularity}")
+    check_pair_pages(pair_shares, kv_cache_dtype)
     signature = bundle.config.signature()
     if tp > 1:
         bundle = shard_bundle(bundle, tp)
     lay = LayerOps(bundle, b_dense, granularity, workload, num_pages=num_pages,
-                   kernels=kernels)
+                   kernels=kernels, kv_cache_dtype=kv_cache_dtype)
     sizes = list(range(granularity, b_dense + 1, granularity))
     shares = sorted(set(shares) | {1.0})
     bar = tqdm(total=len(sizes) * (len(COMPUTE_OPS) + len(shares)), desc="profile",
@@ -317,6 +336,7 @@ def run_profile(bundle, b_dense: int, granularity: int, workload: str = "512/512
         table = {"measured": False, "reason": "no concurrent streams on this backend"}
     out = {"version": 1, "b_dense": b_dense, "granularity": granularity,
            "workload": workload, "model": signature, "tp": tp, "ops": ops,
+           "quantization": bundle.config.quantization, "kv_cache_dtype": str(lay.kv_dtype),
            "interference": table, "environment": environment(),
            "kernels": dataclasses.asdict(kernels)}
     if pair_shares:

@@ -189,19 +189,25 @@ def test_the_fp8kv_mode_runs_with_an_fp8_cache():
 def test_the_fp8w_mode_runs_fp8_weights_beside_the_float_ones():
     """':fp8w' quantizes the run's weights for that mode alone (W8A8, layers/fp8.py): its
     logits move off the float mode's by e4m3's rounding, not more, and with ':fp8kv' on
-    top further still; the float mode is untouched."""
+    top further still; ':fp8static' with calibrated static activation scales; the float
+    mode is untouched."""
     from checkpoints.loader import load_model
     from nanojax.bench.step import parse_mode, run_step_bench
     assert parse_mode("non-overlap::fp8w:fp8kv")["quantization"] == "fp8"
     assert parse_mode("non-overlap::fp8w:fusedquant")["act_quant"] == "pallas"
+    assert parse_mode("non-overlap::fp8static")["quantization"] == "fp8-static"
     bundle = load_model("random:tiny")
-    modes = ["non-overlap", "non-overlap::fp8w", "non-overlap::fp8w:fp8kv"]
+    modes = ["non-overlap", "non-overlap::fp8w", "non-overlap::fp8w:fp8kv",
+             "non-overlap::fp8static"]
     out = run_step_bench(bundle, _two_batch_plan(bundle.config), [64], ["48/16"], modes,
                          num_pages=512, max_model_len=256, repeats=1, progress=False)
-    plain, w8, w8kv = out["results"]
+    plain, w8, w8kv, static = out["results"]
     assert plain["logits_max_diff_over_std"] == 0.0
     assert 1e-3 < w8["logits_max_diff_over_std"] < 0.5
     assert w8kv["logits_max_diff_over_std"] != w8["logits_max_diff_over_std"]
+    # one scale per projection: a rounding of its own, near the per-token one
+    assert 1e-3 < static["logits_max_diff_over_std"] < 0.5
+    assert static["logits_max_diff_over_std"] != w8["logits_max_diff_over_std"]
     assert "non-overlap::fp8w_over_non-overlap" in out["ratios"][0]
 
 
@@ -482,6 +488,8 @@ def test_throughput_bench_compares_modes_in_one_run(tmp_path):
      "--pair-shares must be positive integers"),
     (["profile", "--model", "random:tiny", "--pair-shares", "66", "--pair-gemms", "gate,up",
       "--out", "p.json"], "--pair-gemms: unknown ['gate', 'up']"),
+    (["profile", "--model", "random:tiny", "--pair-shares", "66", "--kv-cache-dtype", "fp8",
+      "--out", "p.json"], "reads bf16 pages only"),
 ])
 def test_bench_and_profile_refuse_bad_arguments_before_loading(argv, msg, capsys):
     from nanojax.cli import main

@@ -14,7 +14,7 @@ from checkpoints.hf_quantization import fp8_scheme
 from checkpoints.loader import load_model, quantize_bundle
 from checkpoints.orbax_store import load_orbax, save_orbax
 from nanojax.config import named_shape
-from nanojax.errors import UnsupportedError
+from nanojax.errors import CheckpointError, UnsupportedError
 from nanojax.layers.fp8 import (FP8, FP8_MAX, fp8_linear, quantize_activation,
                                 quantize_weight, reference_linear)
 
@@ -254,3 +254,59 @@ def test_cli_info_shows_the_quantization(capsys):
     with pytest.raises(SystemExit):
         main(["info", "random:tiny", "--quantization", "int4"])
     assert "invalid choice: 'int4'" in capsys.readouterr().err
+
+
+def test_convert_writes_fp8_with_calibrated_static_scales(tmp_path):
+    """`nanojax convert --quantization fp8` with calibration: an FP8 nanojax checkpoint whose
+    projections carry input_scale = the calibration absmax / 448, loaded back static and
+    close to the float model; without calibration, dynamic scales."""
+    import torch
+
+    from checkpoints.loader import convert, load_model
+    from nanojax.models.fp8_calibration import input_absmax
+    from nanojax.reference import ReferenceGenerator
+    model = _float_hf_dir(tmp_path)
+    rng = np.random.default_rng(1)
+    calib = [rng.integers(0, 300, int(n)).tolist() for n in (30, 12, 50)]
+    convert(tmp_path / "float", tmp_path / "static", quantization="fp8", calibration=calib)
+    convert(tmp_path / "float", tmp_path / "dynamic", quantization="fp8")
+    static, dynamic = load_model(str(tmp_path / "static")), load_model(str(tmp_path / "dynamic"))
+    assert (static.config.quantization, static.config.activation_scale) == ("fp8", "static")
+    assert (dynamic.config.quantization, dynamic.config.activation_scale) == ("fp8", "dynamic")
+    want = input_absmax(load_hf_dir(tmp_path / "float", dtype="float32", progress=False),
+                        calib)
+    down = static.params["params"]["layers_1"]["down_proj"]
+    assert down["weight"].dtype == FP8
+    assert float(down["input_scale"]) == pytest.approx(want[("layers_1", "down_proj")]
+                                                       / FP8_MAX, rel=1e-6)
+    ids = list(rng.integers(0, 300, size=40))
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits[0].numpy()
+    ours = ReferenceGenerator(static.config, static.params, max_len=64).logits(ids)
+    assert np.abs(ours - theirs).max() / theirs.std() < 0.5
+
+
+def test_convert_refuses_bad_calibration_before_loading(tmp_path, capsys):
+    from nanojax.cli import main
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    (tmp_path / "bad.jsonl").write_text('{"txt": "hello"}\n')
+    (tmp_path / "ok.txt").write_text("some text\n")
+    src = str(tmp_path / "no-such-model")  # never read: each case fails first
+    for argv, msg in [
+        (["--calibration-data", str(tmp_path / "ok.txt")], "give --quantization fp8"),
+        (["--quantization", "fp8", "--calibration-data", str(tmp_path / "x.txt")], "no file"),
+        (["--quantization", "fp8", "--calibration-data", str(tmp_path / "empty.txt")],
+         "holds no sample"),
+        (["--quantization", "fp8", "--calibration-data", str(tmp_path / "bad.jsonl")],
+         "KeyError"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            main(["convert", src, str(tmp_path / "out"), *argv])
+        assert msg in str(e.value.code), (argv, e.value.code)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(CheckpointError, match="no tokenizer"):  # an HF dir without one
+        from checkpoints.loader import convert
+        _float_hf_dir(tmp_path)
+        convert(tmp_path / "float", tmp_path / "out", quantization="fp8",
+                calibration=["some text"])
+    assert not (tmp_path / "out").exists()

@@ -125,6 +125,24 @@ def test_profiler_writes_a_profile_the_search_reads(tmp_path):
     assert out["makespan"] > 0
 
 
+def test_the_profile_times_attention_on_fp8_pages_where_asked():
+    """--kv-cache-dtype fp8: the attention op reads an FP8 cache (QuantizedKV, the engine's
+    layout), and the profile records the pages' type."""
+    import jax.numpy as jnp
+
+    from checkpoints.loader import load_model
+    from nanojax.layers.kv_fp8 import QuantizedKV
+    from search.profiler import LayerOps, run_profile
+    bundle = load_model("random:tiny")
+    lay = LayerOps(bundle, 32, 16, "24/16", num_pages=256, kv_cache_dtype="fp8")
+    kv = lay.inputs("attention", 16)[3]
+    assert isinstance(kv, QuantizedKV) and kv.k_pages.dtype == jnp.float8_e4m3fn
+    prof = run_profile(bundle, 32, 16, workload="24/16", shares=(1.0,), iters=2,
+                       progress=False, num_pages=256, kv_cache_dtype="fp8")
+    assert prof["kv_cache_dtype"] == "float8_e4m3fn" and prof["quantization"] is None
+    assert all(t > 0 for t in prof["ops"]["attention"]["times"].values())
+
+
 def test_the_profiled_pair_takes_the_models_nano_batch_shapes():
     """A GEMM of half the dense batch (each of the model's GEMM nano-ops), beside half the
     dense batch's decodes at their mean context (rounded up to whole pages)."""

@@ -18,7 +18,7 @@ import time
 import jax
 import numpy as np
 
-from nanojax.layers.attention import PagedMetadata
+from nanojax.layers.attention.metadata import packed_prefills
 from nanojax.layers.kv_fp8 import FP8_MAX, QuantizedKV, is_fp8, resolve_kv_cache_dtype
 
 # Short, varied raw-text prompts (no chat template): 64 of them.
@@ -87,36 +87,8 @@ def prefix_agreement(ref: list[list[int]], other: list[list[int]]) -> dict:
             "same_token_at_position": float(np.mean(same))}
 
 
-def _groups(sequences: list[list[int]], score_from: list[int], group: int, ps: int):
-    """One packed prefill per group of sequences (own pages each; padded to one shape):
-    (tokens, metadata, rows whose logits predict tokens score_from[i].., pages)."""
-    width = -(-max(map(len, sequences)) // ps)
-    t_max = group * max(map(len, sequences))
-    for g0 in range(0, len(sequences), group):
-        tokens = np.zeros(t_max, np.int32)
-        positions = np.zeros(t_max, np.int32)
-        slots = np.full(t_max, -1, np.int32)
-        seq_ids = np.zeros(t_max, np.int32)
-        page_table = np.zeros((group, width), np.int32)
-        lens = np.zeros(group, np.int32)
-        rows, i = [], 0
-        for r, (s, start) in enumerate(zip(sequences[g0:g0 + group],
-                                           score_from[g0:g0 + group])):
-            n = len(s)
-            page_table[r] = r * width + np.arange(width)
-            tokens[i:i + n], positions[i:i + n], seq_ids[i:i + n] = s, np.arange(n), r
-            slots[i:i + n] = page_table[r, np.arange(n) // ps] * ps + np.arange(n) % ps
-            lens[r] = n
-            rows += range(i + start - 1, i + n - 1)
-            i += n
-        meta = PagedMetadata(positions=positions, slot_mapping=slots, seq_ids=seq_ids,
-                             page_table=page_table, context_lens=lens,
-                             num_decodes=np.int32(0))
-        yield tokens, meta, np.asarray(rows, np.int32), group * width
-
-
 class TeacherForced:
-    """Scores packed prefills (see _groups) with one cache dtype (and FP8 scales (k, v)
+    """Scores packed prefills (see packed_prefills) with one cache dtype (and FP8 scales (k, v)
     [L, KVH] instead of 1.0): -> (logits [rows, V] f32, the cache)."""
 
     def __init__(self, bundle, kv_cache_dtype: str, scales=None, page_size: int = 16):
@@ -206,7 +178,7 @@ def measure_variants(variants: dict, baseline: str, prompts, max_tokens: int,
     scorers = {name: TeacherForced(*v) for name, v in variants.items()}
     dist = {name: LogitsDistance() for name in variants if name != baseline}
     t0 = time.perf_counter()
-    for batch in _groups(seqs, starts, group, 16):
+    for batch in packed_prefills(seqs, starts, group, 16):
         ref = scorers[baseline](*batch)[0]
         for name in dist:
             dist[name].add(ref, scorers[name](*batch)[0])
@@ -234,7 +206,7 @@ def measure(bundle, prompts, max_tokens: int, dtypes: tuple[str, ...],
     scorers = {dt: TeacherForced(bundle, dt) for dt in [baseline, *others]}
     dist = {dt: LogitsDistance() for dt in others}
     t0 = time.perf_counter()
-    for gi, batch in enumerate(_groups(seqs, starts, group, 16)):
+    for gi, batch in enumerate(packed_prefills(seqs, starts, group, 16)):
         ref, ref_kv = scorers[baseline](*batch)
         if gi == 0 and calibrate and not isinstance(ref_kv, QuantizedKV):
             result["baseline_cache_values"] = stats = cache_value_stats(ref_kv)

@@ -31,7 +31,9 @@ _KERNEL_OPTIONS = {"dotmerge": "merge_dots", "fusedappend": "fused_append",
 # mode suffix -> the mode's KV cache dtype (--kv-cache-dtype name), in place of the run's:
 # bf16 and FP8 caches timed in one process
 _KV_OPTIONS = {"bf16kv": "bf16", "fp8kv": "fp8"}
-_WEIGHT_OPTIONS = {"fp8w": "fp8"}  # the mode's dense projections quantized (layers/fp8.py)
+# the mode's dense projections quantized (layers/fp8.py); 'fp8static': with static
+# activation scales calibrated on random token sequences (models/fp8_calibration.py)
+_WEIGHT_OPTIONS = {"fp8w": "fp8", "fp8static": "fp8-static"}
 # mode suffix -> the mode's decode kernel (KernelConfig.decode_kernel)
 _DECODE_OPTIONS = {"tritondecode": "triton", "mosaicdecode": "mosaic"}
 # mode suffix -> who quantizes FP8 projections' inputs (KernelConfig.act_quant)
@@ -166,7 +168,7 @@ def parse_mode(mode: str) -> dict:
     """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs|keepall][:gemmSHARE]
     [:xlagrouped][:dotmerge|nodotmerge][:fusedappend|nofusedappend][:cmdbuf|nocmdbuf]
     [:longestfirst|nolongestfirst][:alllogits|seqlogits][:bf16kv|fp8kv]
-    [:tritondecode|mosaicdecode][:fp8w][:fusedquant|xlaquant]
+    [:tritondecode|mosaicdecode][:fp8w|fp8static][:fusedquant|xlaquant]
     ('xlagrouped': an MoE step's expert GEMMs through XLA's ragged_dot instead of the Mosaic
     GPU grouped GEMM, the A/B of models/moe.py; 'dotmerge' / 'nodotmerge': XLA's dot merger
     on / off (KernelConfig.merge_dots); 'fusedappend' / 'nofusedappend': the cache written
@@ -180,6 +182,8 @@ def parse_mode(mode: str) -> dict:
     'bf16kv' / 'fp8kv': the mode's KV cache in bf16 / FP8 whatever --kv-cache-dtype says;
     'tritondecode' / 'mosaicdecode': the mode's decode kernel, whatever --decode-kernel says;
     'fp8w': the mode's dense projections in FP8, quantized from the run's weights;
+    'fp8static': the same with static activation scales (one per projection, calibrated
+    on random token sequences through the float model), no per-token absmax;
     'fusedquant' / 'xlaquant': their inputs quantized by the fused RMSNorm and SiLU x up
     kernels / by XLA after them (KernelConfig.act_quant)):
     'overlap:0.25' runs the plan with every attention nano-op at share 0.25; 'nogroups'
@@ -256,6 +260,17 @@ def _variant(plan: dict, mode: str, kernels: KernelConfig):
                                  kernels=kernels, shard_map=m["shard_map"],
                                  logit_rows=m["logit_rows"], kv_cache_dtype=m["kv_cache_dtype"],
                                  quantization=m["quantization"])
+
+
+def static_fp8_bundle(float_bundle, fp8_bundle, sequences: int = 8, length: int = 512):
+    """fp8_bundle with static activation scales from the float model's activations on
+    `sequences` random token sequences of `length` (seeded): what 'fp8static' times."""
+    from nanojax.models.fp8_calibration import input_absmax, with_static_scales
+    rng = np.random.default_rng(0)
+    vocab = float_bundle.config.vocab_size
+    seqs = [rng.integers(1, vocab, length).tolist() for _ in range(sequences)]
+    return with_static_scales(fp8_bundle, input_absmax(float_bundle, seqs,
+                                                       group=min(4, sequences)))
 
 
 def f32_reference_outputs(bundle, plan: dict, batches: dict, num_pages: int,
@@ -476,16 +491,22 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
             how = options.pop("logit_rows")
             mode_kv = options.pop("kv_cache_dtype")
             quant = options.pop("quantization") or cfg.quantization
-            mode_cfg = cfg.replace(quantization=quant)
+            static = quant == "fp8-static"
+            quant = "fp8" if static else quant
+            mode_cfg = cfg.replace(quantization=quant,
+                                   activation_scale="static" if static else cfg.activation_scale)
             mode_kv_dtype = (kv_dtype if mode_kv is None
                              else resolve_kv_cache_dtype(mode_kv, cfg.dtype))
             mode_batches = {w: with_logit_rows(b, how) for w, b in batches.items()}
             fwd = pipe = PipelineForward(mode_cfg, p, base, tp=tp, **options)
-            kind = (tp > 1 or shard, mode_cfg.quantization)
+            kind = (tp > 1 or shard, mode_cfg.quantization, mode_cfg.activation_scale)
             if kind[0]:  # the tensor-parallel path (':shardmap' takes it at TP 1)
                 fwd = TensorParallelForward(fwd, tp)
             if kind not in prepared:
-                prepared[kind] = fwd.prepare(quantize_bundle(bundle, quant).params)
+                quantized = quantize_bundle(bundle, quant)
+                if static:
+                    quantized = static_fp8_bundle(bundle, quantized)
+                prepared[kind] = fwd.prepare(quantized.params)
             params = prepared[kind]
             step = make_step(fwd)
             b0 = mode_batches[workloads[0]]

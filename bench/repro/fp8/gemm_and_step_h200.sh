@@ -7,6 +7,8 @@
 # for cuBLASLt's FP8 GEMM. ':fusedquant': the FP8 projections' inputs quantized inside
 # RMSNorm and SiLU x up (pallas_kernels/act_quant.py) instead of by XLA's two passes after
 # them (KernelConfig.act_quant; its default flips to auto once this measures it faster).
+# ':fp8static': static activation scales (one per projection, calibrated through the float
+# model; nanojax/models/fp8_calibration.py): no per-token absmax pass at all.
 # Usage: OUT=dir [GEMM=0: skip the GEMM bench] [MODES=...] [WORKLOADS=...] [SUSTAIN=s]
 #   bash bench/repro/fp8/gemm_and_step_h200.sh
 set -u

@@ -8,7 +8,9 @@
 # Usage: OUT=dir [LAYERS=8] [PLAN=searched.json: skip profile and search] [PAIR_SHARES=44,88]
 #        [PAIR_GEMMS=gate_up: the pair's GEMMs, default all four]
 #        [WORKLOADS=512/512] [MODES=non-overlap,overlap] [HANDWRITTEN=1] [LIMIT_STEP=120] [CHECK=1]
-#        bash bench/repro/overlap_search/search_llama3_8b.sh
+#        [QUANT=fp8] [KV=fp8] bash bench/repro/overlap_search/search_llama3_8b.sh
+# FP8 (issue 42 item 6): QUANT=fp8 KV=fp8 profiles the FP8 projections and FP8 pages (no
+# pair: it reads bf16 pages); give the steps the same, MODES=non-overlap::fp8w:fp8kv,overlap::fp8w:fp8kv
 # With the Mosaic GPU decode kernel (today's Hopper default) the profile compiles a kernel per
 # attention size and share: with a pair it ran past 400 s (2026-12-03, §64), so give it a
 # call of its own (LIMIT_PROFILE near the call's 600 s) and run the steps with PLAN= after.
@@ -19,7 +21,8 @@ quiet() { grep -v "^[WI]1" | tail -n "$1"; }
 if [ -z "${PLAN:-}" ]; then
   timeout "${LIMIT_PROFILE:-380}" python3 -m nanojax profile --b-dense 2048 --granularity 256 \
     --shares 0.25,0.5,1.0 ${PAIR_SHARES:+--pair-shares "$PAIR_SHARES" --pair-power-seconds 0.5} \
-    ${PAIR_GEMMS:+--pair-gemms "$PAIR_GEMMS"} \
+    ${PAIR_GEMMS:+--pair-gemms "$PAIR_GEMMS"} ${QUANT:+--quantization "$QUANT"} \
+    ${KV:+--kv-cache-dtype "$KV"} \
     --out "$OUT/profile_llama3-8b_1xh200.json" 2>&1 | tr '\r' '\n' | quiet 12
   echo "profile rc=${PIPESTATUS[0]} (124: timed out)"
   timeout 120 python3 -m nanojax search --profile "$OUT/profile_llama3-8b_1xh200.json" \

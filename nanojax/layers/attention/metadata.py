@@ -69,3 +69,33 @@ def slice_metadata(meta: PagedMetadata, a: int, b: int) -> PagedMetadata:
         prefill_blocks=blocks,
         prefill_slot=None if meta.prefill_slot is None else meta.prefill_slot[a:b],
         decode_order=None)  # the whole batch's: prepare the slice again
+
+
+def packed_prefills(sequences: list[list[int]], score_from: list[int], group: int, ps: int):
+    """Whole sequences as prefills, `group` of them packed into each batch (own pages each,
+    padded to one shape, so one compile): yields (tokens, metadata, rows whose logits
+    predict tokens score_from[i].., pages). For scoring and calibration passes."""
+    width = -(-max(map(len, sequences)) // ps)
+    t_max = group * max(map(len, sequences))
+    for g0 in range(0, len(sequences), group):
+        tokens = np.zeros(t_max, np.int32)
+        positions = np.zeros(t_max, np.int32)
+        slots = np.full(t_max, -1, np.int32)
+        seq_ids = np.zeros(t_max, np.int32)
+        page_table = np.zeros((group, width), np.int32)
+        lens = np.zeros(group, np.int32)
+        rows: list[int] = []
+        i = 0
+        for r, (s, start) in enumerate(zip(sequences[g0:g0 + group],
+                                           score_from[g0:g0 + group])):
+            n = len(s)
+            page_table[r] = r * width + np.arange(width)
+            tokens[i:i + n], positions[i:i + n], seq_ids[i:i + n] = s, np.arange(n), r
+            slots[i:i + n] = page_table[r, np.arange(n) // ps] * ps + np.arange(n) % ps
+            lens[r] = n
+            rows += range(i + start - 1, i + n - 1)
+            i += n
+        meta = PagedMetadata(positions=jnp.asarray(positions), slot_mapping=jnp.asarray(slots),
+                             seq_ids=jnp.asarray(seq_ids), page_table=jnp.asarray(page_table),
+                             context_lens=jnp.asarray(lens), num_decodes=jnp.int32(0))
+        yield tokens, meta, np.asarray(rows, np.int32), group * width
