@@ -348,6 +348,10 @@ class KernelConfig:
         "dealt in a snake, instead of round-robin in row order, so varied context lengths "
         "(the traces) leave no worker a tail of long ones (measured: "
         "bench/results/log/step.md)"))
+    decode_fp8_query: bool = dataclasses.field(default=False, metadata=_opt(
+        "Mosaic GPU swap-AB decode kernel on FP8 pages: the query quantized to e4m3 per "
+        "(sequence, kv head) too, so QK^T is an FP8 WGMMA on the keys as loaded, no "
+        "widening (the query's rounding on the scores; off until timed on a GPU)"))
     prefill_kernel: bool = dataclasses.field(default=True, metadata=_opt(
         "GPU: prefill tokens through the chunked-prefill kernel (query blocks of a chunk "
         "share one pass over the pages) instead of as rows of the decode kernel, each "

@@ -113,6 +113,16 @@ def combine_splits(o_parts, lse_parts, splits_valid):
     return num / jnp.maximum(w.sum(axis=2), 1e-30)[..., None]
 
 
+def quantize_query_groups(q, kv_heads: int):
+    """q [B, H, D] -> (e4m3 [B, H, D], scale f32 [B, KVH]): each (sequence, kv head)'s
+    query group divided by its absmax / 448 (saturated: e4m3fn has no inf)."""
+    b, h, d = q.shape
+    qf = q.astype(jnp.float32).reshape(b, kv_heads, h // kv_heads, d)
+    scale = jnp.maximum(jnp.max(jnp.abs(qf), axis=(2, 3)), 1e-12) / 448.0
+    q8 = jnp.clip(qf / scale[:, :, None, None], -448.0, 448.0).astype(jnp.float8_e4m3fn)
+    return q8.reshape(b, h, d), scale
+
+
 class SwapABCall(NamedTuple):
     """One launch of the kernel, unlaunched, so that a fused kernel can run its programs
     (pallas_kernels/fused_gemm_attention_mgpu.py). body(program, *operand refs, *output
@@ -143,14 +153,14 @@ def longest_first(context_lens, num_rows=None):
 
 @functools.partial(jax.jit, static_argnames=(
     "num_programs", "block_k", "stages", "warpgroups", "splits", "columns", "approx_math",
-    "longest_first_order", "interpret"))
+    "longest_first_order", "fp8_query", "interpret"))
 def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
                             num_programs: int | None = None, block_k: int = 64,
                             stages: int | None = None, warpgroups: int | None = None,
                             splits: int | None = None, columns: int | None = None,
                             approx_math: bool = True, k_scale=None, v_scale=None,
                             num_rows=None, longest_first_order: bool = False,
-                            order=None, interpret: bool = False):
+                            order=None, fp8_query: bool = False, interpret: bool = False):
     """q [B, H, D]; pages [N, KVH, ps, D]; page_table [B, P]; context_lens [B] -> [B, H, D].
 
     num_programs: the persistent grid, one program per SM (None: every SM).
@@ -177,6 +187,10 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
     memory (a transposed 8-bit tile does not load into registers), and multiplied in f16
     with the query in f16; scores are scaled by k_scale[h] inside
     the exp2's FMA and the output by v_scale[h].
+    fp8_query (float8 pages only): the query quantized to e4m3 too, one scale per
+    (sequence, kv head) (its group's absmax / 448), so S^T = K Q^T is an FP8 WGMMA on the
+    key tile as the TMA wrote it: no widening of the keys at all; that scale joins
+    k_scale[h] in the FMA. Costs the query's rounding (e4m3: 3 mantissa bits).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
     call = swapab_call(q, k_pages, v_pages, page_table, context_lens,
@@ -185,7 +199,7 @@ def decode_attention_swapab(q, k_pages, v_pages, page_table, context_lens, *,
                        k_scale=k_scale, v_scale=v_scale, num_rows=num_rows,
                        order=order if order is not None else (
                            longest_first(context_lens, num_rows) if longest_first_order
-                           else None), interpret=interpret)
+                           else None), fp8_query=fp8_query, interpret=interpret)
     wgs = call.warpgroups
     threads = dict(num_threads=wgs, thread_name="wg") if wgs > 1 else {}
     out = plgpu.kernel(
@@ -211,7 +225,7 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
                 stages: int | None = None, warpgroups: int | None = None,
                 splits: int | None = None, columns: int | None = None,
                 k_scale=None, v_scale=None, num_rows=None, order=None,
-                interpret: bool = False) -> SwapABCall:
+                fp8_query: bool = False, interpret: bool = False) -> SwapABCall:
     """The launch decode_attention_swapab makes (same arguments), unlaunched. order: int32
     [B], a permutation of the rows: the sequences in the order the workers take them
     (None: row order); with num_rows, its first num_rows entries must be those rows."""
@@ -248,7 +262,10 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
     dtype = q.dtype
     if fp8 and (k_scale is None or v_scale is None):
         raise ValueError("float8 pages need k_scale and v_scale, float32 [KVH]")
-    mm_dtype = jnp.float16 if fp8 else dtype  # the WGMMA operands' type
+    if fp8_query and not fp8:
+        raise ValueError("fp8_query quantizes the query for float8 pages only")
+    mm_dtype = jnp.float16 if fp8 else dtype  # the WGMMA operands' type (P, widened V)
+    q_dtype = k_pages.dtype if fp8_query else mm_dtype  # the query tile's
     scales = (jnp.ones((kvh,), jnp.float32) if k_scale is None
               else jnp.asarray(k_scale, jnp.float32).reshape(kvh),
               jnp.ones((kvh,), jnp.float32) if v_scale is None
@@ -261,14 +278,19 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
     # (SmolLM2's 9 heads x 26 tokens did not lower): else q is padded per group. The
     # interpreter clamps a slice past the end instead: there q gets the rows.
     q_as_rows = (b * h) % 8 == 0
+    q_scale = ()  # fp8_query: (sequence, kv head)'s query scale, [B * KVH] f32
+    qs = q
+    if fp8_query:
+        q8, sq = quantize_query_groups(q, kvh)
+        qs, q_scale = q8, (sq.reshape(b * kvh),)
     if q_as_rows:
-        qg = q.reshape(b * h, d).astype(mm_dtype)
+        qg = qs.reshape(b * h, d).astype(q_dtype)
         if interpret and ncol > g:  # lax.pad: no nested jit (stream regions refuse them)
-            qg = lax.pad(qg, jnp.zeros((), mm_dtype), [(0, ncol - g, 0), (0, 0, 0)])
+            qg = lax.pad(qg, jnp.zeros((), q_dtype), [(0, ncol - g, 0), (0, 0, 0)])
     else:
-        qg = q.reshape(b, kvh, g, d).astype(mm_dtype)
+        qg = qs.reshape(b, kvh, g, d).astype(q_dtype)
         if ncol > g:
-            qg = lax.pad(qg, jnp.zeros((), mm_dtype),
+            qg = lax.pad(qg, jnp.zeros((), q_dtype),
                          [(0, 0, 0)] * 2 + [(0, ncol - g, 0), (0, 0, 0)])
     log2_scale = math.log2(math.e) / math.sqrt(d)  # exp(x / sqrt(d)) = exp2(x * this)
     red_elems = 32 * ncol * (block_k // 64)  # cross-warp reduction scratch per worker
@@ -295,8 +317,11 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
         return red(x, scratch)
 
     def matmul_kq(k_tile, q_tile):  # S^T [block_k, ncol] = K [block_k, D] x Q^T
-        if interpret:
-            return jnp.dot(k_tile[...], q_tile[...].T, preferred_element_type=jnp.float32)
+        if interpret:  # (float8 operands widened: exact, as the FP8 WGMMA's products)
+            kk, qq = k_tile[...], q_tile[...]
+            if fp8_query:
+                kk, qq = kk.astype(jnp.float32), qq.astype(jnp.float32)
+            return jnp.dot(kk, qq.T, preferred_element_type=jnp.float32)
 
         def body(acc_ref):
             plgpu.wgmma(acc_ref, k_tile, plgpu.transpose_ref(q_tile, (1, 0)))
@@ -355,6 +380,9 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
 
     def kernel(program, q_ref, k_ref, v_ref, pt_ref, len_ref, rows_ref, ks_ref, vs_ref,
                *rest):
+        qs_ref = None
+        if fp8_query:
+            qs_ref, *rest = rest
         ord_ref = None
         if order is not None:
             ord_ref, *rest = rest
@@ -468,12 +496,17 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
                 first = item_range(ctx, item_coords(item_of(i))[2])[0]
                 pl.when(j == first)(lambda: plgpu.barrier_wait(q_bars.at[qbar0 + qbuf]))
                 slot = lax.rem(t, stages)
-                # scores x log2(e) / sqrt(d) (x k_scale[h] for float8 keys), in the FMA
+                # scores x log2(e) / sqrt(d) (x k_scale[h] for float8 keys, x the
+                # query's scale for a float8 query), in the FMA
                 c = log2_scale * ks_ref[item_coords(item_of(i))[1]] if fp8 else log2_scale
+                if fp8_query:
+                    qb, qh, _ = item_coords(item_of(i))
+                    c = c * qs_ref[row_of(qb) * kvh + qh]
 
                 def attend(acc, m, l):  # one block of keys
                     plgpu.barrier_wait(k_bars.at[bar0 + slot])
-                    k_tile = widen_to_registers(k_smem.at[slot]) if fp8 else k_smem.at[slot]
+                    k_tile = (widen_to_registers(k_smem.at[slot]) if fp8 and not fp8_query
+                              else k_smem.at[slot])
                     s = matmul_kq(k_tile, q_smem.at[qbuf])  # [block_k, ncol]
                     key = key_iota((block_k, ncol)) + j * block_k
                     s = jnp.where(key < ctx, s, -jnp.inf)
@@ -537,7 +570,8 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
         kv_dtype = k_pages.dtype  # to the WGMMA from registers)
         kv_tiles = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
         o_scratch += [plgpu.SMEM((wgs, block_k, d), jnp.float16, transforms=tiles)]
-    scratch = [plgpu.SMEM((wgs, 2, ncol, d), mm_dtype, transforms=tiles),
+    q_tiles = kv_tiles if fp8_query else tiles  # an 8-bit query row is 128 bytes too
+    scratch = [plgpu.SMEM((wgs, 2, ncol, d), q_dtype, transforms=q_tiles),
                plgpu.SMEM((wgs, ncol, block_k), mm_dtype, transforms=tiles),
                *o_scratch[:2 if splits > 1 else 1],
                plgpu.SMEM((wgs, red_elems), jnp.float32),
@@ -555,7 +589,7 @@ def swapab_call(q, k_pages, v_pages, page_table, context_lens, *,
                 v_pages.reshape(n_pages * kvh, ps, d), seq_pt.astype(jnp.int32),
                 seq_lens.astype(jnp.int32),
                 jnp.full((1,), b if num_rows is None else num_rows, jnp.int32), *scales,
-                *(() if order is None else (order.astype(jnp.int32),)))
+                *q_scale, *(() if order is None else (order.astype(jnp.int32),)))
 
     def finish(out):
         if splits == 1:

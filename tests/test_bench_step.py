@@ -259,7 +259,8 @@ def test_step_modes_parse_into_their_options():
                  "scheduling_groups": False, "keep": "inputs", "xla_grouped": False,
                  "shard_map": False, "logit_rows": "engine", "merge_dots": None,
                  "fused_append": None, "command_buffers": None,
-                 "decode_longest_first": None, "kv_cache_dtype": None, "decode_kernel": None,
+                 "decode_longest_first": None, "decode_fp8_query": None,
+                 "kv_cache_dtype": None, "decode_kernel": None,
                  "quantization": None, "act_quant": None}
     assert parse_mode("non-overlap::alllogits")["logit_rows"] == "all"
     assert parse_mode("overlap:0.5:seqlogits")["logit_rows"] == "seqs"
@@ -284,6 +285,8 @@ def test_step_modes_parse_into_their_options():
     assert parse_mode("non-overlap::fp8kv")["kv_cache_dtype"] == "fp8"
     assert parse_mode("overlap::bf16kv:cmdbuf")["kv_cache_dtype"] == "bf16"
     assert parse_mode("non-overlap::fp8kv:mosaicdecode")["decode_kernel"] == "mosaic"
+    _, _, options = _variant({"nano_ops": []}, "non-overlap::fp8kv:fp8query", KernelConfig())
+    assert options["kernels"].decode_fp8_query and not KernelConfig().decode_fp8_query
     from nanojax.bench.step import _ratios  # an option's A/B gets its ratio to the base
     rows = [{"b_dense": 64, "workload": "w", "mode": m, "tokens_per_s": tps} for m, tps in
             (("non-overlap", 100.0), ("non-overlap::cmdbuf", 110.0),

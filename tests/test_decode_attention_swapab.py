@@ -182,12 +182,38 @@ def test_the_query_goes_as_rows_where_the_tma_takes_them(b, h, kvh, d, rows):
     assert q.shape == ((b * h, d) if rows else (b, kvh, cols, d))
 
 
+@pytest.mark.parametrize("b,kvh,g,kw", [
+    (3, 2, 4, dict(num_programs=2, warpgroups=2, stages=2)),  # query rows straight from q
+    (2, 2, 12, dict(num_programs=1, warpgroups=1, stages=3, block_k=128)),  # padded groups
+    (3, 1, 8, dict(num_programs=2, warpgroups=1, splits=2)),  # split-KV
+])
+def test_fp8_query_matches_the_reference_on_its_quantized_query_interpret(b, kvh, g, kw):
+    """fp8_query: S^T = K Q^T with the query in e4m3 too (one scale per sequence and kv
+    head). Exact against the reference fed the same quantized query; against the bf16
+    query it is off by the query's rounding only."""
+    from pallas_kernels.decode_attention_swapab import quantize_query_groups
+    ps = 32 if kw.get("block_k") == 128 else 16
+    q, k, v, pt, lens, ks, vs = _case(b * g, b, kvh, g, 128, ps, 6, fp8=True)
+    out = decode_attention_swapab(q, k, v, pt, lens, k_scale=ks, v_scale=vs,
+                                  fp8_query=True, interpret=True, **kw)
+    q8, sq = quantize_query_groups(q, kvh)
+    assert q8.dtype == jnp.float8_e4m3fn and sq.shape == (b, kvh)
+    qd = (q8.astype(jnp.float32).reshape(b, kvh, g, 128) * sq[:, :, None, None]).reshape(q.shape)
+    kd, vd = _dequantized(k, ks), _dequantized(v, vs)
+    assert rel_error(out, qd.astype(jnp.bfloat16), kd, vd, pt, lens) < REL_TOL_BF16
+    assert rel_error(out, q, kd, vd, pt, lens) < 0.1  # e4m3's 3 mantissa bits on q
+    with pytest.raises(ValueError, match="float8 pages only"):
+        decode_attention_swapab(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), pt, lens,
+                                fp8_query=True, interpret=True)
+
+
 @pytest.mark.parametrize("b,ctx,programs,page_dtype", [
     (512, 1024, 44, "bf16"), (512, 1024, 66, "bf16"), (512, 1024, 132, "bf16"),
     (16, 4096, 132, "bf16"),  # few sequences: the split-KV path
     (1024, 4096, 132, "bf16"),  # a large batch (16 GiB of pages)
     (512, 1024, 66, "fp8"), (16, 4096, 132, "fp8"),  # float8 pages, both paths
     (2048, 512, 132, "fp8:longest"), (16, 4096, 66, "bf16:longest"),  # longest first
+    (512, 1024, 132, "fp8:fp8q"), (16, 4096, 132, "fp8:fp8q"),  # FP8 QK^T, both paths
 ])
 def test_benchmark_shapes_lower_for_cuda(b, ctx, programs, page_dtype):
     """LLaMA-3-8B attention (32/8 heads, D 128, bf16 query, pages of 16): the CUDA
@@ -195,12 +221,14 @@ def test_benchmark_shapes_lower_for_cuda(b, ctx, programs, page_dtype):
     on the CPU; the engine's row count (num_rows) is traced."""
     sd = jax.ShapeDtypeStruct
     n = b * ctx // 16
-    page_dtype, _, order = page_dtype.partition(":")
+    page_dtype, _, option = page_dtype.partition(":")
+    order, fp8q = option == "longest", option == "fp8q"
     pages = jnp.bfloat16 if page_dtype == "bf16" else jnp.float8_e4m3fn
     scales = {} if page_dtype == "bf16" else dict(k_scale=jnp.ones(8), v_scale=jnp.ones(8))
     f = jax.jit(lambda *a: decode_attention_swapab(*a[:5], num_programs=programs,
                                                    num_rows=a[5], **scales,
-                                                   longest_first_order=bool(order)))
+                                                   longest_first_order=order,
+                                                   fp8_query=fp8q))
     exported = jax.export.export(f, platforms=["cuda"])(
         sd((b, 32, 128), jnp.bfloat16), sd((n, 8, 16, 128), pages),
         sd((n, 8, 16, 128), pages), sd((b, ctx // 16), jnp.int32), sd((b,), jnp.int32),
@@ -210,7 +238,8 @@ def test_benchmark_shapes_lower_for_cuda(b, ctx, programs, page_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("programs,kw", [(44, {}), (132, dict(warpgroups=3, stages=2)),
-                                         (66, dict(splits=4)), (66, dict(fp8=True))])
+                                         (66, dict(splits=4)), (66, dict(fp8=True)),
+                                         (132, dict(fp8=True, fp8_query=True))])
 def test_kernel_on_gpu(programs, kw):
     if not on_hopper():
         pytest.skip("Mosaic GPU needs a Hopper (sm_90) or newer GPU")
@@ -219,6 +248,11 @@ def test_kernel_on_gpu(programs, kw):
     if fp8:
         kw.update(k_scale=scales[0], v_scale=scales[1])
     out = decode_attention_swapab(q, k, v, pt, lens, num_programs=programs, **kw)
+    if kw.get("fp8_query"):  # against the query the kernel was given: its e4m3 rounding
+        from pallas_kernels.decode_attention_swapab import quantize_query_groups
+        q8, sq = quantize_query_groups(q, 8)
+        q = (q8.astype(jnp.float32).reshape(64, 8, 4, 128)
+             * sq[:, :, None, None]).reshape(q.shape).astype(jnp.bfloat16)
     if fp8:
         k, v = _dequantized(k, scales[0]), _dequantized(v, scales[1])
     assert rel_error(out, q, k, v, pt, lens) < REL_TOL_BF16

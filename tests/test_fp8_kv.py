@@ -355,3 +355,35 @@ def test_fp8_kernels_on_gpu():
         gp, wp = np.asarray(_dequant(gp, s)), np.asarray(_dequant(wp, s))
         assert np.mean(gp == wp) > 0.95
         np.testing.assert_allclose(gp, wp, rtol=2 ** -3, atol=1e-6)
+
+
+def test_decode_fp8_query_reaches_the_swapab_kernel():
+    """KernelConfig.decode_fp8_query: the Pallas backend's decode on FP8 pages hands the
+    swap-AB kernel an e4m3 query (interpret mode): the output moves by the query's
+    rounding, no more; bf16 pages ignore the switch."""
+    from nanojax.config import KernelConfig
+    from nanojax.layers.attention import PagedMetadata, pallas_backend
+    b, h, kvh, d, ps, pages_per = 4, 8, 2, 128, 16, 3
+    rng = np.random.default_rng(0)
+    n = b * pages_per
+    kf, vf = (jnp.asarray(rng.standard_normal((n, kvh, ps, d)), jnp.float32) for _ in range(2))
+    sc = jnp.ones((kvh,), jnp.float32)
+    fp8_layer = QuantizedKV(quantize(kf, sc, head_axis=1), quantize(vf, sc, head_axis=1), sc, sc)
+    lens = np.array([40, 17, 48, 3], np.int32)
+    meta = PagedMetadata(positions=jnp.asarray(lens - 1), slot_mapping=jnp.full((b,), -1),
+                         seq_ids=jnp.arange(b, dtype=jnp.int32),
+                         page_table=jnp.arange(n, dtype=jnp.int32).reshape(b, pages_per),
+                         context_lens=jnp.asarray(lens), num_decodes=jnp.int32(b))
+    q = jnp.asarray(rng.standard_normal((b, h, d)), jnp.bfloat16)
+    inv_freq = inverse_frequencies(d, 10000.0)
+    bf16_layer = (kf.astype(jnp.bfloat16), vf.astype(jnp.bfloat16))
+    outs, bf16 = {}, {}
+    for fp8_query in (False, True):
+        backend = pallas_backend(KernelConfig(decode_kernel="mosaic", interpret=True,
+                                              decode_fp8_query=fp8_query,
+                                              prefill_kernel=False))
+        outs[fp8_query] = np.asarray(backend.attend(q, fp8_layer, meta, inv_freq), np.float32)
+        bf16[fp8_query] = np.asarray(backend.attend(q, bf16_layer, meta, inv_freq), np.float32)
+    diff = np.linalg.norm(outs[True] - outs[False]) / np.linalg.norm(outs[False])
+    assert 1e-4 < diff < 0.1
+    np.testing.assert_array_equal(bf16[True], bf16[False])

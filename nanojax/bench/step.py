@@ -27,7 +27,8 @@ LOGIT_ROWS = ("engine", "all", "seqs")
 _LOGIT_OPTIONS = {"alllogits": "all", "seqlogits": "seqs"}  # mode suffix -> LOGIT_ROWS
 # mode suffix (and "no" + it) -> the KernelConfig switch it turns on (off)
 _KERNEL_OPTIONS = {"dotmerge": "merge_dots", "fusedappend": "fused_append",
-                   "cmdbuf": "command_buffers", "longestfirst": "decode_longest_first"}
+                   "cmdbuf": "command_buffers", "longestfirst": "decode_longest_first",
+                   "fp8query": "decode_fp8_query"}
 # mode suffix -> the mode's KV cache dtype (--kv-cache-dtype name), in place of the run's:
 # bf16 and FP8 caches timed in one process
 _KV_OPTIONS = {"bf16kv": "bf16", "fp8kv": "fp8"}
@@ -167,7 +168,7 @@ def mode_options() -> str:
 def parse_mode(mode: str) -> dict:
     """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs|keepall][:gemmSHARE]
     [:xlagrouped][:dotmerge|nodotmerge][:fusedappend|nofusedappend][:cmdbuf|nocmdbuf]
-    [:longestfirst|nolongestfirst][:alllogits|seqlogits][:bf16kv|fp8kv]
+    [:longestfirst|nolongestfirst][:fp8query|nofp8query][:alllogits|seqlogits][:bf16kv|fp8kv]
     [:tritondecode|mosaicdecode][:fp8w|fp8static][:fusedquant|xlaquant]
     ('xlagrouped': an MoE step's expert GEMMs through XLA's ragged_dot instead of the Mosaic
     GPU grouped GEMM, the A/B of models/moe.py; 'dotmerge' / 'nodotmerge': XLA's dot merger
@@ -176,6 +177,8 @@ def parse_mode(mode: str) -> dict:
     'cmdbuf' / 'nocmdbuf': XLA command buffers on / off (KernelConfig.command_buffers);
     'longestfirst' / 'nolongestfirst': the swap-AB decode kernel's workers take the
     sequences longest first / in row order (KernelConfig.decode_longest_first);
+    'fp8query' / 'nofp8query': with FP8 pages, the query in e4m3 too, QK^T an FP8 WGMMA
+    (KernelConfig.decode_fp8_query);
     'alllogits': the LM head on all B_dense tokens, 'seqlogits': on the batch's sequences
     padded to a multiple of 8, instead of the engine's rows, the A/B of LOGIT_ROWS; with
     'seqlogits' each workload's row count is its own shape, compiled at its first call;
@@ -198,9 +201,9 @@ def parse_mode(mode: str) -> dict:
     base, *opts = mode.split(":")
     out = {"base": base, "attention_share": None, "gemm_share": None,
            "scheduling_groups": True, "keep": "", "xla_grouped": False, "shard_map": False,
-           "logit_rows": "engine", "merge_dots": None, "fused_append": None,
-           "command_buffers": None, "decode_longest_first": None, "kv_cache_dtype": None,
-           "decode_kernel": None, "quantization": None, "act_quant": None}
+           "logit_rows": "engine", **{name: None for name in _KERNEL_OPTIONS.values()},
+           "kv_cache_dtype": None, "decode_kernel": None, "quantization": None,
+           "act_quant": None}
     try:
         if opts and opts[0]:
             out["attention_share"] = float(opts[0])

@@ -17,7 +17,9 @@ Decode rows at 512 x 1024 also check the output against the reference. With
 grid, 66 and 44) gets the same bf16 and fp8 rows (`decode_swapab`). `--swapab-variants
 w2s3,w4s2k128` adds rows of those launch variants (W workers x S stages [x 128-key
 blocks]) on the full grid, bf16 and fp8, named `decode_swapab_w2s3`...: FP8 halves the
-bytes of a block, so the defaults tuned for bf16 keep half the bytes in flight.
+bytes of a block, so the defaults tuned for bf16 keep half the bytes in flight. A `q8`
+suffix (`q8` alone: the default launch) runs the FP8 rows with the query in e4m3 too
+(`fp8_query`: QK^T as an FP8 WGMMA, no widening of the keys); such variants have no bf16 row.
 """
 from __future__ import annotations
 
@@ -63,8 +65,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="512x1024,16x4096,1024x4096",
                     help="decode rows' batch x context, comma-separated")
     ap.add_argument("--swapab-variants", default="",
-                    help="comma-separated wWsS[k128]: swap-AB launch variants on the full "
-                         "grid (workers, stages, 128-key blocks)")
+                    help="comma-separated [wWsS][k128][q8]: swap-AB launch variants on the "
+                         "full grid (workers, stages, 128-key blocks, FP8 query)")
     args = ap.parse_args()
     from pallas_kernels.decode_attention import decode_attention_impl, decode_attention_reference
     from pallas_kernels.decode_attention_swapab import decode_attention_swapab
@@ -83,11 +85,12 @@ def main() -> int:
              "swapab": [None, 1] if smoke else [None, 66, 44]}
     variants = {"": {}}  # row name suffix -> swap-AB launch arguments (full grid)
     for v in filter(None, args.swapab_variants.split(",")):
-        m = re.fullmatch(r"w(\d+)s(\d+)(k128)?", v)
+        m = re.fullmatch(r"(?:w(\d+)s(\d+))?(k128)?(q8)?", v)
         if m is None:
-            ap.error(f"swap-AB variant {v!r}: expected wWsS or wWsSk128")
-        variants["_" + v] = dict(warpgroups=int(m[1]), stages=int(m[2]),
-                                 block_k=128 if m[3] else 64)
+            ap.error(f"swap-AB variant {v!r}: expected [wWsS][k128][q8]")
+        variants["_" + v] = {**(dict(warpgroups=int(m[1]), stages=int(m[2])) if m[1] else {}),
+                             "block_k": 128 if m[3] else 64,
+                             **(dict(fp8_query=True) if m[4] else {})}
     bw = copy_bandwidth(1 if smoke else 4)
     res = {"command": "python " + " ".join(sys.argv), "copy_bandwidth_GBps": bw / 1e9,
            "env": {"jax": jax.__version__, "backend": jax.default_backend(),
@@ -136,7 +139,8 @@ def main() -> int:
                 check = np.asarray(ref, np.float64)
             launches = [(g, "", {}) for g in grids[kernel]]
             if kernel == "swapab":
-                launches += [(None, sfx, kw) for sfx, kw in variants.items() if sfx]
+                launches += [(None, sfx, kw) for sfx, kw in variants.items()
+                             if sfx and (fp8 or not kw.get("fp8_query"))]
             for g, sfx, kw in launches:
                 def fn(q, k, v, pt, lens, ks, vs, g=g, compute=compute, kernel=kernel, kw=kw):
                     if kernel == "swapab":

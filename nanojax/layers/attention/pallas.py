@@ -88,8 +88,8 @@ def prepare_pallas(meta: PagedMetadata, decode_kernel: str = "auto",
 def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, share: float | None = None,
                   num_sms: int | None = None, ctas_per_sm: int = 4, block_q: int = 16,
                   decode_kernel: str = "auto", decode_prefetch: bool | None = None,
-                  decode_longest_first: bool = True, interpret: bool = False,
-                  decode_fn: Callable | None = None):
+                  decode_longest_first: bool = True, decode_fp8_query: bool = False,
+                  interpret: bool = False, decode_fn: Callable | None = None):
     """GPU path: the Pallas paged kernels. share: the decode kernel's resource share of
     num_sms SMs (None: the device's, pallas_kernels/device.py). decode_fn: called in place
     of the chosen decode kernel, with its arguments (the pipeline's fused GEMM + attention
@@ -109,6 +109,8 @@ def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, share: float | Non
         decode = functools.partial(decode, longest_first_order=True, order=meta.decode_order)
     if ks is not None:  # FP8 pages (Triton or swap-AB, see choose_decode_kernel)
         decode = functools.partial(decode, k_scale=ks, v_scale=vs)
+        if kernel == "mosaic" and decode_fp8_query:  # QK^T as an FP8 WGMMA
+            decode = functools.partial(decode, fp8_query=True)
     if decode_fn is not None:
         decode = decode_fn
     if num_sms is None and share is not None:
@@ -145,6 +147,7 @@ def pallas_backend(kernels: KernelConfig = KernelConfig()) -> PagedAttention:
                                decode_kernel=kernels.decode_kernel,
                                decode_prefetch=kernels.decode_prefetch,
                                decode_longest_first=kernels.decode_longest_first,
+                               decode_fp8_query=kernels.decode_fp8_query,
                                interpret=kernels.interpret)
     append = (functools.partial(append_kv_pallas, interpret=kernels.interpret)
               if kernels.fused_append else append_kv)
