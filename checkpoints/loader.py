@@ -104,12 +104,17 @@ def convert(src: Path, dst: Path, dtype: str = "float32", overwrite: bool = Fals
         if bundle.config.is_moe:
             raise CheckpointError("static FP8 activation scales are not supported for MoE "
                                   "models (their experts take dynamic scales)")
+        if bundle.config.quantization is not None:
+            raise CheckpointError(f"{src} is already quantized ({bundle.config.quantization}): "
+                                  "calibration needs the float checkpoint")
         if isinstance(calibration[0], str):
             if bundle.tokenizer is None:
                 raise CheckpointError(f"{src} has no tokenizer to read the calibration "
                                       "text with")
             calibration = [bundle.tokenizer.encode(t) for t in calibration]
         seqs = [list(s)[:calibration_max_tokens] for s in calibration if len(s)]
+        if not seqs:
+            raise CheckpointError("the calibration data holds no token")
         absmax = input_absmax(bundle, seqs)
     bundle = quantize_bundle(bundle, quantization)
     if absmax is not None:

@@ -246,8 +246,9 @@ def cmd_profile(args) -> int:
         raise SystemExit(f"nanojax: --pair-gemms: unknown {bad}; choose from {list(GEMMS)}")
     from nanojax.profiling.synthetic import workload_lengths
     workload_lengths(args.workload, 2048)  # a bad workload fails before the profile runs
+    kv_cache_dtype = getattr(args, "kv_cache_dtype", "auto")  # an unset flag: no attribute
     try:
-        check_pair_pages(pair_shares, args.kv_cache_dtype)
+        check_pair_pages(pair_shares, kv_cache_dtype)
     except SearchError as e:
         raise SystemExit(f"nanojax: {e}") from None
     if args.tp > 1 and args.model.startswith("random:"):
@@ -274,7 +275,7 @@ def cmd_profile(args) -> int:
                            kernels=kernel_config_from_args(args), pair_shares=pair_shares,
                            pair_power_seconds=args.pair_power_seconds,
                            pair_gemms=pair_gemms, checkpoint=write,
-                           kv_cache_dtype=args.kv_cache_dtype)
+                           kv_cache_dtype=kv_cache_dtype)
     except SearchError as e:
         raise SystemExit(f"nanojax: {e}") from None
     write(prof)

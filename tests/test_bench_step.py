@@ -191,7 +191,7 @@ def test_the_fp8w_mode_runs_fp8_weights_beside_the_float_ones():
     logits move off the float mode's by e4m3's rounding, not more, and with ':fp8kv' on
     top further still; ':fp8static' with calibrated static activation scales; the float
     mode is untouched."""
-    from checkpoints.loader import load_model
+    from checkpoints.loader import load_model, quantize_bundle
     from nanojax.bench.step import parse_mode, run_step_bench
     assert parse_mode("non-overlap::fp8w:fp8kv")["quantization"] == "fp8"
     assert parse_mode("non-overlap::fp8w:fusedquant")["act_quant"] == "pallas"
@@ -208,6 +208,13 @@ def test_the_fp8w_mode_runs_fp8_weights_beside_the_float_ones():
     # one scale per projection: a rounding of its own, near the per-token one
     assert 1e-3 < static["logits_max_diff_over_std"] < 0.5
     assert static["logits_max_diff_over_std"] != w8["logits_max_diff_over_std"]
+    from nanojax.errors import NanojaxError  # refused before any mode is timed
+    for b, msg in ((quantize_bundle(bundle, "fp8"), "without --quantization"),
+                   (load_model("random:tiny-moe"), "MoE")):
+        with pytest.raises(NanojaxError, match=msg):
+            run_step_bench(b, _two_batch_plan(b.config), [64], ["48/16"],
+                           ["non-overlap::fp8static"], num_pages=512, max_model_len=256,
+                           repeats=1, progress=False)
     assert "non-overlap::fp8w_over_non-overlap" in out["ratios"][0]
 
 
@@ -493,6 +500,8 @@ def test_throughput_bench_compares_modes_in_one_run(tmp_path):
       "--out", "p.json"], "--pair-gemms: unknown ['gate', 'up']"),
     (["profile", "--model", "random:tiny", "--pair-shares", "66", "--kv-cache-dtype", "fp8",
       "--out", "p.json"], "reads bf16 pages only"),
+    (["bench", "step", "--model", "random:tiny", "--plan", "llama3-8b-1gpu",
+      "--modes", "non-overlap::fp8static:fusedquant"], "bad --b-dense or --modes"),
 ])
 def test_bench_and_profile_refuse_bad_arguments_before_loading(argv, msg, capsys):
     from nanojax.cli import main

@@ -186,6 +186,8 @@ def test_the_query_goes_as_rows_where_the_tma_takes_them(b, h, kvh, d, rows):
     (3, 2, 4, dict(num_programs=2, warpgroups=2, stages=2)),  # query rows straight from q
     (2, 2, 12, dict(num_programs=1, warpgroups=1, stages=3, block_k=128)),  # padded groups
     (3, 1, 8, dict(num_programs=2, warpgroups=1, splits=2)),  # split-KV
+    # longest first (the engine's default): the items in another order than q's rows
+    (4, 2, 4, dict(num_programs=2, warpgroups=1, stages=2, longest_first_order=True)),
 ])
 def test_fp8_query_matches_the_reference_on_its_quantized_query_interpret(b, kvh, g, kw):
     """fp8_query: S^T = K Q^T with the query in e4m3 too (one scale per sequence and kv

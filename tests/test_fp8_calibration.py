@@ -61,3 +61,5 @@ def test_static_scales_go_into_the_fp8_bundle():
         input_absmax(fp8, _seqs(2))
     with pytest.raises(ValueError, match="static scales go on an FP8 bundle"):
         with_static_scales(bundle, absmax)
+    with pytest.raises(ValueError, match="at least one token"):
+        input_absmax(bundle, [[1, 2], []])

@@ -271,6 +271,9 @@ def test_convert_writes_fp8_with_calibrated_static_scales(tmp_path):
     convert(tmp_path / "float", tmp_path / "static", quantization="fp8", calibration=calib)
     convert(tmp_path / "float", tmp_path / "dynamic", quantization="fp8")
     static, dynamic = load_model(str(tmp_path / "static")), load_model(str(tmp_path / "dynamic"))
+    with pytest.raises(CheckpointError, match="already quantized"):
+        convert(tmp_path / "dynamic", tmp_path / "again", quantization="fp8", calibration=calib)
+    assert not (tmp_path / "again").exists()
     assert (static.config.quantization, static.config.activation_scale) == ("fp8", "static")
     assert (dynamic.config.quantization, dynamic.config.activation_scale) == ("fp8", "dynamic")
     want = input_absmax(load_hf_dir(tmp_path / "float", dtype="float32", progress=False),

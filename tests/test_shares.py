@@ -143,6 +143,19 @@ def test_the_profile_times_attention_on_fp8_pages_where_asked():
     assert all(t > 0 for t in prof["ops"]["attention"]["times"].values())
 
 
+def test_profile_cli_runs_without_the_kv_flag(tmp_path):
+    """`nanojax profile` with no --kv-cache-dtype (the flag's unset value is no attribute
+    at all): the model's pages, recorded."""
+    import json
+
+    from nanojax.cli import main
+    out = tmp_path / "p.json"
+    assert main(["profile", "--model", "random:tiny", "--b-dense", "32", "--granularity", "16",
+                 "--workload", "24/16", "--iters", "1", "--shares", "1.0",
+                 "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["kv_cache_dtype"] == "float32"
+
+
 def test_the_profiled_pair_takes_the_models_nano_batch_shapes():
     """A GEMM of half the dense batch (each of the model's GEMM nano-ops), beside half the
     dense batch's decodes at their mean context (rounded up to whole pages)."""

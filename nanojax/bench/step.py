@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nanojax.config import KernelConfig, ModelConfig
+from nanojax.errors import ConfigError
 from nanojax.profiling.synthetic import (SyntheticBatch, engine_batch_rows, synthetic_batch,
                                          workload_lengths)
 
@@ -237,6 +238,8 @@ def parse_mode(mode: str) -> dict:
     if base not in MODES or any(s is not None and not 0 < s <= 1
                                 for s in (out["attention_share"], out["gemm_share"])):
         raise ValueError(mode)
+    if out["quantization"] == "fp8-static" and out["act_quant"] == "pallas":
+        raise ValueError(f"{mode}: static scales need no per-token quantization to fuse")
     return out
 
 
@@ -462,6 +465,11 @@ def run_step_bench(bundle, plan: dict, b_dense_list: list[int], workloads: list[
 
     cfg = bundle.config
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, cfg.dtype)
+    if any(parse_mode(m)["quantization"] == "fp8-static" for m in modes):  # before any timing
+        if cfg.quantization is not None:
+            raise ConfigError("':fp8static' calibrates the float model: load it without "
+                              f"--quantization (it is {cfg.quantization})")
+        cfg.replace(quantization="fp8", activation_scale="static")  # MoE: UnsupportedError
     max_pages = -(-max_model_len // page_size)
     # query blocks where the chunked-prefill kernel runs: the GPU (the CPU's pure-JAX
     # attention takes prefill tokens as rows)

@@ -31,11 +31,13 @@ from nanojax.models.bundle import ModelBundle
 def input_absmax(bundle: ModelBundle, sequences: list[list[int]], group: int = 8,
                  page_size: int = 16) -> dict[tuple[str, ...], float]:
     """The float model over `sequences` (token ids) -> each FP8 projection's input absmax,
-    keyed by its path in the parameter tree (e.g. ("layers_0", "mlp", "down_proj"))."""
+    keyed by its path in the parameter tree (e.g. ("layers_0", "down_proj"))."""
     from nanojax.engine.forward import UnrolledForward
     if bundle.config.quantization is not None:
         raise ValueError("calibrate the float model: this bundle is already quantized as "
                          f"{bundle.config.quantization}")
+    if not sequences or not all(sequences):
+        raise ValueError("calibration needs sequences of at least one token each")
     fwd = UnrolledForward(bundle.config)  # layers unrolled: one module path per projection
     params = fwd.prepare(bundle.params)
 
@@ -60,10 +62,11 @@ def input_absmax(bundle: ModelBundle, sequences: list[list[int]], group: int = 8
         return seen
 
     out: dict[tuple[str, ...], float] = {}
-    for tokens, meta, rows, pages in packed_prefills(sequences, [1] * len(sequences),
-                                                     group, page_size):
+    logit_rows = np.zeros(group, np.int32)  # logits unused: a few rows, one shape
+    for tokens, meta, _, pages in packed_prefills(sequences, [1] * len(sequences),
+                                                  group, page_size):
         kv = fwd.init_kv(pages, page_size)
-        for path, v in jax.device_get(absmax(params, tokens, kv, meta, rows)).items():
+        for path, v in jax.device_get(absmax(params, tokens, kv, meta, logit_rows)).items():
             out[path] = max(out.get(path, 0.0), float(v))
     if not out:
         raise ValueError("no FP8 projection saw an input: nothing to calibrate")
