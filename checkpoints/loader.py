@@ -115,7 +115,7 @@ def convert(src: Path, dst: Path, dtype: str = "float32", overwrite: bool = Fals
         seqs = [list(s)[:calibration_max_tokens] for s in calibration if len(s)]
         if not seqs:
             raise CheckpointError("the calibration data holds no token")
-        absmax = input_absmax(bundle, seqs)
+        absmax = input_absmax(bundle, seqs, progress=True)
     bundle = quantize_bundle(bundle, quantization)
     if absmax is not None:
         from nanojax.models.fp8_calibration import with_static_scales

@@ -143,7 +143,10 @@ def summarize(results: list[RequestResult], duration: float, request_rate: float
     }
 
 
-def print_report(s: dict, out=sys.stdout) -> None:
+def print_report(s: dict, out=None) -> None:
+    """vLLM's `bench serve` table. out: a stream (None: sys.stdout as it is at the call,
+    not at import: a test's captured stdout may be closed by then)."""
+    out = out or sys.stdout
     line = "=" * 50
     rows = [("Successful requests", s["successful_requests"]),
             ("Failed requests", s["failed_requests"]),

@@ -29,9 +29,11 @@ from nanojax.models.bundle import ModelBundle
 
 
 def input_absmax(bundle: ModelBundle, sequences: list[list[int]], group: int = 8,
-                 page_size: int = 16) -> dict[tuple[str, ...], float]:
+                 page_size: int = 16, progress: bool = False) -> dict[tuple[str, ...], float]:
     """The float model over `sequences` (token ids) -> each FP8 projection's input absmax,
-    keyed by its path in the parameter tree (e.g. ("layers_0", "down_proj"))."""
+    keyed by its path in the parameter tree (e.g. ("layers_0", "down_proj")). progress: a
+    bar over the packed batches."""
+    from tqdm.auto import tqdm
     from nanojax.engine.forward import UnrolledForward
     if bundle.config.quantization is not None:
         raise ValueError("calibrate the float model: this bundle is already quantized as "
@@ -63,8 +65,9 @@ def input_absmax(bundle: ModelBundle, sequences: list[list[int]], group: int = 8
 
     out: dict[tuple[str, ...], float] = {}
     logit_rows = np.zeros(group, np.int32)  # logits unused: a few rows, one shape
-    for tokens, meta, _, pages in packed_prefills(sequences, [1] * len(sequences),
-                                                  group, page_size):
+    batches = packed_prefills(sequences, [1] * len(sequences), group, page_size)
+    for tokens, meta, _, pages in tqdm(batches, total=-(-len(sequences) // group),
+                                       desc="calibrate", disable=not progress):
         kv = fwd.init_kv(pages, page_size)
         for path, v in jax.device_get(absmax(params, tokens, kv, meta, logit_rows)).items():
             out[path] = max(out.get(path, 0.0), float(v))

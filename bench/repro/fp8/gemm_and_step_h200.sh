@@ -9,7 +9,9 @@
 # them (KernelConfig.act_quant; its default flips to auto once this measures it faster).
 # ':fp8static': static activation scales (one per projection, calibrated through the float
 # model; nanojax/models/fp8_calibration.py): no per-token absmax pass at all.
-# Usage: OUT=dir [GEMM=0: skip the GEMM bench] [MODES=...] [WORKLOADS=...] [SUSTAIN=s]
+# F32=1: also the float32 step, each mode's logits distance from it (issue 42 item 4: the
+# FP8 modes' distance beside bf16's; ~32 GB more weights, a compile more).
+# Usage: OUT=dir [GEMM=0: skip the GEMM bench] [MODES=...] [WORKLOADS=...] [SUSTAIN=s] [F32=1]
 #   bash bench/repro/fp8/gemm_and_step_h200.sh
 set -u
 OUT=${OUT:?set OUT}
@@ -20,7 +22,8 @@ timeout "${LIMIT_STEP:-400}" python3 -m nanojax bench step --model random:llama3
   --plan llama3-8b-1gpu --b-dense 2048 --workloads "${WORKLOADS:-512/512,sharegpt,lmsys,splitwise}" \
   --modes "${MODES:-non-overlap,non-overlap::fp8w,non-overlap::fp8w:fp8kv,non-overlap::fp8w:fp8kv:fusedquant,non-overlap::fp8w:dotmerge}" \
   --repeats 10 --sustain-seconds "${SUSTAIN:-2}" --timeline "$OUT/timeline_fp8.png" \
-  --dump-hlo "$OUT/hlo" --quiet --json "$OUT/step_fp8_h200.json" 2>&1 | grep -v "^[WI]1" | tail -n 30
+  --dump-hlo "$OUT/hlo" ${F32:+--f32-reference} --quiet --json "$OUT/step_fp8_h200.json" 2>&1 \
+  | grep -v "^[WI]1" | tail -n 30
 for f in "$OUT"/hlo/*after_optimizations.txt; do
   [ -f "$f" ] || continue
   echo "$(basename "$f"): fp8 cublasLt calls $(grep -c 'cublas\$lt\$matmul\$f8' "$f"), other cublas $(grep -c 'custom_call_target="__cublas\$gemm\|custom_call_target="__cublas\$lt\$matmul"' "$f")"
