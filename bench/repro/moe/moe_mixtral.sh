@@ -22,7 +22,10 @@
 # MoE steps run the expert GEMMs through the Mosaic GPU grouped GEMM on Hopper
 # (models/moe.py); the step PART also runs non-overlap with XLA's ragged_dot (mode
 # non-overlap::xlagrouped) for the A/B. MODES overrides the step's modes.
-# Usage: OUT=dir PART=probe|step|engine|decode [KERNEL=triton] bash bench/repro/moe/moe_mixtral.sh
+# QUANT=fp8 (PART=engine): the experts and projections in FP8 (W8A8, quantized at load;
+# the peer stays transformers' bf16 Mixtral: issue 42 item 5); KV=fp8: FP8 pages too.
+# Usage: OUT=dir PART=probe|step|engine|decode [KERNEL=triton] [QUANT=fp8] [KV=fp8]
+#   bash bench/repro/moe/moe_mixtral.sh
 set -u
 OUT=${OUT:?set OUT}
 mkdir -p "$OUT"
@@ -45,8 +48,9 @@ engine)
   timeout "${LIMIT1:-570}" python3 -m nanojax bench --model random:mixtral-8x7b --quiet \
     --b-dense 2048 --admission predicted --fixed-shapes --num-prompts "$n" \
     --input-len 512 --output-len 512 --max-model-len 1024 --max-num-seqs "$n" \
-    --peer --peer-timeout "${PEER_LIMIT:-240}" \
-    --json "$OUT/engine_peer_mixtral-8x7b_512_512.json" 2>&1 | quiet 12
+    --peer --peer-timeout "${PEER_LIMIT:-240}" ${QUANT:+--quantization "$QUANT"} \
+    ${KV:+--kv-cache-dtype "$KV"} \
+    --json "$OUT/engine_peer_mixtral-8x7b_512_512${QUANT:+_$QUANT}.json" 2>&1 | quiet 12
   ;;
 decode)
   timeout "${LIMIT1:-200}" python3 bench/repro/moe/moe_grouped_gemm_probe.py \
