@@ -23,7 +23,9 @@
 # steady state runs ~1,030 (1,024 decodes + prefilling ones), more while cohorts even out.
 # STAGING=put|pinned: the engine's --input-staging (how a step's host arrays reach the
 # device; bench/results/log/engine_host.md §34), default numpy.
-# Usage: OUT=dir [KERNEL=triton] [NUM_PROMPTS=3072] [STAGING=pinned] bash bench/repro/engine_host/steady_state_llama3_8b.sh
+# KERNEL: the decode kernel of both runs (default auto, today's engine default: the Mosaic
+# GPU swap-AB kernel on Hopper; the committed 0.961 run passed triton).
+# Usage: OUT=dir [KERNEL=auto|triton|mosaic] [NUM_PROMPTS=3072] [STAGING=pinned] bash bench/repro/engine_host/steady_state_llama3_8b.sh
 # CPU dry run (tiny shapes, a plan for them): MODEL=random:tiny PLAN=plan.json B_DENSE=64
 #   INPUT_LEN=32 OUTPUT_LEN=32 MAX_MODEL_LEN=64 NUM_PROMPTS=150 MAX_NUM_SEQS=64
 #   NUM_PAGES=480 PAGE_SIZE=4 OUT=dir bash bench/repro/engine_host/steady_state_llama3_8b.sh
@@ -38,7 +40,7 @@ IN=${INPUT_LEN:-512}
 OUTLEN=${OUTPUT_LEN:-512}
 start=$(date +%s)
 quiet() { grep -v "^[WI]1" | tail -n "$1"; }
-kernel=(--decode-kernel "${KERNEL:-triton}")
+kernel=(--decode-kernel "${KERNEL:-auto}")
 pages=()
 [ -n "${NUM_PAGES:-}" ] && pages=(--num-pages "$NUM_PAGES")
 # the engine through the step's plan, non-overlap mode, so the two run the same executor
