@@ -97,11 +97,17 @@ def read_calibration_texts(path: str) -> list[str]:
                 raise TypeError("a 'text' that is not a string")
         else:
             texts = lines
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise SystemExit(f"nanojax: --calibration-data {path}: {type(e).__name__}: {e} "
                          "(want one text per line, or .jsonl lines {\"text\": ...})") from None
     if not texts:
         raise SystemExit(f"nanojax: --calibration-data {path} holds no sample")
+    for n, t in enumerate(texts, 1):  # a JSON escape can make a lone surrogate: no text
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError:
+            raise SystemExit(f"nanojax: --calibration-data {path}: sample {n} is not valid "
+                             "Unicode (a lone surrogate)") from None
     return texts
 
 

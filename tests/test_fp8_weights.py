@@ -294,6 +294,8 @@ def test_convert_refuses_bad_calibration_before_loading(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("\n  \n")
     (tmp_path / "bad.jsonl").write_text('{"txt": "hello"}\n')
     (tmp_path / "ok.txt").write_text("some text\n")
+    (tmp_path / "deep.jsonl").write_text('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    (tmp_path / "surrogate.jsonl").write_text('{"text": "ok"}\n{"text": "a\\ud800b"}\n')
     src = str(tmp_path / "no-such-model")  # never read: each case fails first
     for argv, msg in [
         (["--calibration-data", str(tmp_path / "ok.txt")], "give --quantization fp8"),
@@ -302,6 +304,10 @@ def test_convert_refuses_bad_calibration_before_loading(tmp_path, capsys):
          "holds no sample"),
         (["--quantization", "fp8", "--calibration-data", str(tmp_path / "bad.jsonl")],
          "KeyError"),
+        (["--quantization", "fp8", "--calibration-data", str(tmp_path / "deep.jsonl")],
+         "RecursionError"),
+        (["--quantization", "fp8", "--calibration-data", str(tmp_path / "surrogate.jsonl")],
+         "sample 2 is not valid Unicode"),
     ]:
         with pytest.raises(SystemExit) as e:
             main(["convert", src, str(tmp_path / "out"), *argv])
