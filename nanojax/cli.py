@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                    help="fp8: store the dense projections in FP8 (e4m3, per output channel); "
                         "activations quantized per token at run time unless "
-                        "--calibration-data is given")
+                        "--calibration-data is given. fp8-block: per 128 x 128 block")
     c.add_argument("--calibration-data", default=None, metavar="FILE",
                    help="with --quantization fp8: static activation scales (one per "
                         "projection, absmax / 448 of its inputs over these samples, cut to "

@@ -13,15 +13,15 @@ from typing import Any
 from nanojax.errors import ConfigError, UnsupportedError
 
 _DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = ("fp8",)                    # ModelConfig.quantization (layers/fp8.py)
+QUANTIZATIONS = ("fp8", "fp8-block")       # ModelConfig.quantization (layers/fp8.py)
 ACTIVATION_SCALES = ("dynamic", "static")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a LLaMA-family decoder (LLaMA 2/3, SmolLM, Qwen2) and its
-    mixture-of-experts variants (Mixtral, Qwen2-MoE): num_experts > 0 replaces every
-    layer's FFN by a routed MoE block (nanojax/models/moe.py)."""
+    """Shape and numerics of a LLaMA-family decoder (LLaMA 2/3, SmolLM, Qwen2, Qwen3) and its
+    mixture-of-experts variants (Mixtral, Qwen2-MoE, Qwen3-MoE): num_experts > 0 replaces
+    every layer's FFN by a routed MoE block (nanojax/models/moe.py)."""
 
     vocab_size: int
     hidden_size: int
@@ -38,6 +38,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has biases on q, k and v
+    qk_norm: bool = False  # Qwen3: an RMSNorm over head_dim on every q and k head, pre-RoPE
     dtype: str = "bfloat16"
     architecture: str = "llama"
     bos_token_id: int | None = None
@@ -50,7 +51,9 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (0: none)
     # Weight quantization of the dense projections and MoE experts (nanojax/layers/fp8.py):
     # None, or "fp8" (e4m3 weights with per-channel scales, per (expert, channel) for the
-    # experts, FP8 activations, f32 accumulation);
+    # experts, FP8 activations per token, f32 accumulation), or "fp8-block" (dense models:
+    # one weight scale per 128 x 128 block and activation scales per 128-wide group, as
+    # DeepSeek-V3 / Qwen3-FP8 checkpoints are made; pallas_kernels/block_fp8_matmul_mgpu.py);
     # activation_scale: "dynamic" (per token, computed on the fly) or "static" (each
     # projection's input_scale, from an FP8 checkpoint)
     quantization: str | None = None
@@ -84,6 +87,10 @@ class ModelConfig:
         if self.activation_scale not in ACTIVATION_SCALES:
             raise ConfigError(f"activation_scale must be one of {ACTIVATION_SCALES}, "
                               f"got {self.activation_scale!r}")
+        if self.quantization == "fp8-block" and (self.is_moe or
+                                                 self.activation_scale == "static"):
+            raise UnsupportedError("fp8-block covers dense models with dynamic activation "
+                                   "scales; use quantization 'fp8' (per channel) here")
         if self.quantization and self.is_moe and self.activation_scale == "static":
             # the experts' rows are quantized per token (one activation scale per row of
             # the grouped GEMM); a checkpoint's per-expert input_scale has no place there
@@ -122,6 +129,8 @@ class ModelConfig:
         attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            attn += 2 * self.head_dim
         ffn = self._ffn_params(self.num_experts if experts is None else experts)
         layer = attn + ffn + 2 * h
         head = 0 if self.tie_word_embeddings else v * h
@@ -221,33 +230,56 @@ class ModelConfig:
                 head_dim=int(hf.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
                 rope_theta=theta, rope_scaling=scaling,
-                max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+                max_position_embeddings=_full_attention_context(hf),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 attention_bias=bool(hf.get("attention_bias", hf.get(
                     "qkv_bias", model_type in ("qwen2", "qwen2_moe")))),
+                qk_norm=model_type in ("qwen3", "qwen3_moe"),
                 dtype=dtype, architecture=model_type,
                 bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos, **_hf_moe(hf))
         except KeyError as e:
             raise ConfigError(f"config.json lacks required key {e}") from None
 
 
-HF_MODEL_TYPES = ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe")
+def _full_attention_context(hf: dict[str, Any]) -> int:
+    """The context the model is served up to. nanojax attends over the whole context in
+    every layer; where some layer of the checkpoint attends within a sliding window
+    (Mistral-7B-v0.1's 4096; Qwen2/3 with use_sliding_window), that equals it up to the
+    window, so the context stops there."""
+    context = int(hf.get("max_position_embeddings", 4096))
+    window = hf.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or not 0 < window < context:
+        return context
+    types = hf.get("layer_types")
+    if isinstance(types, list):  # transformers >= 5 names each layer's attention
+        slides = "sliding_attention" in types
+    elif "use_sliding_window" in hf:  # Qwen2/3: layers from max_window_layers on slide
+        slides = bool(hf["use_sliding_window"]) and int(
+            hf.get("max_window_layers") or 0) < int(hf["num_hidden_layers"])
+    else:  # Mistral / Mixtral: every layer
+        slides = True
+    return window if slides else context
+
+
+HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def _hf_moe(hf: dict[str, Any]) -> dict:
-    """The MoE fields of a Mixtral or Qwen2-MoE config.json ({} for dense models)."""
+    """The MoE fields of a Mixtral, Qwen2-MoE or Qwen3-MoE config.json ({} for dense)."""
     model_type = hf.get("model_type")
     if model_type == "mixtral":  # every expert is the model's FFN; top-k renormalised
         return dict(num_experts=int(hf["num_local_experts"]),
                     num_experts_per_tok=int(hf["num_experts_per_tok"]),
                     moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)
-    if model_type == "qwen2_moe":
-        step, dense = int(hf.get("decoder_sparse_step", 1)), hf.get("mlp_only_layers") or []
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        step, dense = int(hf.get("decoder_sparse_step") or 1), hf.get("mlp_only_layers") or []
         if step != 1 or dense:  # one layer type keeps the layers stackable (ScanForward)
             raise UnsupportedError(
-                f"qwen2_moe with dense layers among the MoE ones (decoder_sparse_step={step}, "
+                f"{model_type} with dense layers among the MoE ones (decoder_sparse_step={step}, "
                 f"mlp_only_layers={dense}) is not supported: nanojax runs every layer as MoE")
-        return dict(num_experts=int(hf["num_experts"]),
+        # transformers >= 5 writes Qwen3-MoE's expert count as num_local_experts
+        experts = hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]
+        return dict(num_experts=int(experts),
                     num_experts_per_tok=int(hf["num_experts_per_tok"]),
                     moe_intermediate_size=int(hf["moe_intermediate_size"]),
                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
@@ -267,6 +299,11 @@ NAMED_SHAPES: dict[str, ModelConfig] = {
                             max_position_embeddings=1024, dtype="float32",
                             architecture="mixtral", num_experts=4, num_experts_per_tok=2,
                             moe_intermediate_size=96, norm_topk_prob=True),
+    # a 2-layer Qwen3 (q/k norms; head_dim 32 = twice hidden // heads) for CPU runs
+    "tiny-qwen3": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=160,
+                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                              rope_theta=1000000.0, max_position_embeddings=1024,
+                              dtype="float32", architecture="qwen3", qk_norm=True),
     "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                 num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
                                 rope_theta=100000.0, max_position_embeddings=8192,
@@ -304,6 +341,18 @@ NAMED_SHAPES: dict[str, ModelConfig] = {
                                   architecture="qwen2_moe", num_experts=64,
                                   num_experts_per_tok=8, moe_intermediate_size=2560,
                                   shared_expert_intermediate_size=20480),
+    # Qwen/Qwen3-8B: q/k RMSNorm per head, no biases
+    "qwen3-8b": ModelConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                            num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                            rope_theta=1000000.0, max_position_embeddings=40960,
+                            rms_norm_eps=1e-6, qk_norm=True, architecture="qwen3"),
+    # Qwen/Qwen3-30B-A3B: 128 experts of 768, top 8, renormalised, no shared expert
+    "qwen3-30b-a3b": ModelConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                 num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+                                 rope_theta=1000000.0, max_position_embeddings=40960,
+                                 rms_norm_eps=1e-6, qk_norm=True, architecture="qwen3_moe",
+                                 num_experts=128, num_experts_per_tok=8,
+                                 moe_intermediate_size=768, norm_topk_prob=True),
 }
 
 

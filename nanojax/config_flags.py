@@ -27,7 +27,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="fp8: the dense projections' weights in e4m3 with per-channel "
                         "scales and activations quantized per token (W8A8, quantized at "
                         "load); an FP8 checkpoint (compressed-tensors, 'fp8') is FP8 "
-                        "without it. The LM head and embeddings stay in --dtype")
+                        "without it, a block-wise one requantized per channel. fp8-block: "
+                        "one weight scale per 128 x 128 block and activations per 128-wide "
+                        "group (dense models; a block-wise checkpoint's blocks kept). The "
+                        "LM head and embeddings stay in --dtype")
     p.add_argument("--cache-dir", default=None,
                    help="where the default model is cached (env NANOJAX_CACHE)")
     from nanojax import compile_cache

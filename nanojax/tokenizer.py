@@ -90,8 +90,11 @@ class Tokenizer:
         return self.backend.id_to_token(int(token_id))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = False, tools: list[dict] | None = None):
-        """tools: OpenAI function tools, handed to the template as transformers does."""
+                            tokenize: bool = False, tools: list[dict] | None = None,
+                            template_kwargs: dict | None = None):
+        """tools: OpenAI function tools, handed to the template as transformers does;
+        template_kwargs: more template variables (a request's chat_template_kwargs, e.g.
+        Qwen3's enable_thinking), never the ones set here."""
         if not self.chat_template:
             raise ChatTemplateError("this model's tokenizer has no chat template")
         if self._template is None:
@@ -106,12 +109,16 @@ class Tokenizer:
             env.filters["tojson"] = _tojson  # transformers': tool templates rely on it
             self._template = env.from_string(self.chat_template)
         try:
-            text = self._template.render(messages=messages,
-                                         add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "",
-                                         eos_token=self.eos_token or "", tools=tools)
+            text = self._template.render({
+                **(template_kwargs or {}), "messages": messages,
+                "add_generation_prompt": add_generation_prompt,
+                "bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                "tools": tools})
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from None
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError,
+                ArithmeticError, RecursionError) as e:  # what request data can make it do
+            raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 

@@ -31,6 +31,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.mosaic_gpu_support import fp8_dtype_misfit
+
 
 class GroupedTiling(NamedTuple):
     """Output tile block_m x block_n (one warpgroup's WGMMA accumulator), K steps of
@@ -110,10 +112,8 @@ def unsupported_fp8(x8, w8, tiling: GroupedTiling | None = None,
     """Why grouped_matmul_fp8_mgpu cannot take these operands (None when it can)."""
     if x8.ndim != 2 or w8.ndim != 3 or x8.shape[1] != w8.shape[2]:
         return f"needs [M, K] x [G, N, K], got {x8.shape} x {w8.shape}"
-    if x8.dtype != FP8 or w8.dtype != FP8:
-        return f"needs two float8_e4m3fn operands, got {x8.dtype} and {w8.dtype}"
-    if jnp.dtype(out_dtype).itemsize != 2:
-        return f"writes a 16-bit output, not {jnp.dtype(out_dtype)}"
+    if (why := fp8_dtype_misfit(x8, w8, out_dtype)) is not None:
+        return why
     tiling = tiling or fp8_tiling_for(x8.shape[0], w8.shape[1])
     (m, k), n = x8.shape, w8.shape[1]
     return _tile_misfit(m, k, n, tiling)

@@ -10,6 +10,17 @@ def on_hopper() -> bool:
     return dev.platform == "gpu" and float(getattr(dev, "compute_capability", 0)) >= 9.0
 
 
+def fp8_dtype_misfit(x8, w8, out_dtype) -> str | None:
+    """What the FP8 WGMMA kernels refuse in their operands' and output's dtypes: two e4m3
+    operands, a 16-bit output (None: nothing)."""
+    import jax.numpy as jnp
+    if x8.dtype != jnp.float8_e4m3fn or w8.dtype != jnp.float8_e4m3fn:
+        return f"needs two float8_e4m3fn operands, got {x8.dtype} and {w8.dtype}"
+    if jnp.dtype(out_dtype).itemsize != 2:
+        return f"writes a 16-bit output, not {jnp.dtype(out_dtype)}"
+    return None
+
+
 def interpret_params():
     """Mosaic GPU's CPU interpreter (a public name in newer jax, private in 0.10)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu

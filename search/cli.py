@@ -361,7 +361,8 @@ def register(sub) -> None:
     pr.add_argument("--model", default="random:llama3-8b")
     pr.add_argument("--dtype", default=None)
     pr.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
-                    help="fp8: profile the FP8 projections (W8A8, nanojax/layers/fp8.py)")
+                    help="fp8 / fp8-block: profile the FP8 projections (W8A8, "
+                         "nanojax/layers/fp8.py)")
     pr.add_argument("--cache-dir", default=None)
     pr.add_argument("--b-dense", type=int, default=2048)
     pr.add_argument("--granularity", type=int, default=128)

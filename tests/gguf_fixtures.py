@@ -1,4 +1,5 @@
-"""Writes small llama-architecture GGUF files the way llama.cpp's converter does."""
+"""Writes small LLaMA-family GGUF files (llama, qwen2, qwen3) the way llama.cpp's converter
+does."""
 from __future__ import annotations
 
 import gguf
@@ -21,7 +22,9 @@ _BLOCK = {"input_layernorm.weight": "attn_norm.weight",
           "self_attn.v_proj.weight": "attn_v.weight",
           "self_attn.o_proj.weight": "attn_output.weight",
           "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-          "mlp.down_proj.weight": "ffn_down.weight"}
+          "mlp.down_proj.weight": "ffn_down.weight",
+          "self_attn.q_norm.weight": "attn_q_norm.weight",
+          "self_attn.k_norm.weight": "attn_k_norm.weight"}
 
 
 _MOE = {"block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
@@ -51,7 +54,10 @@ def write_llama_gguf(path, cfg, params: dict, quant: str = "F32",
                      override: dict | None = None) -> None:
     """params: our {"params": ...} tree (numpy, f32). `override` maps a GGUF tensor name to
     (raw uint8 data, quant type name) for hand-made blocks."""
-    w = gguf.GGUFWriter(str(path), arch="llama")
+    # as llama.cpp writes them: Mixtral as a "llama" file with experts; q/k permuted for
+    # LLaMA only; Qwen3's head_dim as key_length, without a rope dimension count
+    arch = "llama" if cfg.architecture in ("llama", "mixtral") else cfg.architecture
+    w = gguf.GGUFWriter(str(path), arch=arch)
     w.add_block_count(cfg.num_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -60,7 +66,11 @@ def write_llama_gguf(path, cfg, params: dict, quant: str = "F32",
     w.add_head_count_kv(cfg.num_kv_heads)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(cfg.head_dim)
+    if arch == "qwen3":
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    else:
+        w.add_rope_dimension_count(cfg.head_dim)
     w.add_vocab_size(cfg.vocab_size)
     if cfg.is_moe:  # llama.cpp's Mixtral: a llama file with experts
         w.add_expert_count(cfg.num_experts)
@@ -80,7 +90,9 @@ def write_llama_gguf(path, cfg, params: dict, quant: str = "F32",
         arr = np.asarray(arr, np.float32)
         if transpose:  # each expert's [in, out] back to [out, in]
             arr = arr.swapaxes(-1, -2)
-        if isinstance(hf, str) and hf.endswith("q_proj.weight"):
+        if arch != "llama":
+            pass
+        elif isinstance(hf, str) and hf.endswith("q_proj.weight"):
             arr = _permute(arr, cfg.num_heads)
         elif isinstance(hf, str) and hf.endswith("k_proj.weight"):
             arr = _permute(arr, cfg.num_kv_heads)

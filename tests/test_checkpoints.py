@@ -21,7 +21,8 @@ def _count(tree) -> int:
 
 
 @pytest.mark.parametrize("name,billions", [("llama3-8b", 8.03), ("llama3-70b", 70.55),
-                                           ("llama2-70b", 68.98), ("qwen2-72b", 72.71)])
+                                           ("llama2-70b", 68.98), ("qwen2-72b", 72.71),
+                                           ("qwen3-8b", 8.19)])
 def test_named_shape_parameter_counts(name, billions):
     cfg = named_shape(name)
     n = _count(param_shapes(cfg))
@@ -119,6 +120,10 @@ HF_CASES = {
                                            "original_max_position_embeddings": 64}),
     "qwen2-bias-tied": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"],
                             tie_word_embeddings=True, rope_theta=1000000.0),
+    # q/k norms per head; head_dim 32 makes q_size (128) differ from hidden_size (64)
+    "qwen3-qknorm-wide-heads": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"],
+                                    tie_word_embeddings=False, rope_theta=1000000.0,
+                                    head_dim=32),
 }
 
 
@@ -129,7 +134,8 @@ def _make_hf_dir(tmp_path, case):
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
               rms_norm_eps=1e-5, **HF_CASES[case])
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[kw["model_type"]]
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[kw["model_type"]]
     kw.pop("model_type")
     torch.manual_seed(0)
     model = cls[1](cls[0](**kw)).eval()
@@ -148,11 +154,73 @@ def test_hf_directory_matches_transformers(case, tmp_path):
     hf = _make_hf_dir(tmp_path, case)
     bundle = load_hf_dir(tmp_path / case, dtype="float32", progress=False)
     assert bundle.config.attention_bias == (case.startswith("qwen2"))
+    assert bundle.config.qk_norm == (case.startswith("qwen3"))
     ids = list(np.random.default_rng(0).integers(0, 300, size=90))  # past the 64 original ctx
     ours = ReferenceGenerator(bundle.config, bundle.params, max_len=128).logits(ids)
     with torch.no_grad():
         theirs = hf(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=0)
+
+
+def test_qwen3_directory_serves_transformers_greedy_tokens_with_continuous_batching(tmp_path):
+    """The engine (paged attention, chunked prefill beside decodes) on a Qwen3 directory."""
+    import torch
+    from nanojax.engine.llm import LLM
+    from nanojax.engine.sampling import SamplingParams
+    hf = _make_hf_dir(tmp_path, "qwen3-qknorm-wide-heads")
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 300, size=int(n)).tolist() for n in (6, 30, 13)]
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                for p in prompts]
+    llm = LLM(model=str(tmp_path / "qwen3-qknorm-wide-heads"), dtype="float32", b_dense=16,
+              num_pages=32, max_model_len=64)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0,
+                                                ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outs] == want
+    assert len({tuple(w) for w in want}) > 1
+
+
+def test_qwen3_gguf_imports_its_qk_norms_and_key_length(tmp_path):
+    """llama.cpp's qwen3 files: attn_q_norm/attn_k_norm, head_dim as key_length (here 32,
+    not hidden // heads = 16), q/k rows not permuted; same weights and logits back."""
+    from nanojax.reference import ReferenceGenerator
+    cfg = ModelConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=32, dtype="float32",
+                      architecture="qwen3", qk_norm=True)
+    params = jax.tree_util.tree_map(np.asarray, init_params(cfg, seed=4))
+    for i in range(cfg.num_layers):  # norms away from their init of ones
+        layer = params["params"][f"layers_{i}"]
+        for norm in ("q_norm", "k_norm"):
+            layer[norm]["scale"] = np.linspace(0.5, 1.5, cfg.head_dim, dtype=np.float32)
+    write_llama_gguf(tmp_path / "qwen3.gguf", cfg, params)
+    bundle = load_gguf(tmp_path / "qwen3.gguf", dtype="float32", progress=False)
+    assert bundle.config.qk_norm and bundle.config.head_dim == 32
+    _tree_equal(params, bundle.params)
+    ids = list(range(3, 40))
+    np.testing.assert_allclose(ReferenceGenerator(bundle.config, bundle.params).logits(ids),
+                               ReferenceGenerator(cfg, params).logits(ids), atol=1e-5)
+
+
+@pytest.mark.parametrize("extra, context", [
+    (dict(model_type="mistral", sliding_window=4096), 4096),      # Mistral-7B-v0.1
+    (dict(model_type="mistral", sliding_window=None), 32768),     # v0.2 on
+    (dict(model_type="qwen2", use_sliding_window=False, sliding_window=4096,
+          max_window_layers=2), 32768),                           # Qwen2 releases
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=4096,
+          max_window_layers=2), 32768),                           # no layer past 2 slides
+    (dict(model_type="qwen3", use_sliding_window=True, sliding_window=4096,
+          max_window_layers=1), 4096),
+    (dict(model_type="qwen3", layer_types=["full_attention", "sliding_attention"],
+          sliding_window=1024), 1024),
+])
+def test_sliding_window_layers_cap_the_context_at_the_window(extra, context):
+    """nanojax attends over the whole context: equal to a sliding window up to its size,
+    so a checkpoint with sliding layers is served up to the window, not past it."""
+    hf = dict(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=2,
+              num_attention_heads=2, max_position_embeddings=32768, **extra)
+    assert ModelConfig.from_hf(hf).max_position_embeddings == context
 
 
 # ---- errors name the problem -------------------------------------------------------------

@@ -57,14 +57,15 @@ def test_fp8_linear_matches_its_float32_reference(dtype):
     assert 5e-3 < err < 0.06  # e4m3 operands: a few percent, not more, and not zero
 
 
-def test_quantized_random_model_is_fp8_and_close_to_the_float_one(tiny_bundle):
-    fp8 = quantize_bundle(tiny_bundle, "fp8")
-    assert fp8.config.quantization == "fp8" and tiny_bundle.config.quantization is None
+@pytest.mark.parametrize("quant", ["fp8", "fp8-block"])
+def test_quantized_random_model_is_fp8_and_close_to_the_float_one(tiny_bundle, quant):
+    fp8 = quantize_bundle(tiny_bundle, quant)
+    assert fp8.config.quantization == quant and tiny_bundle.config.quantization is None
     layer = fp8.params["params"]["layers_0"]
     assert layer["q_proj"]["weight"].dtype == FP8 and "kernel" not in layer["q_proj"]
     assert fp8.params["params"]["lm_head"]["kernel"].dtype == np.float32  # stays float
     # made quantized (random:<shape> with quantization) == quantized after loading
-    direct = load_model("random:tiny", dtype="float32", quantization="fp8")
+    direct = load_model("random:tiny", dtype="float32", quantization=quant)
     for a, b in zip(jax.tree_util.tree_leaves(direct.params), jax.tree_util.tree_leaves(fp8.params)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     from nanojax.reference import ReferenceGenerator
@@ -75,20 +76,53 @@ def test_quantized_random_model_is_fp8_and_close_to_the_float_one(tiny_bundle):
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.85
 
 
-def test_engine_tokens_equal_the_reference_on_the_fp8_model(tiny_bundle):
+@pytest.mark.parametrize("quant", ["fp8", "fp8-block"])
+def test_engine_tokens_equal_the_reference_on_the_fp8_model(tiny_bundle, quant):
     """The engine (paged cache, dense batch, layer-wise CPU forward) runs the quantized
     model exactly as the one-sequence reference does: the same greedy tokens."""
     from nanojax.engine.llm import LLM
     from nanojax.engine.sampling import SamplingParams
     from nanojax.reference import ReferenceGenerator
-    llm = LLM(tiny_bundle, quantization="fp8", b_dense=32, max_model_len=128)
-    bundle = quantize_bundle(tiny_bundle, "fp8")
+    llm = LLM(tiny_bundle, quantization=quant, b_dense=32, max_model_len=128)
+    bundle = quantize_bundle(tiny_bundle, quant)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [300, 2, 41], list(range(100, 140))]
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0,
                                                 ignore_eos=True), use_tqdm=False)
     ref = ReferenceGenerator(bundle.config, bundle.params, max_len=128)
     for p, o in zip(prompts, outs):
         assert o.token_ids == ref.generate(p, 10, ignore_eos=True)
+
+
+def test_fp8_block_scales_each_128_block(tiny_bundle):
+    """fp8-block: one scale per 128 x 128 block of each weight (edge blocks partial: the
+    tiny model's 64 / 160-wide projections), as quantize_weight_blocks makes them."""
+    from nanojax.layers.fp8 import quantize_weight_blocks
+    gate = quantize_bundle(tiny_bundle, "fp8-block").params["params"]["layers_0"]["gate_proj"]
+    assert gate["weight"].shape == (160, 64) and gate["weight_scale"].shape == (2, 1)
+    w8, scale = quantize_weight_blocks(tiny_bundle.params["params"]["layers_0"]["gate_proj"]
+                                       ["kernel"])
+    np.testing.assert_array_equal(np.asarray(gate["weight"], np.float32),
+                                  np.asarray(w8, np.float32))
+    np.testing.assert_array_equal(gate["weight_scale"], scale)
+    kernel = np.zeros((300, 200), np.float32)  # [in, out]: blocks of 2 x 3 scales
+    kernel[129, 5], kernel[3, 150] = 7.0, -0.5
+    w8, scale = quantize_weight_blocks(kernel)
+    assert scale.shape == (2, 3)
+    np.testing.assert_allclose([scale[0, 1], scale[1, 0]], [7.0 / 448, 0.5 / 448], rtol=1e-6)
+    assert float(w8[5, 129].astype(np.float32)) == 448.0
+    assert float(w8[150, 3].astype(np.float32)) == -448.0
+
+
+def test_fp8_block_is_refused_where_it_does_not_run(tiny_bundle):
+    from nanojax.parallel.tp import TPLayout
+    with pytest.raises(UnsupportedError, match="dense models"):
+        named_shape("tiny-moe").replace(quantization="fp8-block")
+    with pytest.raises(UnsupportedError, match="dense models"):
+        named_shape("tiny").replace(quantization="fp8-block", activation_scale="static")
+    with pytest.raises(UnsupportedError, match="tensor_parallel_size 1"):
+        TPLayout(named_shape("tiny").replace(quantization="fp8-block"), 2)
+    with pytest.raises(CheckpointError, match="cannot be re-quantized as fp8-block"):
+        quantize_bundle(quantize_bundle(tiny_bundle, "fp8"), "fp8-block")
 
 
 def test_requantizing_or_unsupported_quantization_is_refused(tiny_bundle):
@@ -102,11 +136,12 @@ def test_requantizing_or_unsupported_quantization_is_refused(tiny_bundle):
         quantize_bundle(tiny_bundle, "int4")
 
 
-def test_orbax_round_trip_keeps_fp8(tiny_bundle, tmp_path):
-    fp8 = quantize_bundle(tiny_bundle, "fp8")
+@pytest.mark.parametrize("quant", ["fp8", "fp8-block"])
+def test_orbax_round_trip_keeps_fp8(tiny_bundle, tmp_path, quant):
+    fp8 = quantize_bundle(tiny_bundle, quant)
     dst = save_orbax(fp8, tmp_path / "ck")
     back = load_orbax(dst, dtype="bfloat16")  # the model dtype changes, FP8 stays FP8
-    assert back.config.quantization == "fp8" and back.config.dtype == "bfloat16"
+    assert back.config.quantization == quant and back.config.dtype == "bfloat16"
     q = back.params["params"]["layers_1"]["down_proj"]
     assert q["weight"].dtype == FP8 and q["weight_scale"].dtype == np.float32
     np.testing.assert_array_equal(
@@ -143,7 +178,10 @@ def test_tp_specs_split_fp8_weights_along_their_own_axes():
 
 
 # ---- FP8 checkpoints as vLLM loads them ---------------------------------------------
-_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the projections an FP8 checkpoint quantizes (w1/w2/w3: Mixtral's experts); MoE routers
+# (mlp.gate, block_sparse_moe.gate) and the shared expert's gate stay float
+_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+         "w1", "w2", "w3")
 
 
 def _float_hf_dir(tmp_path):
@@ -158,17 +196,43 @@ def _float_hf_dir(tmp_path):
     return model
 
 
-def _write_fp8_dir(tmp_path, fmt: str, model):
+BLOCK = (48, 32)  # partial edge blocks on every projection of the 64 / 96-wide model
+
+
+def _block_quantize(p, block):
+    """torch [out, in] -> (e4m3 weight, f32 scale [ceil(out/r), ceil(in/c)]): each block's
+    absmax to 448, as DeepSeek-V3 / Qwen3-FP8 / llm-compressor's FP8_BLOCK store them."""
+    import torch
+    r, c = block
+    n, k = p.shape
+    nb, kb = -(-n // r), -(-k // c)
+    padded = torch.zeros(nb * r, kb * c)
+    padded[:n, :k] = p
+    scale = padded.reshape(nb, r, kb, c).abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    full = scale.repeat_interleave(r, 0).repeat_interleave(c, 1)[:n, :k]
+    return (p / full).to(torch.float8_e4m3fn), scale
+
+
+def _write_fp8_dir(tmp_path, fmt: str, model, block=BLOCK):
     """The float checkpoint rewritten in an FP8 format's documented safetensors layout:
     e4m3 `weight` [out, in] + `weight_scale` (compressed-tensors: [out, 1] per channel;
-    'fp8': a per-tensor scalar, with a static `input_scale`)."""
+    'fp8': a per-tensor scalar, with a static `input_scale`; the "-block" formats: one
+    scale per BLOCK, named weight_scale_inv in 'fp8')."""
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
     out = {}
-    for name, p in model.state_dict().items():
+    float_dir = tmp_path / "float"  # the saved names (transformers 5 fuses experts in memory)
+    saved = {n: t for f in sorted(float_dir.glob("*.safetensors")) for n, t in
+             load_file(str(f)).items()}
+    for name, p in saved.items():
         p = p.detach().float()
         if not name.endswith(tuple(f"{n}.weight" for n in _PROJ)):
             out[name] = p.contiguous()
+            continue
+        if fmt.endswith("-block"):
+            out[name], scale = _block_quantize(p, block)
+            leaf = "weight_scale_inv" if fmt == "fp8-block" else "weight_scale"
+            out[name.replace(".weight", "." + leaf)] = scale
             continue
         per_channel = fmt == "compressed-tensors"
         amax = p.abs().amax(dim=1, keepdim=True) if per_channel else p.abs().amax()
@@ -191,17 +255,40 @@ def _write_fp8_dir(tmp_path, fmt: str, model):
                             "symmetric": True, "dynamic": False},
                 "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
                                       "symmetric": True, "dynamic": True}}},
+            "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$"]},
+        "compressed-tensors-block": {
+            "quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                            "block_structure": list(block), "symmetric": True,
+                            "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "group",
+                                      "group_size": 128, "symmetric": True,
+                                      "dynamic": True}}},
             "ignore": ["lm_head"]},
-        "fp8": {"quant_method": "fp8", "activation_scheme": "static"}}[fmt]
+        "fp8": {"quant_method": "fp8", "activation_scheme": "static"},
+        "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                      "weight_block_size": list(block)}}[fmt]
     (d / "config.json").write_text(json.dumps(hf))
     return d
 
 
-@pytest.mark.parametrize("fmt", ["compressed-tensors", "fp8"])
-def test_fp8_checkpoints_load_and_run_close_to_the_float_model(tmp_path, fmt):
+def _assert_near_the_float_model(bundle, model):
     import torch
 
     from nanojax.reference import ReferenceGenerator
+    ids = list(np.random.default_rng(0).integers(0, 300, size=40))
+    ours = ReferenceGenerator(bundle.config, bundle.params, max_len=64).logits(ids)
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(ours - theirs).max() / theirs.std() < 0.5
+    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.8
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "fp8"])
+def test_fp8_checkpoints_load_and_run_close_to_the_float_model(tmp_path, fmt):
+    pytest.importorskip("torch")
     model = _float_hf_dir(tmp_path)
     bundle = load_hf_dir(_write_fp8_dir(tmp_path, fmt, model), dtype="float32",
                          progress=False)
@@ -219,17 +306,114 @@ def test_fp8_checkpoints_load_and_run_close_to_the_float_model(tmp_path, fmt):
     else:
         assert float(q["input_scale"]) == pytest.approx(0.02)
         assert len(set(np.asarray(q["weight_scale"]).tolist())) == 1  # per tensor
-    ids = list(np.random.default_rng(0).integers(0, 300, size=40))
-    ours = ReferenceGenerator(cfg, bundle.params, max_len=64).logits(ids)
-    with torch.no_grad():
-        theirs = model(torch.tensor([ids])).logits[0].numpy()
-    assert np.abs(ours - theirs).max() / theirs.std() < 0.5
-    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.8
+    _assert_near_the_float_model(bundle, model)
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "compressed-tensors-block"])
+def test_block_wise_fp8_checkpoints_load_requantized_per_channel(tmp_path, fmt):
+    """DeepSeek-V3 / Qwen3-FP8 ('fp8' + weight_block_size, weight_scale_inv) and
+    llm-compressor's FP8_BLOCK: each weight's blocks dequantized, then one scale per output
+    channel; within e4m3's rounding of the stored values, and close to the float model."""
+    pytest.importorskip("torch")
+    model = _float_hf_dir(tmp_path)
+    src = _write_fp8_dir(tmp_path, fmt, model)
+    bundle = load_hf_dir(src, dtype="float32", progress=False)
+    cfg = bundle.config
+    assert (cfg.quantization, cfg.activation_scale) == ("fp8", "dynamic")
+    from safetensors.torch import load_file
+    stored = load_file(str(src / "model.safetensors"))
+    leaf = "weight_scale_inv" if fmt == "fp8-block" else "weight_scale"
+    for path, hf in [(("layers_0", "q_proj"), "model.layers.0.self_attn.q_proj"),
+                     (("layers_1", "down_proj"), "model.layers.1.mlp.down_proj")]:
+        node = bundle.params["params"][path[0]][path[1]]
+        w8, s = np.asarray(node["weight"], np.float32), np.asarray(node["weight_scale"])
+        assert node["weight"].dtype == FP8 and s.shape == (w8.shape[0],)
+        sb = stored[f"{hf}.{leaf}"].numpy()
+        full = np.repeat(np.repeat(sb, BLOCK[0], 0), BLOCK[1], 1)[:w8.shape[0], :w8.shape[1]]
+        want = stored[f"{hf}.weight"].float().numpy() * full  # the checkpoint's values
+        got = w8 * s[:, None]
+        # one more rounding to e4m3: half a step (2^-4 relative) or a subnormal's half step
+        assert (np.abs(got - want) <= np.abs(want) * 2.0 ** -4 + s[:, None] * 2.0 ** -10
+                + 1e-12).all()
+        assert np.abs(np.abs(want).max(axis=1) - np.abs(got).max(axis=1)).max() < 1e-6
+    _assert_near_the_float_model(bundle, model)
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "compressed-tensors-block"])
+def test_fp8_block_keeps_a_block_checkpoints_weights_as_stored(tmp_path, fmt):
+    """--quantization fp8-block on a 128 x 128 block checkpoint: the stored e4m3 weights and
+    block scales unchanged (no second rounding); other block sizes refused by name."""
+    pytest.importorskip("torch")
+    from safetensors.torch import load_file
+    model = _float_hf_dir(tmp_path)
+    src = _write_fp8_dir(tmp_path, fmt, model, block=(128, 128))
+    bundle = load_model(str(src), dtype="float32", quantization="fp8-block")
+    assert bundle.config.quantization == "fp8-block"
+    stored = load_file(str(src / "model.safetensors"))
+    leaf = "weight_scale_inv" if fmt == "fp8-block" else "weight_scale"
+    down = bundle.params["params"]["layers_1"]["down_proj"]
+    hf = "model.layers.1.mlp.down_proj"
+    np.testing.assert_array_equal(np.asarray(down["weight"], np.float32),
+                                  stored[f"{hf}.weight"].float().numpy())
+    np.testing.assert_array_equal(down["weight_scale"], stored[f"{hf}.{leaf}"].numpy())
+    _assert_near_the_float_model(bundle, model)
+    (tmp_path / "other").mkdir()  # the same float checkpoint in 48 x 32 blocks
+    (tmp_path / "other" / "float").symlink_to(tmp_path / "float")
+    other = _write_fp8_dir(tmp_path / "other", fmt, model, block=BLOCK)
+    with pytest.raises(CheckpointError, match="48 x 32"):
+        load_model(str(other), dtype="float32", quantization="fp8-block")
+    assert load_model(str(other), dtype="float32").config.quantization == "fp8"
+
+
+def test_block_wise_fp8_with_a_wrong_scale_shape_is_refused_by_name(tmp_path):
+    from safetensors.torch import load_file, save_file
+    src = _write_fp8_dir(tmp_path, "fp8-block", _float_hf_dir(tmp_path))
+    tensors = load_file(str(src / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight_scale_inv"
+    tensors[name] = tensors[name][:, :1].contiguous()  # one column of blocks short
+    save_file(tensors, str(src / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=f"{name} has shape"):
+        load_hf_dir(src, progress=False)
+    del tensors[name]
+    save_file(tensors, str(src / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="lacks model.layers.1.mlp.up_proj.weight_scale"):
+        load_hf_dir(src, progress=False)
+
+
+def test_ignore_lists_that_keep_only_heads_and_routers_float_are_taken():
+    for ignore in (["lm_head", r"re:.*mlp\.gate$", "re:.*block_sparse_moe.gate",
+                    "model.layers.0.mlp.shared_expert_gate"], None):
+        assert fp8_scheme({"quantization_config": {
+            "quant_method": "fp8", "modules_to_not_convert": ignore}}).quantization == "fp8"
+
+
+_BLOCK_GROUP = {"weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                            "block_structure": [128, 128]}}
 
 
 @pytest.mark.parametrize("qc,match", [
     ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+     "block-wise FP8 with static"),
+    ({"quant_method": "fp8", "weight_block_size": [0, 128]}, "weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [2 ** 70, 128]}, "weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": "128x128"}, "weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [True, 128]}, "weight_block_size"),
+    ({"quant_method": "fp8", "modules_to_not_convert": ["model.layers.3.mlp.gate_proj"]},
+     "unquantized"),
+    ({"quant_method": "fp8", "modules_to_not_convert": ["model.layers.3.mlp"]}, "unquantized"),
+    ({"quant_method": "fp8", "ignored_layers": ["re:.*q_proj|.*mlp.gate"]}, "unquantized"),
+    ({"quant_method": "fp8", "ignored_layers": ["re:(unclosed"]}, "not a regular expr"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized",
+      "config_groups": {"g": {"weights": {**_BLOCK_GROUP["weights"],
+                                          "block_structure": None}}}}, "block_structure"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized",
+      "config_groups": {"a": _BLOCK_GROUP, "b": {"weights": {
+          **_BLOCK_GROUP["weights"], "block_structure": [64, 64]}}}}, "different weight"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized",
+      "config_groups": {"g": {**_BLOCK_GROUP, "input_activations": {
+          "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}},
+     "with block weights"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "pack-quantized"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized",
       "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float",
@@ -243,7 +427,7 @@ def test_fp8_checkpoints_load_and_run_close_to_the_float_model(tmp_path, fmt):
 def test_unsupported_quantized_checkpoints_are_refused_by_name(qc, match):
     with pytest.raises(UnsupportedError, match=match):
         fp8_scheme({"quantization_config": qc})
-    assert fp8_scheme({}) == (None, "dynamic")
+    assert fp8_scheme({}) == (None, "dynamic", None)
 
 
 def test_cli_info_shows_the_quantization(capsys):

@@ -77,6 +77,8 @@ HF_MOE = {
     "mixtral": dict(num_local_experts=4, intermediate_size=96),
     "qwen2_moe": dict(num_experts=4, intermediate_size=96, moe_intermediate_size=32,
                       shared_expert_intermediate_size=48, norm_topk_prob=False),
+    "qwen3_moe": dict(num_experts=4, intermediate_size=96, moe_intermediate_size=32,
+                      norm_topk_prob=True, head_dim=32),
 }
 
 
@@ -87,7 +89,8 @@ def hf_moe(request, tmp_path_factory):
     transformers = pytest.importorskip("transformers")
     kind = request.param
     cls = {"mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
-           "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM)}[kind]
+           "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+           "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}[kind]
     torch.manual_seed(0)
     model = cls[1](cls[0](vocab_size=300, hidden_size=64, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2,
@@ -211,6 +214,7 @@ def test_moe_plan_signature_names_the_experts():
 # ---- shapes, loading, errors -------------------------------------------------------------
 @pytest.mark.parametrize("name,total,active", [("mixtral-8x7b", 46.70, 12.88),
                                                ("qwen2-57b-a14b", 57.41, 14.25),
+                                               ("qwen3-30b-a3b", 30.53, 3.35),
                                                ("deepseek-67b", 67.43, 67.43)])
 def test_named_shapes_total_and_active_parameters(name, total, active):
     from nanojax.models import param_shapes

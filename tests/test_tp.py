@@ -66,6 +66,13 @@ def test_tp_tokens_equal_tp1(tiny):
 
 
 @pytest.mark.slow
+def test_qwen3_qk_norms_under_tp_give_tp1_tokens():
+    out = _worker("qwen3")
+    assert out["1"] == out["2"] == out["4"]
+    assert len({tuple(t) for t in out["1"]}) > 1  # the prompts' continuations differ
+
+
+@pytest.mark.slow
 def test_every_mode_equal_under_tp(tiny):
     for mode, toks in tiny["modes"].items():
         assert toks == tiny["greedy"]["1"], mode

@@ -84,6 +84,31 @@ def case_tiny():
     return out
 
 
+def case_qwen3():
+    """Qwen3's per-head q/k norms (scales away from their init of ones) under TP 2 and 4
+    (KV heads replicated at 4): TP 1's greedy tokens."""
+    import numpy as np
+
+    from checkpoints.loader import load_model
+    from nanojax.engine.llm import LLM
+    from nanojax.engine.llm_engine import EngineConfig
+    from nanojax.engine.sampling import SamplingParams
+    bundle = load_model("random:tiny-qwen3", dtype="float32")
+    params = bundle.params["params"]
+    for i in range(bundle.config.num_layers):
+        for k, norm in enumerate(("q_norm", "k_norm")):
+            params[f"layers_{i}"][norm]["scale"] = np.linspace(
+                0.2 + k, 2.0, bundle.config.head_dim, dtype=np.float32)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    out = {}
+    for tp in (1, 2, 4):
+        llm = LLM(bundle, config=EngineConfig(tensor_parallel_size=tp, num_pages=64,
+                                              b_dense=32))
+        out[tp] = _tokens(llm, PROMPTS, greedy)[0]
+        del llm
+    return out
+
+
 def case_smollm2():
     """SmolLM2 (9 heads, 3 KV heads) at TP 3 against TP 1, from the host weights."""
     from checkpoints.loader import load_model

@@ -81,7 +81,8 @@ def run_peer(shape: str, num_prompts: int, input_len: int | None, output_len: in
 
 
 def hf_model_config(cfg, max_model_len: int = 2048):
-    """(transformers model class, config) of the same shape: LLaMA, Mixtral or Qwen2-MoE."""
+    """(transformers model class, config) of the same shape: LLaMA, Qwen3, Mixtral,
+    Qwen2-MoE or Qwen3-MoE."""
     import transformers
     common = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
@@ -102,6 +103,15 @@ def hf_model_config(cfg, max_model_len: int = 2048):
             moe_intermediate_size=cfg.moe_intermediate_size,
             shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
             norm_topk_prob=cfg.norm_topk_prob, **common)
+    if cfg.architecture == "qwen3_moe":
+        return transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
+            intermediate_size=cfg.intermediate_size, num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            norm_topk_prob=cfg.norm_topk_prob, **common)
+    if cfg.architecture == "qwen3":
+        return transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
+            intermediate_size=cfg.intermediate_size, **common)
     return transformers.LlamaForCausalLM, transformers.LlamaConfig(
         intermediate_size=cfg.intermediate_size, **common)
 

@@ -34,8 +34,9 @@ _KERNEL_OPTIONS = {"dotmerge": "merge_dots", "fusedappend": "fused_append",
 # bf16 and FP8 caches timed in one process
 _KV_OPTIONS = {"bf16kv": "bf16", "fp8kv": "fp8"}
 # the mode's dense projections quantized (layers/fp8.py); 'fp8static': with static
-# activation scales calibrated on random token sequences (models/fp8_calibration.py)
-_WEIGHT_OPTIONS = {"fp8w": "fp8", "fp8static": "fp8-static"}
+# activation scales calibrated on random token sequences (models/fp8_calibration.py);
+# 'fp8block': per 128 x 128 block (the block-scaled GEMM)
+_WEIGHT_OPTIONS = {"fp8w": "fp8", "fp8static": "fp8-static", "fp8block": "fp8-block"}
 # mode suffix -> the mode's decode kernel (KernelConfig.decode_kernel)
 _DECODE_OPTIONS = {"tritondecode": "triton", "mosaicdecode": "mosaic"}
 # mode suffix -> who quantizes FP8 projections' inputs (KernelConfig.act_quant)
@@ -170,7 +171,7 @@ def parse_mode(mode: str) -> dict:
     """A step benchmark mode, BASE[:SHARE][:nogroups][:keepinputs|keepall][:gemmSHARE]
     [:xlagrouped][:dotmerge|nodotmerge][:fusedappend|nofusedappend][:cmdbuf|nocmdbuf]
     [:longestfirst|nolongestfirst][:fp8query|nofp8query][:alllogits|seqlogits][:bf16kv|fp8kv]
-    [:tritondecode|mosaicdecode][:fp8w|fp8static][:fusedquant|xlaquant]
+    [:tritondecode|mosaicdecode][:fp8w|fp8static|fp8block][:fusedquant|xlaquant]
     ('xlagrouped': an MoE step's expert GEMMs through XLA's ragged_dot instead of the Mosaic
     GPU grouped GEMM, the A/B of models/moe.py; 'dotmerge' / 'nodotmerge': XLA's dot merger
     on / off (KernelConfig.merge_dots); 'fusedappend' / 'nofusedappend': the cache written
@@ -188,6 +189,8 @@ def parse_mode(mode: str) -> dict:
     'fp8w': the mode's dense projections in FP8, quantized from the run's weights;
     'fp8static': the same with static activation scales (one per projection, calibrated
     on random token sequences through the float model), no per-token absmax;
+    'fp8block': FP8 with block scales (128 x 128 weight blocks, 128-wide activation
+    groups: pallas_kernels/block_fp8_matmul_mgpu.py);
     'fusedquant' / 'xlaquant': their inputs quantized by the fused RMSNorm and SiLU x up
     kernels / by XLA after them (KernelConfig.act_quant)):
     'overlap:0.25' runs the plan with every attention nano-op at share 0.25; 'nogroups'

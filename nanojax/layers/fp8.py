@@ -53,6 +53,65 @@ def quantize_weight(kernel):
     return to_fp8(w / scale[..., None]), scale
 
 
+WEIGHT_BLOCK = 128  # "fp8-block": the weights' scale blocks, the activations' K groups
+
+
+def quantize_weight_blocks(kernel, block: int = WEIGHT_BLOCK):
+    """A float kernel [in, out] -> (weight e4m3 [out, in], weight_scale f32
+    [ceil(out/block), ceil(in/block)]): each block x block tile (edge tiles partial) scaled
+    so its absmax maps to 448, as block-wise FP8 checkpoints are made."""
+    w = jnp.swapaxes(jnp.asarray(kernel, jnp.float32), -1, -2)
+    n, k = w.shape
+    nb, kb = -(-n // block), -(-k // block)
+    tiles = jnp.zeros((nb * block, kb * block), jnp.float32).at[:n, :k].set(w)
+    amax = jnp.max(jnp.abs(tiles.reshape(nb, block, kb, block)), axis=(1, 3))
+    scale = jnp.maximum(amax, _MIN_SCALE) / FP8_MAX
+    return to_fp8(w / _expand_blocks(scale, block, n, k)), scale
+
+
+def _expand_blocks(scale, block: int, n: int, k: int):
+    """Block scales [ceil(n/block), ceil(k/block)] -> one per element [n, k]."""
+    return jnp.repeat(jnp.repeat(scale, block, axis=0), block, axis=1)[:n, :k]
+
+
+def fp8_block_linear(x, weight, weight_scale, out_dtype):
+    """x [T, in] -> [T, out] with a block-wise FP8 weight (quantize_weight_blocks' layout):
+    x quantized per token and 128-wide group, then the block-scaled GEMM: the Mosaic GPU
+    kernel on a Hopper GPU where it tiles the shapes, else its reference (both operands
+    dequantized, one f32 dot; on the CPU the FP8 products are exact in f32 anyway)."""
+    from pallas_kernels.block_fp8_matmul_mgpu import (block_fp8_matmul_mgpu,
+                                                      block_fp8_matmul_reference,
+                                                      quantize_groups, unsupported)
+    out_dtype = jnp.dtype(out_dtype)
+    t, k = x.shape
+    pad = -k % WEIGHT_BLOCK  # a partial last group: zeros change no absmax and no sum
+    x8, sx = quantize_groups(jnp.pad(x, ((0, 0), (0, pad))) if pad else x, WEIGHT_BLOCK)
+    x8 = x8[:, :k]
+    if jax.default_backend() == "gpu" and unsupported(x8, weight, weight_scale,
+                                                      out_dtype=out_dtype) is None:
+        from pallas_kernels.device import device_sms
+        from pallas_kernels.mosaic_gpu_support import on_hopper
+        if on_hopper():
+            return block_fp8_matmul_mgpu(x8, sx, weight, weight_scale, out_dtype=out_dtype,
+                                         num_programs=device_sms())
+    return block_fp8_matmul_reference(x8, sx, weight, weight_scale).astype(out_dtype)
+
+
+def requantize_blocks(weight, block_scale, block: tuple[int, int]):
+    """A block-wise FP8 weight (DeepSeek-V3 / Qwen3-FP8 style: e4m3 [out, in], one scale
+    per block of block[0] rows x block[1] columns, edge blocks partial) -> the per-channel
+    (weight e4m3 [out, in], weight_scale f32 [out]) that fp8_linear takes: dequantized,
+    then each output channel scaled to absmax 448 again. The second rounding costs
+    accuracy (the measurement: bench/results/log/fp8.md); a GEMM that applies the block
+    scales itself would not."""
+    rows, cols = block
+    s = jnp.asarray(block_scale, jnp.float32)
+    s = jnp.repeat(jnp.repeat(s, rows, axis=0), cols, axis=1)[:weight.shape[0], :weight.shape[1]]
+    w = weight.astype(jnp.float32) * s
+    scale = jnp.maximum(jnp.max(jnp.abs(w), axis=-1), _MIN_SCALE) / FP8_MAX
+    return to_fp8(w / scale[:, None]), scale
+
+
 def is_expert_stack(name, node) -> bool:
     """Is this parameter node an MoE block's stacked float expert weight [E, in, out]?"""
     return (name in FP8_EXPERT_PROJECTIONS and not isinstance(node, dict)
@@ -145,13 +204,16 @@ def reference_linear(x, weight, weight_scale, input_scale=None):
     return jnp.dot(xd, wd.T, precision=jax.lax.Precision.HIGHEST)
 
 
-def quantize_params(params: dict, static_input_scales: bool = False) -> dict:
+def quantize_params(params: dict, static_input_scales: bool = False,
+                    blocks: bool = False) -> dict:
     """A float parameter tree (as the model keeps it) -> the same tree with every
     FP8_PROJECTIONS node {"kernel": [in, out], ...} replaced by {"weight", "weight_scale",
     ...} (biases kept) and every MoE expert stack [E, in, out] by quantize_experts' node.
     Works on host (numpy) and traced arrays alike. With static_input_scales, each
     projection gets input_scale 1.0 (a calibration writes the real ones; MoE models take
-    dynamic scales only, ModelConfig says so)."""
+    dynamic scales only, ModelConfig says so). blocks: "fp8-block" weights
+    (quantize_weight_blocks) in place of per-channel ones."""
+    quantize = quantize_weight_blocks if blocks else quantize_weight
     def walk(node, name=None):
         if is_expert_stack(name, node):
             return quantize_experts(node)
@@ -159,7 +221,7 @@ def quantize_params(params: dict, static_input_scales: bool = False) -> dict:
             return node
         if name in FP8_PROJECTIONS and "kernel" in node:
             out = {k: v for k, v in node.items() if k != "kernel"}
-            out["weight"], out["weight_scale"] = quantize_weight(node["kernel"])
+            out["weight"], out["weight_scale"] = quantize(node["kernel"])
             if static_input_scales:
                 out["input_scale"] = jnp.ones((), jnp.float32)
             return out

@@ -8,7 +8,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from nanojax.layers.fp8 import FP8, QuantizedActivation, fp8_linear
+from nanojax.layers.fp8 import (FP8, WEIGHT_BLOCK, QuantizedActivation, fp8_block_linear,
+                                fp8_linear)
 from nanojax.layers.quant import quantized_dot
 
 
@@ -36,13 +37,14 @@ class Linear(nn.Module):
     use_bias: bool = False
     matmul: Callable | None = None  # None: jnp.dot (layers/matmul.py: a GEMM at a share)
     # "fp8": e4m3 weight [out, in] + per-channel scales, FP8 activations (layers/fp8.py);
-    # its GEMM is XLA's FP8 GEMM whatever `matmul` says
+    # its GEMM is XLA's FP8 GEMM whatever `matmul` says; "fp8-block": scales per 128 x 128
+    # block, the block-scaled GEMM
     quantization: str | None = None
     static_input_scale: bool = False  # fp8: the checkpoint's input_scale, not per token
 
     @nn.compact
     def __call__(self, x):
-        if self.quantization == "fp8":
+        if self.quantization in ("fp8", "fp8-block"):
             return self._bias(self._fp8(x))
         kernel = self.param("kernel", nn.initializers.normal(0.02),
                             (x.shape[-1], self.features), self.dtype)
@@ -65,6 +67,10 @@ class Linear(nn.Module):
         # the tree (random models are made in the float dtype, then quantized)
         width = (x.values if isinstance(x, QuantizedActivation) else x).shape[-1]
         weight = self.param("weight", nn.initializers.zeros, (self.features, width), FP8)
+        if self.quantization == "fp8-block":
+            blocks = (-(-self.features // WEIGHT_BLOCK), -(-width // WEIGHT_BLOCK))
+            scales = self.param("weight_scale", nn.initializers.ones, blocks, jnp.float32)
+            return fp8_block_linear(x, weight, scales, self.dtype)
         scale = self.param("weight_scale", nn.initializers.ones, (self.features,), jnp.float32)
         in_scale = (self.param("input_scale", nn.initializers.ones, (), jnp.float32)
                     if self.static_input_scale else None)

@@ -46,7 +46,8 @@ def quantize_bundle(bundle: ModelBundle, quantization: str | None) -> ModelBundl
         raise CheckpointError(f"the checkpoint is quantized as {cfg.quantization}; it "
                               f"cannot be re-quantized as {quantization}")
     new_cfg = cfg.replace(quantization=quantization)  # validates
-    one = jax.jit(lambda node: quantize_params({"q_proj": node})["q_proj"])
+    blocks = quantization == "fp8-block"
+    one = jax.jit(lambda node: quantize_params({"q_proj": node}, blocks=blocks)["q_proj"])
     experts = jax.jit(quantize_experts)  # an MoE block's stacked expert weights
 
     def walk(node):

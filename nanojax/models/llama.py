@@ -1,5 +1,5 @@
-"""LLaMA-family decoder in Flax (LLaMA 2/3, SmolLM2, Qwen2; Mixtral and Qwen2-MoE with the
-MoE block of models/moe.py as the MLP).
+"""LLaMA-family decoder in Flax (LLaMA 2/3, SmolLM2, Qwen2, Qwen3; Mixtral, Qwen2-MoE and
+Qwen3-MoE with the MoE block of models/moe.py as the MLP).
 
 Tokens are packed flat ([T], no batch axis), as a serving engine feeds them. A layer is
 split into the ops NanoFlow schedules separately (qkv projection, attention, output
@@ -49,6 +49,9 @@ class DecoderLayer(nn.Module):
         self.k_proj = proj(c.kv_size, use_bias=c.attention_bias)
         self.v_proj = proj(c.kv_size, use_bias=c.attention_bias)
         self.o_proj = proj(c.hidden_size)
+        if c.qk_norm:  # Qwen3: one [head_dim] scale each, shared by the heads (TP: whole)
+            self.q_norm = RMSNorm(c.rms_norm_eps, dt)
+            self.k_norm = RMSNorm(c.rms_norm_eps, dt)
         self.post_attention_norm = RMSNorm(c.rms_norm_eps, dt)
         if c.is_moe:  # Mixtral / Qwen2-MoE: a routed mixture of experts is the FFN
             self.moe = MoEBlock(c, self.matmul, self.grouped_gemm)
@@ -62,9 +65,11 @@ class DecoderLayer(nn.Module):
         c = self.cfg
         h = self.input_norm(x, quantize=self._fused_quant(c.hidden_size))
         t = x.shape[0]
-        return (self.q_proj(h).reshape(t, c.num_heads, c.head_dim),
-                self.k_proj(h).reshape(t, c.num_kv_heads, c.head_dim),
-                self.v_proj(h).reshape(t, c.num_kv_heads, c.head_dim))
+        q = self.q_proj(h).reshape(t, c.num_heads, c.head_dim)
+        k = self.k_proj(h).reshape(t, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, self.v_proj(h).reshape(t, c.num_kv_heads, c.head_dim)
 
     def _reduce(self, y):
         return y if self.reduce is None else self.reduce(y)
@@ -195,6 +200,7 @@ def init_params(cfg: ModelConfig, seed: int = 0, shardings=None):
     def make(rng):
         params = model.init(rng, *_dummy_call(float_cfg))
         if cfg.quantization:
-            params = quantize_params(params, cfg.activation_scale == "static")
+            params = quantize_params(params, cfg.activation_scale == "static",
+                                     blocks=cfg.quantization == "fp8-block")
         return params
     return jax.jit(make, out_shardings=shardings)(jax.random.PRNGKey(seed))

@@ -55,6 +55,9 @@ class TPLayout:
             raise ConfigError(f"tensor_parallel_size ({tp}) exceeds num_kv_heads "
                               f"({c.num_kv_heads}) and is not a multiple of it, so KV heads "
                               "cannot be replicated evenly")
+        if tp > 1 and c.quantization == "fp8-block":  # its scales' blocks would split too
+            raise UnsupportedError("fp8-block weights run at tensor_parallel_size 1; "
+                                   "quantization 'fp8' (per channel) shards")
         for field in ("intermediate_size", "moe_intermediate_size",
                       "shared_expert_intermediate_size"):  # FFN widths split over shards
             if getattr(c, field) % tp:

@@ -23,7 +23,7 @@ from nanojax.engine.llm_engine import RequestError
 from nanojax.engine.sampling import SamplingError
 from nanojax.engine.structured import StructuredOutputError
 from nanojax.errors import NanojaxError
-from nanojax.server import tools
+from nanojax.server import reasoning, tools
 from nanojax.server.metrics import ServerMetrics
 from nanojax.server.protocol import (ApiError, ParsedRequest, bad, brief, parse_chat,
                                      parse_completion, parse_json)
@@ -385,7 +385,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if eng.tokenizer is None or not eng.tokenizer.chat_template:
         raise ApiError(400, "this model has no chat template; use /v1/completions")
     try:
-        text = tools.render(eng.tokenizer, messages, treq)
+        text = tools.render(eng.tokenizer, messages, treq, parsed.chat_template_kwargs)
     except NanojaxError as e:
         raise ApiError(400, str(e), param="messages") from None
     await _check_constraint(request, parsed)
@@ -396,6 +396,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     choices = _Choices(request.app, prompt_ids, parsed, rid).start()
     tok = eng.tokenizer
+    parser = request.app[STATE_KEY]["reasoning_parser"]  # thinking split from the answer
+    thinking_mode = reasoning.mode_for(parser, parsed.structured_param is not None,
+                                       parsed.chat_template_kwargs)
 
     def chunk(obj, choice_list, usage=None):
         return _envelope(rid, obj, created, model, choice_list, usage)
@@ -407,26 +410,46 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 "index": idx, "delta": {"role": "assistant", "content": ""},
                 "logprobs": None, "finish_reason": None}]))
         streams = {i: tools.ToolCallStream(calls, fmt) for i in range(parsed.n)} if calls else {}
+        thinking = ({i: reasoning.ReasoningStream(thinking_mode) for i in range(parsed.n)}
+                    if parser else {})
+        held_lps: dict[int, list] = {}  # logprobs of tokens whose text is not sent yet
+
+        def as_deltas(idx, pieces) -> list[dict]:
+            """(field, text) pieces of a choice's output -> its chunks' deltas: thinking as
+            written, content through the choice's tool-call parser where it has one."""
+            out = []
+            for field, text in pieces:
+                delta = ({field: text} if field == "reasoning_content" or idx not in streams
+                         else streams[idx].push(text))
+                if delta is not None:
+                    out.append(delta)
+            return out
+
         try:
             async for idx, out, lps in choices.deltas():
                 c = out.outputs[0]
+                if lps:
+                    held_lps.setdefault(idx, []).extend(lps)
                 if out.delta_text or out.delta_token_ids:
-                    delta = ({"content": out.delta_text} if idx not in streams
-                             else streams[idx].push(out.delta_text))
-                    if delta is not None:
+                    pieces = (thinking[idx].push(out.delta_text) if idx in thinking
+                              else [("content", out.delta_text)])
+                    for delta in as_deltas(idx, pieces):
                         await _send(resp, chunk("chat.completion.chunk", [{
-                            "index": idx, "delta": delta,
-                            "logprobs": _chat_logprobs(tok, lps), "finish_reason": None}]))
+                            "index": idx, "delta": delta, "finish_reason": None,
+                            "logprobs": _chat_logprobs(tok, held_lps.pop(idx, None))}]))
                 if out.finished:
                     reason = c.finish_reason
+                    last = as_deltas(idx, thinking[idx].finish()) if idx in thinking else []
                     if idx in streams:
-                        last, reason = streams[idx].finish(reason)
-                        for delta in last:
-                            await _send(resp, chunk("chat.completion.chunk", [{
-                                "index": idx, "delta": delta, "logprobs": None,
-                                "finish_reason": None}]))
+                        tail, reason = streams[idx].finish(reason)
+                        last += tail
+                    for delta in last:
+                        await _send(resp, chunk("chat.completion.chunk", [{
+                            "index": idx, "delta": delta, "finish_reason": None,
+                            "logprobs": _chat_logprobs(tok, held_lps.pop(idx, None))}]))
                     await _send(resp, chunk("chat.completion.chunk", [{
-                        "index": idx, "delta": {}, "logprobs": None,
+                        "index": idx, "delta": {},
+                        "logprobs": _chat_logprobs(tok, held_lps.pop(idx, None)),
                         "finish_reason": reason, "stop_reason": c.stop_reason}]))
         except (ConnectionError, asyncio.CancelledError):
             raise
@@ -440,8 +463,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     for i in sorted(finals):
         c = finals[i].outputs[0]
         message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
-        if calls is not None:
-            content, found = tools.parse_calls(calls, fmt, c.text)
+        if parser:
+            message["reasoning_content"], message["content"] = reasoning.split(thinking_mode,
+                                                                               c.text)
+        if calls is not None and message["content"] is not None:
+            content, found = tools.parse_calls(calls, fmt, message["content"])
             message["content"], reason = content, tools.finish_reason(found, reason)
             if found:
                 message["tool_calls"] = tools.openai_calls(found)
@@ -505,17 +531,23 @@ ENGINE_WATCH_S = 0.2
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
               max_body: int = 1 << 20, max_waiting: int | None = 256,
               on_engine_death: Callable[[BaseException], None] | None = None,
-              server_info: dict | None = None) -> web.Application:
+              server_info: dict | None = None,
+              reasoning_parser: str | None = None) -> web.Application:
     """max_waiting: engine requests (prompts x n per HTTP request) allowed to wait; None:
     no limit. on_engine_death: called once, on the event loop, if the engine dies.
-    server_info: what GET /server_info adds to the model's name and limits."""
+    server_info: what GET /server_info adds to the model's name and limits.
+    reasoning_parser: split chat outputs' thinking into reasoning_content (reasoning.py's
+    PARSERS; None: no split)."""
+    if reasoning_parser is not None and reasoning_parser not in reasoning.PARSERS:
+        raise ValueError(f"reasoning parser {reasoning_parser!r}: one of {reasoning.PARSERS}")
     app = web.Application(middlewares=[error_middleware, auth_middleware],
                           client_max_size=max_body)
     app[ENGINE_KEY] = engine
     app[STATE_KEY] = {"model_name": model_name, "api_key": api_key, "max_body": max_body,
                       "max_waiting": max_waiting, "created": int(time.time()),
                       "metrics": ServerMetrics(engine, model_name), "admitted": 0,
-                      "on_engine_death": on_engine_death, "server_info": server_info or {}}
+                      "on_engine_death": on_engine_death, "server_info": server_info or {},
+                      "reasoning_parser": reasoning_parser}
     app.cleanup_ctx.append(_watch_engine)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

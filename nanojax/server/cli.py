@@ -94,7 +94,9 @@ def cmd_serve(args) -> int:
         record["command"] = record["command"].replace(args.api_key, "<api-key>")
     app = build_app(aeng, name, api_key=args.api_key, max_body=args.max_body,
                     max_waiting=args.max_waiting, on_engine_death=engine_died,
-                    server_info={**record, **chosen})
+                    server_info={**record, **chosen,
+                                 "reasoning_parser": args.reasoning_parser},
+                    reasoning_parser=args.reasoning_parser)
 
     async def drain(_app):
         """SIGTERM: let in-flight requests finish for a while, then abort the rest."""
@@ -137,6 +139,11 @@ def register(sub) -> None:
                    help="seconds that in-flight requests get to finish on SIGTERM before "
                         "they are aborted (default: %(default)s)")
     s.add_argument("--no-access-log", action="store_true")
+    from nanojax.server.reasoning import PARSERS
+    s.add_argument("--reasoning-parser", choices=PARSERS, default=None,
+                   help="chat completions: the <think> block of a reasoning model (Qwen3, "
+                        "DeepSeek-R1) as message.reasoning_content, the rest as content, as "
+                        "vLLM's flag of the name (default: no split)")
     from nanojax.parallel.multihost import add_distributed_args
     add_distributed_args(s)
     s.set_defaults(func=cmd_serve)

@@ -118,6 +118,7 @@ class ParsedRequest:
     logprobs: int | None     # top-k to return, None: no logprobs
     echo_chat: bool = False
     structured_param: str | None = None  # the field the output's constraint came from
+    chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
 
 
 def _token_ids(body: dict, key: str, vocab_size: int, limit: int) -> list[int] | None:
@@ -308,6 +309,12 @@ def _message_text(i: int, m: Any) -> dict:
     out = {"role": "system" if role == "developer" else role, "content": content}
     if role == "assistant" and m.get("tool_calls"):
         out["tool_calls"] = _message_tool_calls(i, m["tool_calls"])
+    if role == "assistant" and m.get("reasoning_content") is not None:
+        # an earlier turn's thinking, as the server returned it (Qwen3's template reads it)
+        if not isinstance(m["reasoning_content"], str):
+            raise bad(f"messages[{i}].reasoning_content",
+                      f"messages[{i}].reasoning_content must be a string")
+        out["reasoning_content"] = m["reasoning_content"]
     if role == "tool":
         for key in ("tool_call_id", "name"):
             if m.get(key) is not None:
@@ -341,6 +348,33 @@ def _message_tool_calls(i: int, calls: Any) -> list[dict]:
     return out
 
 
+# chat_template_kwargs: variables for the chat template (vLLM's field), not the ones the
+# server sets, the template functions (ours, jinja's) or jinja's own names
+_TEMPLATE_VAR = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+_TEMPLATE_SET = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                 "raise_exception", "strftime_now", "range", "dict", "lipsum", "cycler",
+                 "joiner", "namespace", "loop", "self", "super", "caller", "varargs",
+                 "kwargs")
+MAX_TEMPLATE_KWARGS = 32
+
+
+def _template_kwargs(body: dict) -> dict:
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        return {}
+    if not isinstance(kw, dict) or len(kw) > MAX_TEMPLATE_KWARGS:
+        raise bad("chat_template_kwargs", "'chat_template_kwargs' must be an object of at "
+                                          f"most {MAX_TEMPLATE_KWARGS} template variables")
+    for key in kw:
+        if not _TEMPLATE_VAR.fullmatch(key):
+            raise bad("chat_template_kwargs", f"chat_template_kwargs key {brief(key)} is not "
+                                              "a template variable name")
+        if key in _TEMPLATE_SET:
+            raise bad("chat_template_kwargs", f"chat_template_kwargs cannot set {key!r}: the "
+                                              "server or the template language defines it")
+    return kw
+
+
 def parse_chat(body: dict, vocab_size: int) -> tuple[list[dict], ParsedRequest, Any]:
     """(messages, the request, its tools.ToolRequest or None)."""
     msgs = body.get("messages")
@@ -367,4 +401,5 @@ def parse_chat(body: dict, vocab_size: int) -> tuple[list[dict], ParsedRequest, 
         structured, source = forced, "tools"
     params = _sampling(body, max_tokens or 1, logprobs, vocab_size, structured)
     return messages, ParsedRequest([], params, n, stream, include_usage, given, logprobs,
-                                   structured_param=source), treq
+                                   structured_param=source,
+                                   chat_template_kwargs=_template_kwargs(body)), treq

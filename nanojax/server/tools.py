@@ -106,15 +106,18 @@ def knows_tools(chat_template: str | None) -> bool:
     return "tools" in (chat_template or "")
 
 
-def render(tokenizer, messages: list[dict], treq: ToolRequest | None) -> str:
+def render(tokenizer, messages: list[dict], treq: ToolRequest | None,
+           template_kwargs: dict | None = None) -> str:
     """The chat prompt: tools through the template, or (a template that knows none) as
-    the Hermes system prompt with calls and results written as Hermes text."""
+    the Hermes system prompt with calls and results written as Hermes text;
+    template_kwargs: the request's chat_template_kwargs."""
     tools = treq.tools if treq is not None and treq.choice != "none" else None
     template = tokenizer.chat_template
     uses_calls = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     if not knows_tools(template) and (tools or uses_calls):
         messages, tools = _as_hermes_text(messages, tools), None
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
+                                         template_kwargs=template_kwargs)
 
 
 def _as_hermes_text(messages: list[dict], tools: list[dict] | None) -> list[dict]:

@@ -4,9 +4,14 @@ weights, float32 KV), and with an FP8 KV cache on top (nanojax/bench/kv_quality.
 --static also scores FP8 weights with static activation scales (one input_scale per
 projection, nanojax/models/fp8_calibration.py) calibrated on the float model's greedy
 continuations of CALIBRATION_PROMPTS, which the scored prompts do not include.
+--block R,R scores a block-wise FP8 checkpoint (DeepSeek-V3 / Qwen3-FP8: e4m3 weights
+with one scale per R x R block) as nanojax runs one: requantized per output channel at
+load (quantization "fp8", checkpoints/hf_import.py) and with its blocks kept ("fp8-block",
+R = 128); against quantizing the float weights per channel directly, and both formats'
+weights alone (dequantized, activations in float32).
 
     python bench/repro/fp8/weights_quality_cpu.py OUT.json [--prompts 64] [--max-tokens 64]
-        [--static] [--no-fp8-kv]
+        [--static] [--no-fp8-kv] [--block 128,128]
 """
 from __future__ import annotations
 
@@ -39,6 +44,8 @@ def main() -> int:
                     help="also FP8 weights with calibrated static activation scales")
     ap.add_argument("--no-fp8-kv", action="store_true",
                     help="skip the FP8 KV and bf16 KV variants")
+    ap.add_argument("--block", default=None, metavar="R,R",
+                    help="also a block-wise FP8 checkpoint of R x C blocks, as loaded")
     args = ap.parse_args()
     import jax
 
@@ -61,6 +68,8 @@ def main() -> int:
             with_static_scales(fp8, absmax), "auto")
         calibration = {"prompts": len(CALIBRATION_PROMPTS), "tokens_each": args.max_tokens,
                        "input_absmax": {"/".join(k): v for k, v in sorted(absmax.items())}}
+    if args.block:
+        variants.update(block_variants(float_model, tuple(map(int, args.block.split(",")))))
     res = measure_variants(variants, "float32", QUALITY_PROMPTS[:args.prompts],
                            args.max_tokens, log=lambda m: print(m, file=sys.stderr, flush=True))
     res = {"command": "python " + " ".join(sys.argv), "model": "smollm2-135m",
@@ -72,6 +81,58 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
     return 0
+
+
+def block_variants(float_model, block: tuple[int, int]) -> dict:
+    """The variants --block scores: the float weights quantized block-wise (absmax per block
+    to 448, as checkpoints store them) and then either requantized per channel (what the
+    loader does for quantization "fp8": the blocks dequantized in float32, then
+    quantize_weight) or kept (quantization "fp8-block", R x C = 128 x 128 only: W8A8 with
+    the block scales and 128-wide activation groups, the block-scaled GEMM's function);
+    and each format's weights alone, dequantized (activations unquantized)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from checkpoints.loader import quantize_bundle
+    from nanojax.layers.fp8 import (FP8_PROJECTIONS, WEIGHT_BLOCK, quantize_weight,
+                                    quantize_weight_blocks)
+    rows, cols = block
+    if rows != cols:
+        raise SystemExit("--block: square blocks only (R,R)")
+
+    @jax.jit
+    def block_dequantized(kernel):  # float [in, out] -> its block-FP8 values, same layout
+        w8, scale = quantize_weight_blocks(kernel, rows)
+        full = jnp.repeat(jnp.repeat(scale, rows, 0), cols, 1)[:w8.shape[0], :w8.shape[1]]
+        return (w8.astype(jnp.float32) * full).T
+
+    @jax.jit
+    def channel_dequantized(kernel):
+        w8, scale = quantize_weight(kernel)
+        return (w8.astype(jnp.float32) * scale[:, None]).T
+
+    def with_kernels(f):
+        def one(path, leaf):
+            names = [getattr(k, "key", None) for k in path]
+            return np.asarray(f(leaf)) if names[-1] == "kernel" and names[-2] in \
+                FP8_PROJECTIONS else leaf
+        return dataclasses.replace(float_model, params=jax.tree_util.tree_map_with_path(
+            one, float_model.params))
+
+    blocks = with_kernels(block_dequantized)
+    name = f"fp8 block {rows}x{cols}"
+    out = {f"{name}, requantized per channel (as loaded)": (quantize_bundle(blocks, "fp8"),
+                                                            "auto")}
+    if rows == WEIGHT_BLOCK:
+        out[f"{name} kept (fp8-block: W8A8 with 1x{cols} activation groups)"] = (
+            quantize_bundle(float_model, "fp8-block"), "auto")
+    out[f"{name} weights alone (dequantized)"] = (blocks, "auto")
+    out["fp8 per-channel weights alone (dequantized)"] = (with_kernels(channel_dequantized),
+                                                         "auto")
+    return out
 
 
 if __name__ == "__main__":
