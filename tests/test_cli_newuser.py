@@ -83,6 +83,7 @@ def test_serve_help_shows_the_defaults(capsys):
     assert re.search(r"--max-waiting MAX_WAITING .*\(default: 256\)", out)
     assert re.search(r"--drain-timeout DRAIN_TIMEOUT .*\(default: 5.0\)", out)
     assert "--reasoning-parser {qwen3,deepseek_r1}" in out
+    assert re.search(r"--generation-config \{auto,vllm\} .*\(default: auto\)", out)
 
 
 def test_serve_logging_keeps_other_libraries_info_lines_out():

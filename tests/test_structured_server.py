@@ -2,7 +2,8 @@
 spoken to by the official openai client: constrained outputs obey their constraint,
 streamed too; tool calls come back as tool_calls; a think block comes back as
 reasoning_content (the server runs --reasoning-parser deepseek_r1, as for a reasoning
-model); bad constraints are a 400 that reaches no engine."""
+model); the model's sampling defaults reach requests that leave them unset (top_k 1
+here); bad constraints are a 400 that reaches no engine."""
 import json
 import re
 import urllib.error
@@ -26,7 +27,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris this week?"}]
 
 @pytest.fixture(scope="module")
 def server(smollm2):
-    s = ServerThread(smollm2, reasoning_parser="deepseek_r1")
+    s = ServerThread(smollm2, reasoning_parser="deepseek_r1", sampling_defaults={"top_k": 1})
     yield s
     s.stop()
 
@@ -148,6 +149,19 @@ def test_streamed_thinking_keeps_every_tokens_logprob_in_each_choice(client):
                 parts[c.index][field] += getattr(c.delta, field, None) or ""
     assert got == want
     assert parts == [{"reasoning_content": "\nHm.\n", "content": "\n\nSunny."}] * 2
+
+
+def test_requests_that_leave_sampling_unset_get_the_models_defaults(client):
+    """The server's sampling defaults (a generation_config.json's; top_k 1 here: greedy
+    whatever the temperature) fill what a request leaves unset; what it sets wins."""
+    kw = dict(model=MODEL, messages=ASK, max_tokens=8)
+    greedy = client.chat.completions.create(**kw, temperature=0).choices[0].message
+    for _ in range(2):  # temperature 1, no seed: greedy only through the default top_k
+        m = client.chat.completions.create(**kw).choices[0].message
+        assert (m.reasoning_content, m.content) == (greedy.reasoning_content, greedy.content)
+    wide = {client.chat.completions.create(**kw, extra_body={"top_k": 50}, seed=s).choices[0]
+            .message.reasoning_content for s in range(4)}
+    assert len(wide) > 1
 
 
 def test_unconstrained_output_without_think_is_reasoning_under_deepseek_r1(client):

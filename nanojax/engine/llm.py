@@ -17,11 +17,18 @@ class LLM:
     """model: a name, path or `random:<shape>` (loaded here, straight into its shards under
     tensor parallelism), or a loaded ModelBundle. The engine's options come as an
     EngineConfig (`config`) or as its fields (`b_dense=...`), not both. quantization="fp8"
-    runs the dense projections in FP8 (W8A8, weights quantized at load; vLLM's flag)."""
+    runs the dense projections in FP8 (W8A8, weights quantized at load; vLLM's flag).
+    generation_config "auto": generate() without sampling params samples as the model's
+    generation_config.json says (get_default_sampling_params), as vLLM's LLM; "vllm":
+    SamplingParams()'s defaults."""
 
     def __init__(self, model: str | ModelBundle = "smollm2-135m", dtype: str | None = None,
                  cache_dir=None, forward=None, config: EngineConfig | None = None,
-                 quantization: str | None = None, **engine_kw):
+                 quantization: str | None = None, generation_config: str = "auto",
+                 **engine_kw):
+        if generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' or 'vllm', got "
+                             f"{generation_config!r}")
         if config is not None and engine_kw:
             raise ValueError(f"give either config or engine options, not both "
                              f"({sorted(engine_kw)})")
@@ -34,6 +41,11 @@ class LLM:
                 tensor_parallel_size=config.tensor_parallel_size, quantization=quantization)
         self.engine = LLMEngine(bundle, config, forward=forward)
         self.tokenizer = bundle.tokenizer
+        self._defaults = bundle.sampling_defaults if generation_config == "auto" else {}
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's recommended sampling where it has one."""
+        return SamplingParams(**self._defaults)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -41,7 +53,7 @@ class LLM:
         output per prompt, in order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = params or SamplingParams()
+        params = params or self.get_default_sampling_params()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")

@@ -26,7 +26,7 @@ from nanojax.errors import NanojaxError
 from nanojax.server import reasoning, tools
 from nanojax.server.metrics import ServerMetrics
 from nanojax.server.protocol import (ApiError, ParsedRequest, bad, brief, parse_chat,
-                                     parse_completion, parse_json)
+                                     parse_completion, parse_json, with_sampling_defaults)
 
 log = logging.getLogger("nanojax.server")
 
@@ -336,7 +336,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     model = _check_model(request, body)
     eng: AsyncLLMEngine = request.app[ENGINE_KEY]
-    parsed = parse_completion(body, eng.engine.model_config.vocab_size)
+    parsed = parse_completion(with_sampling_defaults(body, request.app[STATE_KEY][
+        "sampling_defaults"]), eng.engine.model_config.vocab_size)
     await _check_constraint(request, parsed)
     prompt_ids = _prepare(request, parsed.prompts, parsed)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -381,7 +382,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     model = _check_model(request, body)
     eng: AsyncLLMEngine = request.app[ENGINE_KEY]
-    messages, parsed, treq = parse_chat(body, eng.engine.model_config.vocab_size)
+    messages, parsed, treq = parse_chat(with_sampling_defaults(body, request.app[STATE_KEY][
+        "sampling_defaults"]), eng.engine.model_config.vocab_size)
     if eng.tokenizer is None or not eng.tokenizer.chat_template:
         raise ApiError(400, "this model has no chat template; use /v1/completions")
     try:
@@ -532,12 +534,14 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
               max_body: int = 1 << 20, max_waiting: int | None = 256,
               on_engine_death: Callable[[BaseException], None] | None = None,
               server_info: dict | None = None,
-              reasoning_parser: str | None = None) -> web.Application:
+              reasoning_parser: str | None = None,
+              sampling_defaults: dict | None = None) -> web.Application:
     """max_waiting: engine requests (prompts x n per HTTP request) allowed to wait; None:
     no limit. on_engine_death: called once, on the event loop, if the engine dies.
     server_info: what GET /server_info adds to the model's name and limits.
     reasoning_parser: split chat outputs' thinking into reasoning_content (reasoning.py's
-    PARSERS; None: no split)."""
+    PARSERS; None: no split). sampling_defaults: what requests that leave temperature,
+    top_p, top_k, repetition_penalty unset get (the model's generation_config.json)."""
     if reasoning_parser is not None and reasoning_parser not in reasoning.PARSERS:
         raise ValueError(f"reasoning parser {reasoning_parser!r}: one of {reasoning.PARSERS}")
     app = web.Application(middlewares=[error_middleware, auth_middleware],
@@ -547,7 +551,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
                       "max_waiting": max_waiting, "created": int(time.time()),
                       "metrics": ServerMetrics(engine, model_name), "admitted": 0,
                       "on_engine_death": on_engine_death, "server_info": server_info or {},
-                      "reasoning_parser": reasoning_parser}
+                      "reasoning_parser": reasoning_parser,
+                      "sampling_defaults": dict(sampling_defaults or {})}
     app.cleanup_ctx.append(_watch_engine)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

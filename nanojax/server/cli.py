@@ -89,14 +89,19 @@ def cmd_serve(args) -> int:
         status["exit"] = 1
         signal.raise_signal(signal.SIGTERM)
 
+    defaults = bundle.sampling_defaults if args.generation_config == "auto" else {}
+    if defaults:
+        print(f"nanojax: requests that leave them unset get the model's generation_config "
+              f"sampling {defaults} (--generation-config vllm: not)", file=sys.stderr)
     record = run_record(engine.config, bundle.config)
     if args.api_key:  # the record lands in benchmark results: never the key
         record["command"] = record["command"].replace(args.api_key, "<api-key>")
     app = build_app(aeng, name, api_key=args.api_key, max_body=args.max_body,
                     max_waiting=args.max_waiting, on_engine_death=engine_died,
                     server_info={**record, **chosen,
-                                 "reasoning_parser": args.reasoning_parser},
-                    reasoning_parser=args.reasoning_parser)
+                                 "reasoning_parser": args.reasoning_parser,
+                                 "sampling_defaults": defaults},
+                    reasoning_parser=args.reasoning_parser, sampling_defaults=defaults)
 
     async def drain(_app):
         """SIGTERM: let in-flight requests finish for a while, then abort the rest."""
@@ -139,6 +144,11 @@ def register(sub) -> None:
                    help="seconds that in-flight requests get to finish on SIGTERM before "
                         "they are aborted (default: %(default)s)")
     s.add_argument("--no-access-log", action="store_true")
+    s.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
+                   help="auto: the model's generation_config.json sampling (temperature, "
+                        "top_p, top_k, repetition_penalty) for requests that leave them "
+                        "unset, as vLLM's default; vllm: the API's own defaults "
+                        "(default: %(default)s)")
     from nanojax.server.reasoning import PARSERS
     s.add_argument("--reasoning-parser", choices=PARSERS, default=None,
                    help="chat completions: the <think> block of a reasoning model (Qwen3, "

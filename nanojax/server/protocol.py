@@ -236,6 +236,14 @@ def _sampling(body: dict, max_tokens, logprobs, vocab_size: int,
         raise bad(None, str(e)) from None
 
 
+def with_sampling_defaults(body: dict, defaults: dict) -> dict:
+    """The body with the model's sampling defaults (ModelBundle.sampling_defaults: its
+    generation_config.json) in the fields it leaves unset or null, as vLLM's
+    --generation-config auto does."""
+    unset = {k: v for k, v in defaults.items() if body.get(k) is None}
+    return {**body, **unset} if unset else body
+
+
 def _common(body: dict) -> tuple[int, bool, bool]:
     n = _get(body, "n", "int", 1, 1, MAX_N)
     stream = _get(body, "stream", "bool", False)
