@@ -27,7 +27,7 @@ def _usable(key: str, v) -> bool:
             and (v > lo if lo_open else v >= lo) and v <= hi)
 
 
-def read(path: Path) -> tuple[dict, tuple[int, ...]]:
+def read_generation_config(path: Path) -> tuple[dict, tuple[int, ...]]:
     """(sampling defaults, stop token ids) from path/generation_config.json; ({}, ()) where
     there is none. Values a request could not give (out of range, not numbers; top_k 0,
     transformers' "no top-k") are left out, each said on stderr; a corrupt file is a
@@ -59,7 +59,7 @@ def read(path: Path) -> tuple[dict, tuple[int, ...]]:
     return defaults, tuple(eos or ())
 
 
-def write(path: Path, defaults: dict) -> None:
+def write_generation_config(path: Path, defaults: dict) -> None:
     """The sampling defaults as a generation_config.json (nothing when there are none)."""
     if defaults:
         (Path(path) / FILE).write_text(json.dumps(defaults, indent=2))

@@ -10,7 +10,7 @@ import numpy as np
 
 from tqdm.auto import tqdm
 
-from checkpoints import generation_config
+from checkpoints.generation_config import read_generation_config
 from checkpoints.bundle import assemble_params, hf_tensor_names
 from checkpoints.hf_quantization import fp8_scheme
 from nanojax.config import ModelConfig
@@ -88,7 +88,7 @@ def load_hf_dir(path: Path, dtype: str = "bfloat16", progress: bool = True,
     tok = Tokenizer.load(path) if (path / "tokenizer.json").is_file() else None
     if tok is not None and not tok.eos_token_ids and cfg.eos_token_ids:
         tok.eos_token_ids = cfg.eos_token_ids
-    defaults, stops = generation_config.read(path)
+    defaults, stops = read_generation_config(path)
     if stops:  # generation_config's stop tokens join the tokenizer's (Qwen3: both ends)
         cfg = cfg.replace(eos_token_ids=_union(cfg.eos_token_ids, stops))
         if tok is not None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from checkpoints import generation_config
+from checkpoints.generation_config import read_generation_config, write_generation_config
 from checkpoints.bundle import cast_tree, check_tree, param_dtypes
 from nanojax.config import ModelConfig
 from nanojax.errors import CheckpointError
@@ -39,7 +39,7 @@ def save_orbax(bundle: ModelBundle, dst: Path, overwrite: bool = False) -> Path:
         bundle.config.save(tmp / "config.json")
         if bundle.tokenizer is not None:
             bundle.tokenizer.save(tmp)
-        generation_config.write(tmp, bundle.sampling_defaults)
+        write_generation_config(tmp, bundle.sampling_defaults)
         params = jax.tree_util.tree_map(np.asarray, bundle.params)
         ckptr = ocp.PyTreeCheckpointer()
         ckptr.save(tmp / "params", params)
@@ -83,7 +83,7 @@ def load_orbax(path: Path, dtype: str | None = None,
         cfg = cfg.replace(dtype=dtype)
         params = cast_tree(cfg, params)  # FP8 weights and their scales keep their dtypes
     tok = Tokenizer.load(path) if (path / "tokenizer.json").is_file() else None
-    return ModelBundle(cfg, params, tok, sampling_defaults=generation_config.read(path)[0])
+    return ModelBundle(cfg, params, tok, sampling_defaults=read_generation_config(path)[0])
 
 
 def _load_orbax_sharded(path: Path, cfg: ModelConfig, dtype: str | None,
@@ -105,4 +105,4 @@ def _load_orbax_sharded(path: Path, cfg: ModelConfig, dtype: str | None,
                               f"config's tree): {type(e).__name__}: {e}") from None
     check_tree(cfg, params)
     tok = Tokenizer.load(path) if (path / "tokenizer.json").is_file() else None
-    return ModelBundle(cfg, params, tok, sampling_defaults=generation_config.read(path)[0])
+    return ModelBundle(cfg, params, tok, sampling_defaults=read_generation_config(path)[0])

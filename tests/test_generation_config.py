@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from checkpoints import generation_config
+from checkpoints.generation_config import read_generation_config
 from nanojax.errors import CheckpointError
 from nanojax.server.protocol import parse_chat, with_sampling_defaults
 
@@ -16,17 +16,17 @@ QWEN3 = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151
 
 def test_qwen3s_file_gives_its_sampling_and_both_stop_tokens(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps(QWEN3))
-    defaults, eos = generation_config.read(tmp_path)
+    defaults, eos = read_generation_config(tmp_path)
     assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
     assert eos == (151645, 151643)
-    assert generation_config.read(tmp_path / "nowhere") == ({}, ())
+    assert read_generation_config(tmp_path / "nowhere") == ({}, ())
 
 
 def test_values_a_request_could_not_give_are_left_out(tmp_path, capsys):
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 7.0, "top_p": 0.0, "top_k": 0, "repetition_penalty": "high",
          "eos_token_id": 2}))
-    assert generation_config.read(tmp_path) == ({}, (2,))
+    assert read_generation_config(tmp_path) == ({}, (2,))
     err = capsys.readouterr().err
     assert "temperature 7.0" in err and "top_p 0.0" in err and "repetition_penalty" in err
     assert "top_k" not in err  # 0: transformers' "no top-k", nothing to say
@@ -39,7 +39,7 @@ def test_values_a_request_could_not_give_are_left_out(tmp_path, capsys):
 def test_a_bad_file_is_named(tmp_path, text, needle):
     (tmp_path / "generation_config.json").write_text(text)
     with pytest.raises(CheckpointError, match=needle):
-        generation_config.read(tmp_path)
+        read_generation_config(tmp_path)
 
 
 def test_unset_and_null_fields_take_the_defaults_and_set_ones_win():

@@ -1,41 +1,40 @@
 """Reasoning models' <think> blocks split from the answer (--reasoning-parser), whole and
 streamed in every chunking; chat_template_kwargs reach the template (Qwen3's
 enable_thinking), checked first."""
+import dataclasses
+
 import pytest
 
 from nanojax.server import reasoning
 from nanojax.server.protocol import ApiError, parse_chat
 
-CASES = [  # text, the "explicit" split, the "implicit" one (reasoning.py's modes)
-    ("<think>\nhmm\n</think>\n\nParis.", ("\nhmm\n", "\n\nParis."), ("\nhmm\n", "\n\nParis.")),
-    ("Paris.", (None, "Paris."), ("Paris.", None)),
-    ("<think>cut short by max_tok", ("cut short by max_tok", None),
-     ("cut short by max_tok", None)),
-    ("thought</think>Paris.", (None, "thought</think>Paris."), ("thought", "Paris.")),
-    ("  <think>a</think>b", ("a", "b"), ("a", "b")),
-    ("<think></think>Paris.", (None, "Paris."), (None, "Paris.")),
-    ("<thinking>x", (None, "<thinking>x"), ("<thinking>x", None)),
-    ("<thi", (None, "<thi"), ("<thi", None)),
-    ("", (None, ""), (None, "")),
-    ("<think>a</think>b</think>c", ("a", "b</think>c"), ("a", "b</think>c")),
+CASES = [  # text, its split in the "implicit" mode (reasoning.py)
+    ("<think>\nhmm\n</think>\n\nParis.", ("\nhmm\n", "\n\nParis.")),
+    ("Paris.", ("Paris.", None)),                       # the prompt opened the think block
+    ("<think>cut short by max_tok", ("cut short by max_tok", None)),
+    ("thought</think>Paris.", ("thought", "Paris.")),
+    ("  <think>a</think>b", ("a", "b")),
+    ("<think></think>Paris.", (None, "Paris.")),
+    ("<thinking>x", ("<thinking>x", None)),
+    ("<thi", ("<thi", None)),
+    ("", (None, "")),
+    ("<think>a</think>b</think>c", ("a", "b</think>c")),
 ]
 
 
-@pytest.mark.parametrize("text, explicit, implicit", CASES)
-def test_whole_outputs_split_in_each_mode(text, explicit, implicit):
-    assert reasoning.split("explicit", text) == explicit
+@pytest.mark.parametrize("text, implicit", CASES)
+def test_whole_outputs_split_in_each_mode(text, implicit):
     assert reasoning.split("implicit", text) == implicit
     assert reasoning.split("off", text) == (None, text)
 
 
-def test_the_mode_follows_the_parser_the_grammar_and_enable_thinking():
-    assert reasoning.mode_for(None, False, {}) == "off"
+def test_the_mode_follows_the_parser_and_enable_thinking():
+    assert reasoning.mode_for(None, {}) == "off"
     for parser in reasoning.PARSERS:  # vLLM's current parsers: thinking until </think>
-        assert reasoning.mode_for(parser, False, {}) == "implicit"
-        assert reasoning.mode_for(parser, True, {}) == "explicit"  # under a grammar
-    assert reasoning.mode_for("qwen3", False, {"enable_thinking": False}) == "off"
-    assert reasoning.mode_for("qwen3", False, {"enable_thinking": True}) == "implicit"
-    assert reasoning.mode_for("deepseek_r1", False, {"enable_thinking": False}) == "implicit"
+        assert reasoning.mode_for(parser, {}) == "implicit"
+    assert reasoning.mode_for("qwen3", {"enable_thinking": False}) == "off"
+    assert reasoning.mode_for("qwen3", {"enable_thinking": True}) == "implicit"
+    assert reasoning.mode_for("deepseek_r1", {"enable_thinking": False}) == "implicit"
 
 
 def _streamed(mode, pieces):
@@ -51,9 +50,8 @@ def _streamed(mode, pieces):
 
 
 @pytest.mark.parametrize("mode", reasoning.MODES)
-@pytest.mark.parametrize("text, explicit, implicit", CASES)
-def test_every_chunking_streams_what_the_whole_output_splits_to(mode, text, explicit,
-                                                                implicit):
+@pytest.mark.parametrize("text, implicit", CASES)
+def test_every_chunking_streams_what_the_whole_output_splits_to(mode, text, implicit):
     """Tags cut anywhere by the detokenizer's deltas: held back, never leaked as text."""
     want = reasoning.split(mode, text)
     chunkings = [[text], list(text)] + [[text[:i], text[i:j], text[j:]]
@@ -68,6 +66,29 @@ def test_every_chunking_streams_what_the_whole_output_splits_to(mode, text, expl
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="implicit"):
         reasoning.ReasoningStream("qwen3")
+
+
+def test_a_constraint_after_thinking_leaves_the_thinking_free():
+    """structured.after_thinking: free text up to </think>, then the constraint (every
+    kind of constraint llguidance's text comes in: a JSON list of grammars, or Lark)."""
+    from checkpoints.loader import load_tokenizer
+    from nanojax.engine.structured import GrammarCompiler, StructuredOutputsParams as S
+    tok = load_tokenizer("smollm2-135m")
+    grammars = GrammarCompiler(tok, 49152, tok.eos_token_ids)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for spec, good, bad in [
+            (S(json=schema), '<think>\nsay {"b": 2}?\n</think>{"a":1}', '</think>{"b":1}'),
+            (S(choice=["yes", "no"]), "hmm</think>yes", "hmm</think>maybe"),
+            (S(regex="[0-9]+"), "<think>\nnum\n</think>42", "</think>x"),
+            (S(grammar='start: "a" b\nb: "c"'), "a</think>ac", "a</think>ab")]:
+        spec = dataclasses.replace(spec, think_end="</think>")
+        for text, want in ((good, True), (bad, False)):
+            m = grammars.matcher(spec)
+            ok = all(m.consume_token(t) for t in tok.encode(text)) and m.is_accepting()
+            assert ok == want, (spec, text)
+        m = grammars.matcher(spec)  # before </think> nothing is constrained, nothing done
+        assert all(m.consume_token(t) for t in tok.encode("Hmm, 123 {]")) and \
+            not m.is_accepting()
 
 
 def _chat(**extra):

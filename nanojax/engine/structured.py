@@ -74,6 +74,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    # a reasoning model's thinking comes first, free, up to this tag; the constraint
+    # applies to what follows it (vLLM's structured outputs with a reasoning parser)
+    think_end: str | None = None
 
     def __post_init__(self):
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -102,7 +105,8 @@ class StructuredOutputsParams:
         StructuredOutputError for anything llguidance or the JSON encoder cannot take (a
         lone surrogate, NaN in a schema, nesting past Python's recursion limit)."""
         try:
-            return self._grammar_text()
+            text = self._grammar_text()
+            return after_thinking(text, self.think_end) if self.think_end else text
         except StructuredOutputError:
             raise
         except (ValueError, RecursionError) as e:  # UnicodeEncodeError is a ValueError
@@ -129,6 +133,21 @@ class StructuredOutputsParams:
             return grammar_from("grammar", self.grammar)  # Lark, or GBNF converted to it
         except ValueError as e:
             raise StructuredOutputError(f"grammar: {e}") from None
+
+
+def after_thinking(grammar: str, end: str) -> str:
+    """A grammar (llguidance's text: a JSON list of grammars, or Lark) preceded by free text
+    up to and including `end`: the thinking of a model whose chat template opened the think
+    block, which the grammar then does not constrain."""
+    try:
+        top = json.loads(grammar)
+        grammars = list(top["grammars"])
+    except (ValueError, KeyError, TypeError):
+        top, grammars = {}, [{"lark_grammar": grammar}]
+    first = dict(grammars[0])
+    first["name"] = name = first.get("name") or "answer"
+    thinking = f"start: thinking @{name}\nthinking[stop={json.dumps(end)}]: /(.|\\n)*/\n"
+    return json.dumps({**top, "grammars": [{"lark_grammar": thinking}, first, *grammars[1:]]})
 
 
 class GrammarCompiler:

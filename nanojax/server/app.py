@@ -390,6 +390,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         text = tools.render(eng.tokenizer, messages, treq, parsed.chat_template_kwargs)
     except NanojaxError as e:
         raise ApiError(400, str(e), param="messages") from None
+    parser = request.app[STATE_KEY]["reasoning_parser"]  # thinking split from the answer
+    thinking_mode = reasoning.mode_for(parser, parsed.chat_template_kwargs)
+    constraint = parsed.params.structured_outputs
+    if thinking_mode == "implicit" and constraint is not None:  # constrained after thinking
+        parsed.params = dataclasses.replace(parsed.params, structured_outputs=dataclasses.replace(
+            constraint, think_end=reasoning.THINK_CLOSE))
     await _check_constraint(request, parsed)
     parsed.echo_chat = True  # max_tokens defaults to the room left in the context
     calls = treq if treq is not None and treq.choice != "none" else None
@@ -398,9 +404,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     choices = _Choices(request.app, prompt_ids, parsed, rid).start()
     tok = eng.tokenizer
-    parser = request.app[STATE_KEY]["reasoning_parser"]  # thinking split from the answer
-    thinking_mode = reasoning.mode_for(parser, parsed.structured_param is not None,
-                                       parsed.chat_template_kwargs)
 
     def chunk(obj, choice_list, usage=None):
         return _envelope(rid, obj, created, model, choice_list, usage)

@@ -7,28 +7,22 @@ How an output is read (`mode_for`):
   * "implicit": the chat template may have opened the think block in the prompt (R1's,
     Qwen3-2507's), so the output is thinking up to `</think>` (a `<think>` it writes
     itself is dropped); one cut short by max_tokens is all thinking, content null. Both
-    parsers, as vLLM's current ones;
+    parsers, as vLLM's current ones. A request's output constraint (response_format, a
+    required tool call) then applies after the thinking (structured.after_thinking);
   * "off": no thinking to split: qwen3 with `chat_template_kwargs: {"enable_thinking":
-    false}` (the template wrote an empty think block into the prompt);
-  * "explicit": thinking only inside a think block the output opens itself. A grammar
-    (response_format, a required tool call) constrains the output from its first token
-    here, so a constrained request is read this way whichever parser runs (vLLM instead
-    starts the grammar after the thinking).
+    false}` (the template wrote an empty think block into the prompt), and a server
+    without a parser; a constraint applies from the first token.
 """
 from __future__ import annotations
 
 PARSERS = ("qwen3", "deepseek_r1")
-MODES = ("implicit", "explicit", "off")
+MODES = ("implicit", "off")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
-def mode_for(parser: str | None, constrained: bool, template_kwargs: dict) -> str:
+def mode_for(parser: str | None, template_kwargs: dict) -> str:
     """How a request's output is read (the module docstring)."""
-    if parser is None:
-        return "off"
-    if constrained:
-        return "explicit"
-    if parser == "qwen3" and template_kwargs.get("enable_thinking") is False:
+    if parser is None or (parser == "qwen3" and template_kwargs.get("enable_thinking") is False):
         return "off"
     return "implicit"
 
@@ -63,7 +57,7 @@ class ReasoningStream:
             elif THINK_OPEN.startswith(head):
                 return out  # blank so far, or a partial "<think>"
             else:
-                self.state = "reasoning" if self.mode == "implicit" else "content"
+                self.state = "reasoning"
         if self.state == "reasoning":
             end = self.pending.find(THINK_CLOSE)
             if end < 0:
@@ -84,7 +78,7 @@ class ReasoningStream:
         if not text:
             return []
         if self.state == "start":  # nothing but blanks or a partial "<think>" was written
-            return [("reasoning_content" if self.mode == "implicit" else "content", text)]
+            return [("reasoning_content", text)]
         return [("reasoning_content" if self.state == "reasoning" else "content", text)]
 
 
