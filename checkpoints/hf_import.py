@@ -93,6 +93,7 @@ def load_hf_dir(path: Path, dtype: str = "bfloat16", progress: bool = True,
         cfg = cfg.replace(eos_token_ids=_union(cfg.eos_token_ids, stops))
         if tok is not None:
             tok.eos_token_ids = _union(tok.eos_token_ids, stops)
+            tok.config["eos_token_ids"] = list(tok.eos_token_ids)  # kept by tok.save()
     return ModelBundle(cfg, params, tok, sampling_defaults=defaults)
 
 

@@ -420,11 +420,11 @@ class KernelConfig:
     grouped_gemm: str = dataclasses.field(default="auto", metadata=_opt(
         "MoE expert GEMMs: auto (the Mosaic GPU grouped GEMM on Hopper where it takes the "
         "operands, else XLA's ragged_dot), xla (always ragged_dot)", choices=GROUPED_GEMMS))
-    act_quant: str = dataclasses.field(default="xla", metadata=_opt(
+    act_quant: str = dataclasses.field(default="auto", metadata=_opt(
         "FP8 weights (--quantization fp8): who quantizes a projection's input per token: "
         "xla (after its producer, two passes of their own), pallas (fused into RMSNorm "
         "and SiLU x up: pallas_kernels/act_quant.py; interpreted off the GPU), auto "
-        "(pallas on a GPU); xla until the step measures the fused kernels",
+        "(pallas on a GPU, where the fused kernels measured faster: bench/results/log/fp8.md)",
         choices=ACT_QUANTS))
     cpu_small_gemms: str = dataclasses.field(default="eigen", metadata=_opt(
         "CPU: XLA's library for the GEMMs of steps of 3 to 16 rows (XLA's own GEMV "

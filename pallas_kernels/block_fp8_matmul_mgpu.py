@@ -15,7 +15,10 @@ Layout: a persistent grid walks 64 x 128 output tiles (two register accumulators
 f32 a thread: a 128-row tile would need 256 registers a thread), a TMA pipeline over K
 brings the operand tiles and each step's scales: x_scale transposed to [K/128, M] and
 w_scale expanded to one scale per column [K/128, N] (so that both are TMA-able vectors;
-a few MB beside the weights). Not timed on a GPU yet.
+a few MB beside the weights, rebuilt each call: worth keeping at load if the kernel is
+timed as worth running). Each step waits for its WGMMA before promoting it, one warpgroup a
+program: two consumer warpgroups (or two accumulators in turn) would hide the promotion.
+Not timed on a GPU yet.
 """
 from __future__ import annotations
 
@@ -123,8 +126,10 @@ def _body(x_ref, rows_ref, w_ref, cols_ref, o_ref, *, tiling: BlockTiling, inter
         zeros = jnp.zeros((bm, bn), jnp.float32)
         acc = plgpu.emit_pipeline(
             step, grid=(k // GROUP,),
-            in_specs=[plgpu.BlockSpec((bm, GROUP), lambda kk: (mi, kk), delay_release=1),
-                      plgpu.BlockSpec((bn, GROUP), lambda kk: (ni, kk), delay_release=1),
+            # each step waits for its WGMMA (the promotion reads it), so every buffer is
+            # free again when the step returns: no delayed release
+            in_specs=[plgpu.BlockSpec((bm, GROUP), lambda kk: (mi, kk)),
+                      plgpu.BlockSpec((bn, GROUP), lambda kk: (ni, kk)),
                       plgpu.BlockSpec((1, bm), lambda kk: (kk, mi)),
                       plgpu.BlockSpec((1, bn), lambda kk: (kk, ni))],
             max_concurrent_steps=tiling.max_concurrent_steps,

@@ -101,3 +101,31 @@ def test_block_fp8_matmul_on_gpu(tiling):
     ref = np.asarray(block_fp8_matmul_reference(x8, sx, w8, sw), np.float64)
     assert np.isfinite(out).all()
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 4e-3
+
+
+def test_the_layer_pads_a_small_batch_to_the_kernels_row_tiles(monkeypatch):
+    """fp8_block_linear on a Hopper (faked here: the kernel interpreted): 20 rows padded to
+    the 64-row tile with zero rows and unit scales, the output cut back, equal to the
+    reference; not the slow dequantized path."""
+    import pallas_kernels.block_fp8_matmul_mgpu as kernel_module
+    import pallas_kernels.device as device
+    import pallas_kernels.mosaic_gpu_support as support
+    from nanojax.layers.fp8 import fp8_block_linear, quantize_weight_blocks
+    calls = []
+    real = kernel_module.block_fp8_matmul_mgpu
+
+    def interpreted(x8, *args, **kw):
+        calls.append(x8.shape)
+        return real(x8, *args, **{**kw, "interpret": True})
+    monkeypatch.setattr(kernel_module, "block_fp8_matmul_mgpu", interpreted)
+    monkeypatch.setattr(support, "on_hopper", lambda: True)
+    monkeypatch.setattr(device, "device_sms", lambda: 3)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    x = jax.random.normal(jax.random.PRNGKey(1), (20, 256))
+    w8, sw = quantize_weight_blocks(jax.random.normal(jax.random.PRNGKey(2), (256, 384)) / 16)
+    out = np.asarray(fp8_block_linear(x, w8, sw, jnp.bfloat16), np.float64)
+    monkeypatch.undo()
+    assert calls == [(64, 256)] and out.shape == (20, 384)
+    x8, sx = quantize_groups(x)
+    ref = np.asarray(block_fp8_matmul_reference(x8, sx, w8, sw), np.float64)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 4e-3

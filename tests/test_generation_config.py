@@ -22,6 +22,15 @@ def test_qwen3s_file_gives_its_sampling_and_both_stop_tokens(tmp_path):
     assert read_generation_config(tmp_path / "nowhere") == ({}, ())
 
 
+def test_transformers_defaults_drop_out_and_max_new_tokens_is_max_tokens(tmp_path, capsys):
+    """As vLLM reads the file (GenerationConfig.to_diff_dict): a value equal to
+    transformers' default changes nothing; max_new_tokens becomes the default max_tokens."""
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 1.0, "top_k": 50, "top_p": 0.8, "max_new_tokens": 100, "min_p": 0.05}))
+    assert read_generation_config(tmp_path) == ({"top_p": 0.8, "max_tokens": 100}, ())
+    assert "min_p 0.05 left out (not supported)" in capsys.readouterr().err
+
+
 def test_values_a_request_could_not_give_are_left_out(tmp_path, capsys):
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 7.0, "top_p": 0.0, "top_k": 0, "repetition_penalty": "high",
@@ -52,9 +61,10 @@ def test_unset_and_null_fields_take_the_defaults_and_set_ones_win():
     assert with_sampling_defaults({"messages": msgs}, {}) == {"messages": msgs}
 
 
-def test_hf_directory_to_engine_and_checkpoint(tmp_path):
-    """An HF directory's file: the bundle's defaults and stop tokens; LLM's default
-    params ("vllm": none); a nanojax checkpoint converted from it keeps them."""
+def test_hf_directory_to_engine_and_checkpoint(tmp_path, smollm2):
+    """An HF directory's file: the bundle's defaults and stop tokens (the tokenizer's
+    too); LLM's default params ("vllm": none); a nanojax checkpoint converted from it keeps
+    them all."""
     from test_checkpoints import _make_hf_dir
 
     from checkpoints.hf_import import load_hf_dir
@@ -63,9 +73,11 @@ def test_hf_directory_to_engine_and_checkpoint(tmp_path):
     _make_hf_dir(tmp_path, "qwen2-bias-tied")
     src = tmp_path / "qwen2-bias-tied"
     (src / "generation_config.json").write_text(json.dumps({**QWEN3, "eos_token_id": [7, 9]}))
+    smollm2.tokenizer.save(src)  # a real tokenizer beside it
     bundle = load_hf_dir(src, dtype="float32", progress=False)
     assert bundle.sampling_defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
     assert bundle.config.eos_token_ids[-2:] == (7, 9)
+    assert bundle.tokenizer.eos_token_ids == (*smollm2.tokenizer.eos_token_ids, 7, 9)
     llm = LLM(bundle, num_pages=16, max_model_len=64, b_dense=16)
     sp = llm.get_default_sampling_params()
     assert (sp.temperature, sp.top_p, sp.top_k) == (0.6, 0.95, 20)
@@ -73,5 +85,6 @@ def test_hf_directory_to_engine_and_checkpoint(tmp_path):
     assert plain.get_default_sampling_params().temperature == 1.0
     back = load_orbax(save_orbax(bundle, tmp_path / "ck"))
     assert back.sampling_defaults == bundle.sampling_defaults
+    assert back.tokenizer.eos_token_ids == bundle.tokenizer.eos_token_ids
     with pytest.raises(ValueError, match="generation_config"):
         LLM(bundle, generation_config="model")

@@ -77,9 +77,10 @@ def _expand_blocks(scale, block: int, n: int, k: int):
 def fp8_block_linear(x, weight, weight_scale, out_dtype):
     """x [T, in] -> [T, out] with a block-wise FP8 weight (quantize_weight_blocks' layout):
     x quantized per token and 128-wide group, then the block-scaled GEMM: the Mosaic GPU
-    kernel on a Hopper GPU where it tiles the shapes, else its reference (both operands
-    dequantized, one f32 dot; on the CPU the FP8 products are exact in f32 anyway)."""
-    from pallas_kernels.block_fp8_matmul_mgpu import (block_fp8_matmul_mgpu,
+    kernel on a Hopper GPU (the rows padded to its tiles) where it tiles the weight, else
+    its reference (both operands dequantized, one f32 dot: on the CPU the FP8 products are
+    exact in f32 anyway; on a GPU a slow path, for weights of no multiple of 128)."""
+    from pallas_kernels.block_fp8_matmul_mgpu import (BlockTiling, block_fp8_matmul_mgpu,
                                                       block_fp8_matmul_reference,
                                                       quantize_groups, unsupported)
     out_dtype = jnp.dtype(out_dtype)
@@ -87,13 +88,15 @@ def fp8_block_linear(x, weight, weight_scale, out_dtype):
     pad = -k % WEIGHT_BLOCK  # a partial last group: zeros change no absmax and no sum
     x8, sx = quantize_groups(jnp.pad(x, ((0, 0), (0, pad))) if pad else x, WEIGHT_BLOCK)
     x8 = x8[:, :k]
-    if jax.default_backend() == "gpu" and unsupported(x8, weight, weight_scale,
-                                                      out_dtype=out_dtype) is None:
+    if jax.default_backend() == "gpu":
         from pallas_kernels.device import device_sms
         from pallas_kernels.mosaic_gpu_support import on_hopper
-        if on_hopper():
-            return block_fp8_matmul_mgpu(x8, sx, weight, weight_scale, out_dtype=out_dtype,
-                                         num_programs=device_sms())
+        rows = -t % BlockTiling().block_m  # the kernel's row tiles: pad a small batch
+        x8p = jnp.pad(x8, ((0, rows), (0, 0))) if rows else x8
+        if on_hopper() and unsupported(x8p, weight, weight_scale, out_dtype=out_dtype) is None:
+            sxp = jnp.pad(sx, ((0, rows), (0, 0)), constant_values=1.0) if rows else sx
+            return block_fp8_matmul_mgpu(x8p, sxp, weight, weight_scale, out_dtype=out_dtype,
+                                         num_programs=device_sms())[:t]
     return block_fp8_matmul_reference(x8, sx, weight, weight_scale).astype(out_dtype)
 
 

@@ -72,7 +72,7 @@ timeout "$left" python3 -m nanojax bench --model "$MODEL" --quiet "${kernel[@]}"
   --min-token-bucket "${MIN_TOKEN_BUCKET:-128}" --max-num-seqs "${MAX_NUM_SEQS:-1152}" \
   --page-size "${PAGE_SIZE:-16}" "${pages[@]}" --num-prompts "${NUM_PROMPTS:-3072}" \
   --input-len "$IN" --output-len "$OUTLEN" --max-model-len "${MAX_MODEL_LEN:-1024}" \
-  --input-staging "${STAGING:-numpy}" "${timeline[@]}" --json "$OUT/engine.json" 2>&1 | quiet 8
+  "${timeline[@]}" --json "$OUT/engine.json" 2>&1 | quiet 8
 
 python3 bench/repro/engine_host/merge_steady_state.py "$OUT/step.json" "$OUT/engine.json" \
   --out "$OUT/steady_state_summary.json"
