@@ -66,12 +66,13 @@ def quantize_weight_blocks(kernel, block: int = WEIGHT_BLOCK):
     tiles = jnp.zeros((nb * block, kb * block), jnp.float32).at[:n, :k].set(w)
     amax = jnp.max(jnp.abs(tiles.reshape(nb, block, kb, block)), axis=(1, 3))
     scale = jnp.maximum(amax, _MIN_SCALE) / FP8_MAX
-    return to_fp8(w / _expand_blocks(scale, block, n, k)), scale
+    return to_fp8(w / expand_blocks(scale, (block, block), (n, k))), scale
 
 
-def _expand_blocks(scale, block: int, n: int, k: int):
-    """Block scales [ceil(n/block), ceil(k/block)] -> one per element [n, k]."""
-    return jnp.repeat(jnp.repeat(scale, block, axis=0), block, axis=1)[:n, :k]
+def expand_blocks(scale, block: tuple[int, int], shape: tuple[int, int]):
+    """Block scales [ceil(n/rows), ceil(k/cols)] -> one per element [n, k] (shape)."""
+    (rows, cols), (n, k) = block, shape
+    return jnp.repeat(jnp.repeat(scale, rows, axis=0), cols, axis=1)[:n, :k]
 
 
 def fp8_block_linear(x, weight, weight_scale, out_dtype):
@@ -107,9 +108,7 @@ def requantize_blocks(weight, block_scale, block: tuple[int, int]):
     then each output channel scaled to absmax 448 again. The second rounding costs
     accuracy (the measurement: bench/results/log/fp8.md); a GEMM that applies the block
     scales itself would not."""
-    rows, cols = block
-    s = jnp.asarray(block_scale, jnp.float32)
-    s = jnp.repeat(jnp.repeat(s, rows, axis=0), cols, axis=1)[:weight.shape[0], :weight.shape[1]]
+    s = expand_blocks(jnp.asarray(block_scale, jnp.float32), block, weight.shape)
     w = weight.astype(jnp.float32) * s
     scale = jnp.maximum(jnp.max(jnp.abs(w), axis=-1), _MIN_SCALE) / FP8_MAX
     return to_fp8(w / scale[:, None]), scale

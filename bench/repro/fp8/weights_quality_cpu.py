@@ -97,8 +97,8 @@ def block_variants(float_model, block: tuple[int, int]) -> dict:
     import numpy as np
 
     from checkpoints.loader import quantize_bundle
-    from nanojax.layers.fp8 import (FP8_PROJECTIONS, WEIGHT_BLOCK, quantize_weight,
-                                    quantize_weight_blocks)
+    from nanojax.layers.fp8 import (FP8_PROJECTIONS, WEIGHT_BLOCK, expand_blocks,
+                                    quantize_weight, quantize_weight_blocks)
     rows, cols = block
     if rows != cols:
         raise SystemExit("--block: square blocks only (R,R)")
@@ -106,8 +106,7 @@ def block_variants(float_model, block: tuple[int, int]) -> dict:
     @jax.jit
     def block_dequantized(kernel):  # float [in, out] -> its block-FP8 values, same layout
         w8, scale = quantize_weight_blocks(kernel, rows)
-        full = jnp.repeat(jnp.repeat(scale, rows, 0), cols, 1)[:w8.shape[0], :w8.shape[1]]
-        return (w8.astype(jnp.float32) * full).T
+        return (w8.astype(jnp.float32) * expand_blocks(scale, block, w8.shape)).T
 
     @jax.jit
     def channel_dequantized(kernel):
