@@ -20,17 +20,31 @@ def _no_tokenizer(model: str) -> ConfigError:
                        "--prompt-token-ids 1,2,3")
 
 
-def _check_generate_args(args):
-    """What can be refused without the model is refused before its load (seconds), and
-    the SamplingParams built here are the ones generate runs."""
+# generate's sampling where neither the flags nor the model's generation_config set it:
+# greedy, so a bare `nanojax generate` is reproducible
+GENERATE_FALLBACK = {"max_tokens": 64, "temperature": 0.0}
+_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+
+
+def _check_generate_args(args) -> dict:
+    """What can be refused without the model is refused before its load (seconds).
+    Returns the sampling fields the flags set."""
     from nanojax.engine.sampling import SamplingParams
 
     if (args.prompt is None) == (args.prompt_token_ids is None):
         raise ConfigError("give either a prompt or --prompt-token-ids (one of them)")
     if args.prompt is not None and args.model.startswith(RANDOM_PREFIX):
         raise _no_tokenizer(args.model)  # random:<shape> models come without one
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    given = {k: getattr(args, k) for k in _SAMPLING_FLAGS if getattr(args, k) is not None}
+    SamplingParams(**{**GENERATE_FALLBACK, **given})  # refuses bad values before the load
+    return given
+
+
+def generate_sampling_params(given: dict, model_defaults: dict):
+    """The flags, then the model's generation_config.json (as `serve` applies it to a
+    request), then GENERATE_FALLBACK."""
+    from nanojax.engine.sampling import SamplingParams
+    return SamplingParams(**{**GENERATE_FALLBACK, **model_defaults, **given})
 
 
 def _prompt(args, tokenizer):
@@ -46,11 +60,18 @@ def _prompt(args, tokenizer):
 def cmd_generate(args) -> int:
     from nanojax.engine.llm import LLM
 
-    params = _check_generate_args(args)
+    given = _check_generate_args(args)
     t0 = time.time()
     llm = LLM(model=args.model, dtype=args.dtype, cache_dir=args.cache_dir,
-              quantization=args.quantization, config=engine_config_from_args(args))
+              quantization=args.quantization, config=engine_config_from_args(args),
+              generation_config=args.generation_config)
     print(f"nanojax: loaded {args.model} in {time.time() - t0:.1f}s", file=sys.stderr)
+    defaults = llm.sampling_defaults
+    unset = {k: v for k, v in defaults.items() if k not in given}
+    if unset:
+        print(f"nanojax: sampling as the model's generation_config says: {unset} "
+              "(flags override; --generation-config vllm: not)", file=sys.stderr)
+    params = generate_sampling_params(given, defaults)
     prompt = _prompt(args, llm.tokenizer)
     t1 = time.time()
     out = llm.generate([prompt], params, use_tqdm=False)[0]
@@ -139,10 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the prompt as comma-separated token ids (e.g. 1,2,3), fed raw; "
                         "random:<shape> models, which have no tokenizer, take only these")
     add_model_args(g)
-    g.add_argument("--max-tokens", type=positive_int, default=64)
-    g.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 is greedy")
-    g.add_argument("--top-p", type=number, default=1.0)
-    g.add_argument("--top-k", type=integer, default=-1)
+    g.add_argument("--max-tokens", type=positive_int, default=None,
+                   help="default: the model's generation_config, else 64")
+    g.add_argument("--temperature", type=non_negative_float, default=None,
+                   help="0 is greedy (default: the model's generation_config, else 0)")
+    g.add_argument("--top-p", type=number, default=None)
+    g.add_argument("--top-k", type=integer, default=None)
+    g.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
+                   help="auto: sampling the flags leave unset comes from the model's "
+                        "generation_config.json, as `serve` does; vllm: not")
     g.add_argument("--seed", type=integer, default=None)
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt raw")
     g.add_argument("--json", action="store_true",

@@ -88,3 +88,21 @@ def test_hf_directory_to_engine_and_checkpoint(tmp_path, smollm2):
     assert back.tokenizer.eos_token_ids == bundle.tokenizer.eos_token_ids
     with pytest.raises(ValueError, match="generation_config"):
         LLM(bundle, generation_config="model")
+
+
+def test_generate_cli_takes_the_models_sampling_where_no_flag_sets_it():
+    """`nanojax generate`: flags, then generation_config.json, then greedy/64 tokens."""
+    from nanojax.cli import _check_generate_args, build_parser, generate_sampling_params
+    qwen3 = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 300}
+    bare = build_parser().parse_args(["generate", "hi", "--model", "smollm2-135m"])
+    assert bare.generation_config == "auto"
+    given = _check_generate_args(bare)
+    assert given == {}
+    sp = generate_sampling_params(given, qwen3)
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.max_tokens) == (0.6, 0.95, 20, 300)
+    assert generate_sampling_params(given, {}).temperature == 0.0  # greedy without either
+    assert generate_sampling_params(given, {}).max_tokens == 64
+    flags = build_parser().parse_args(["generate", "hi", "--model", "smollm2-135m",
+                                       "--temperature", "0", "--max-tokens", "8"])
+    sp = generate_sampling_params(_check_generate_args(flags), qwen3)
+    assert (sp.temperature, sp.max_tokens, sp.top_k) == (0.0, 8, 20)

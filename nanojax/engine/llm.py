@@ -41,11 +41,13 @@ class LLM:
                 tensor_parallel_size=config.tensor_parallel_size, quantization=quantization)
         self.engine = LLMEngine(bundle, config, forward=forward)
         self.tokenizer = bundle.tokenizer
-        self._defaults = bundle.sampling_defaults if generation_config == "auto" else {}
+        # the model's recommended sampling (generation_config.json), keyed by field
+        self.sampling_defaults = (dict(bundle.sampling_defaults)
+                                  if generation_config == "auto" else {})
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's recommended sampling where it has one."""
-        return SamplingParams(**self._defaults)
+        return SamplingParams(**self.sampling_defaults)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
