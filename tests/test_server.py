@@ -180,6 +180,50 @@ def test_models_health_and_auth(server, smollm2, tmp_path):
         locked.stop()
 
 
+def test_tokenize_detokenize_and_version(server, client, smollm2):
+    """vLLM's /tokenize counts what the chat endpoint feeds (its usage agrees);
+    /detokenize inverts it; bad input is a 400 naming the field."""
+    tok, u = smollm2.tokenizer, server.url
+    msgs = [{"role": "user", "content": "Name a colour."}]
+
+    def post(path, body):
+        status, text = asyncio.run(_post(u + path, json.dumps(body)))
+        return status, json.loads(text)
+
+    status, r = post("/tokenize", {"prompt": "1, 2, 3", "return_token_strs": True})
+    assert status == 200 and r["tokens"] == tok.encode("1, 2, 3")
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 512
+    assert r["token_strs"] == [tok.id_to_token(t) for t in r["tokens"]]
+    status, chat = post("/tokenize", {"messages": msgs, "model": MODEL})
+    assert status == 200 and chat["token_strs"] is None
+    used = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1)
+    assert chat["count"] == used.usage.prompt_tokens
+    status, bare = post("/tokenize", {"messages": msgs, "add_generation_prompt": False})
+    assert bare["count"] < chat["count"]
+    assert post("/detokenize", {"tokens": chat["tokens"]}) == (
+        200, {"prompt": tok.decode(chat["tokens"], skip_special_tokens=False)})
+    for path, body, field in [
+            ("/tokenize", {}, "prompt"),
+            ("/tokenize", {"prompt": "a", "messages": msgs}, "prompt"),
+            ("/tokenize", {"prompt": 7}, "prompt"),
+            ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "tools": 3},
+             "tools"),
+            ("/tokenize", {"prompt": "a", "model": "gpt-9"}, "model"),
+            ("/detokenize", {"tokens": [2 ** 70]}, "tokens"),
+            ("/detokenize", {"tokens": [-1]}, "tokens"),
+            ("/detokenize", {"tokens": "abc"}, "tokens"),
+            ("/detokenize", {}, "tokens")]:
+        status, r = post(path, body)
+        assert 400 <= status < 500 and r["error"]["param"] == field, (path, body, r)
+    status, text = asyncio.run(_post(u + "/tokenize", b'{"prompt": "\\ud800"}'))
+    assert status == 400, text  # a lone surrogate
+    import urllib.request
+    from nanojax import __version__
+    with urllib.request.urlopen(u + "/version") as r:
+        assert json.load(r) == {"version": __version__}
+    assert server.aeng.is_alive
+
+
 # ---- bad requests: a 4xx JSON error each, and the server keeps serving -------------------
 async def _post(url, data, headers=None):
     async with aiohttp.ClientSession() as s:
@@ -231,11 +275,13 @@ JSONISH = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(all
                        max_leaves=10)
 FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "n", "seed",
           "stop", "logprobs", "top_logprobs", "stream", "stream_options", "model",
-          "ignore_eos"]
+          "ignore_eos", "tokens", "add_special_tokens", "add_generation_prompt",
+          "return_token_strs"]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(route=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+@given(route=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize",
+                              "/detokenize"]),
        body=st.one_of(
            st.dictionaries(st.sampled_from(FIELDS), JSONISH, max_size=6),
            st.binary(max_size=64).map(lambda b: b"\xff" + b),

@@ -1,5 +1,5 @@
 """The aiohttp application: OpenAI completions and chat completions, SSE streaming,
-/v1/models, /health and Prometheus /metrics.
+/v1/models, vLLM's /tokenize, /detokenize and /version, /health and Prometheus /metrics.
 
 Every request runs as one or more engine requests (n choices x prompts); when the client
 goes away, the handler is cancelled and each of its engine requests is aborted, which
@@ -26,7 +26,8 @@ from nanojax.errors import NanojaxError
 from nanojax.server import reasoning, tools
 from nanojax.server.metrics import ServerMetrics
 from nanojax.server.protocol import (ApiError, ParsedRequest, bad, brief, parse_chat,
-                                     parse_completion, parse_json, with_sampling_defaults)
+                                     parse_completion, parse_detokenize, parse_json,
+                                     parse_tokenize, with_sampling_defaults)
 
 log = logging.getLogger("nanojax.server")
 
@@ -81,11 +82,14 @@ async def error_middleware(request: web.Request, handler):
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     key = request.app[STATE_KEY]["api_key"]
-    if key and (request.path.startswith("/v1/") or request.path == "/server_info"):
+    if key and (request.path.startswith("/v1/") or request.path in PROTECTED):
         if request.headers.get("Authorization", "") != f"Bearer {key}":
             raise ApiError(401, "invalid or missing API key", "authentication_error",
                            code="invalid_api_key")
     return await handler(request)
+
+
+PROTECTED = ("/server_info", "/tokenize", "/detokenize")  # beside /v1/: need the API key
 
 
 async def _read_json(request: web.Request) -> dict:
@@ -490,6 +494,53 @@ async def models(request: web.Request) -> web.Response:
         "owned_by": "nanojax", "max_model_len": request.app[ENGINE_KEY].engine.max_model_len}]})
 
 
+def _tokenizer(request: web.Request):
+    tok = request.app[ENGINE_KEY].tokenizer
+    if tok is None:
+        raise ApiError(400, "this model has no tokenizer: it takes and gives token ids")
+    return tok
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: the ids the completions or chat endpoint would feed the model."""
+    body = await _read_json(request)
+    _check_model(request, body)
+    req = parse_tokenize(body)
+    tok = _tokenizer(request)
+    if req.messages is not None:
+        if not tok.chat_template:
+            raise ApiError(400, "this model has no chat template; tokenize a 'prompt'",
+                           param="messages")
+        try:
+            text = tools.render(tok, req.messages, req.tools, req.chat_template_kwargs,
+                                req.add_generation_prompt)
+        except NanojaxError as e:
+            raise ApiError(400, str(e), param="messages") from None
+    else:
+        text = req.prompt
+    try:
+        ids = tok.encode(text, add_special_tokens=req.add_special_tokens)
+    except NanojaxError as e:
+        raise ApiError(400, str(e), param="prompt") from None
+    return _json({"count": len(ids), "tokens": ids,
+                  "max_model_len": request.app[ENGINE_KEY].engine.max_model_len,
+                  "token_strs": [tok.id_to_token(t) for t in ids] if req.return_token_strs
+                  else None})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's /detokenize: token ids to text, special tokens kept."""
+    body = await _read_json(request)
+    _check_model(request, body)
+    ids = parse_detokenize(body, request.app[ENGINE_KEY].engine.model_config.vocab_size)
+    return _json({"prompt": _tokenizer(request).decode(ids, skip_special_tokens=False)})
+
+
+async def version(request: web.Request) -> web.Response:
+    from nanojax import __version__
+    return _json({"version": __version__})
+
+
 async def get_server_info(request: web.Request) -> web.Response:
     """What this server runs (as SGLang's /get_server_info): the model, the waiting limit,
     and the run record `nanojax serve` passed in (its command, environment with XLA flags,
@@ -560,6 +611,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
     app.router.add_get("/health", health)
     app.router.add_get("/server_info", get_server_info)
     app.router.add_get("/metrics", metrics)

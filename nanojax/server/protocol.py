@@ -411,3 +411,45 @@ def parse_chat(body: dict, vocab_size: int) -> tuple[list[dict], ParsedRequest, 
     return messages, ParsedRequest([], params, n, stream, include_usage, given, logprobs,
                                    structured_param=source,
                                    chat_template_kwargs=_template_kwargs(body)), treq
+
+
+@dataclasses.dataclass
+class TokenizeRequest:
+    """POST /tokenize, as vLLM's: a prompt, or chat messages rendered as the chat endpoint
+    renders them (tools and chat_template_kwargs included)."""
+    prompt: str | None
+    messages: list[dict] | None
+    tools: Any = None                      # tools.ToolRequest, with messages
+    chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+def parse_tokenize(body: dict) -> TokenizeRequest:
+    has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
+    if has_prompt == has_messages:
+        raise bad("prompt", "give either 'prompt' (a string) or 'messages' (one of them)")
+    strs = _get(body, "return_token_strs", "bool", False)
+    if has_prompt:
+        return TokenizeRequest(_get(body, "prompt", "str"), None,
+                               add_special_tokens=_get(body, "add_special_tokens", "bool", True),
+                               return_token_strs=strs)
+    msgs = body["messages"]
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages", "'messages' must be a non-empty list")
+    # add_special_tokens: by default the chat endpoint's (a BOS the template left out)
+    return TokenizeRequest(None, [_message_text(i, m) for i, m in enumerate(msgs)],
+                           parse_tools(body), _template_kwargs(body),
+                           _get(body, "add_generation_prompt", "bool", True),
+                           _get(body, "add_special_tokens", "bool", True), strs)
+
+
+def parse_detokenize(body: dict, vocab_size: int) -> list[int]:
+    """POST /detokenize's 'tokens'."""
+    if body.get("tokens") is None:
+        raise bad("tokens", "'tokens' (a list of token ids) is required")
+    return _token_ids(body, "tokens", vocab_size, MAX_DETOKENIZE_IDS) or []
+
+
+MAX_DETOKENIZE_IDS = 1 << 20

@@ -107,7 +107,7 @@ def knows_tools(chat_template: str | None) -> bool:
 
 
 def render(tokenizer, messages: list[dict], treq: ToolRequest | None,
-           template_kwargs: dict | None = None) -> str:
+           template_kwargs: dict | None = None, add_generation_prompt: bool = True) -> str:
     """The chat prompt: tools through the template, or (a template that knows none) as
     the Hermes system prompt with calls and results written as Hermes text;
     template_kwargs: the request's chat_template_kwargs."""
@@ -116,8 +116,8 @@ def render(tokenizer, messages: list[dict], treq: ToolRequest | None,
     uses_calls = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     if not knows_tools(template) and (tools or uses_calls):
         messages, tools = _as_hermes_text(messages, tools), None
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
-                                         template_kwargs=template_kwargs)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                         tools=tools, template_kwargs=template_kwargs)
 
 
 def _as_hermes_text(messages: list[dict], tools: list[dict] | None) -> list[dict]:
