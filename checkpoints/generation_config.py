@@ -16,11 +16,13 @@ FILE = "generation_config.json"
 # the fields taken as sampling defaults: (lowest, highest, lowest excluded), the range a
 # request may give them in (nanojax/server/protocol.py)
 SAMPLING_FIELDS = {"temperature": (0.0, 2.0, False), "top_p": (0.0, 1.0, True),
-                   "top_k": (1, 1 << 30, False), "repetition_penalty": (0.0, 10.0, True),
+                   "top_k": (1, 1 << 30, False), "min_p": (0.0, 1.0, False),
+                   "repetition_penalty": (0.0, 10.0, True),
                    "max_new_tokens": (1, (1 << 31) - 1, False)}
 # transformers' own defaults: a file that states them changes nothing (vLLM reads the file
 # through GenerationConfig.to_diff_dict(), which drops them)
-HF_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
+HF_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0,
+               "min_p": 0.0}
 # the request field each one fills
 REQUEST_FIELD = {"max_new_tokens": "max_tokens"}
 
@@ -58,9 +60,6 @@ def read_generation_config(path: Path) -> tuple[dict, tuple[int, ...]]:
         else:
             print(f"nanojax: {f}: {key} {str(v)[:40]} is not a usable default; left out",
                   file=sys.stderr)
-    if raw.get("min_p"):  # vLLM takes it; nanojax's sampler has no min-p
-        print(f"nanojax: {f}: min_p {str(raw['min_p'])[:40]} left out (not supported)",
-              file=sys.stderr)
     eos = raw.get("eos_token_id")
     eos = [eos] if isinstance(eos, int) else eos
     if eos is not None and not (isinstance(eos, list) and all(

@@ -23,7 +23,7 @@ def _no_tokenizer(model: str) -> ConfigError:
 # generate's sampling where neither the flags nor the model's generation_config set it:
 # greedy, so a bare `nanojax generate` is reproducible
 GENERATE_FALLBACK = {"max_tokens": 64, "temperature": 0.0}
-_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
 
 
 def _check_generate_args(args) -> dict:
@@ -166,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0 is greedy (default: the model's generation_config, else 0)")
     g.add_argument("--top-p", type=number, default=None)
     g.add_argument("--top-k", type=integer, default=None)
+    g.add_argument("--min-p", type=number, default=None,
+                   help="keep tokens at least this fraction of the likeliest's probability")
     g.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
                    help="auto: sampling the flags leave unset comes from the model's "
                         "generation_config.json, as `serve` does; vllm: not")

@@ -65,10 +65,34 @@ def test_greedy_and_logprobs_follow_the_bias():
     assert float(chosen[0]) == pytest.approx(float(chosen[1]) - 1.0, abs=1e-5)
 
 
+def test_min_p_keeps_tokens_near_the_likeliest_and_top_p_counts_what_it_kept():
+    """vLLM's order: min_p on the tempered probabilities, then top-p over what is left.
+    Probabilities 0.5 / 0.3 / 0.15 / 0.05: min_p 0.35 keeps tokens >= 0.175 (0, 1); top_p
+    0.83 keeps token 2 alone (0.8 before it), not after min_p 0.2 has dropped token 3
+    (0.842 before it, renormalised)."""
+    import functools
+
+    import jax.numpy as jnp
+    rows = 256
+    logits = jnp.tile(jnp.log(jnp.asarray([0.5, 0.3, 0.15, 0.05], jnp.float32)), (rows, 1))
+    seeds, steps = jnp.arange(rows, dtype=jnp.uint32), jnp.zeros(rows, jnp.int32)
+
+    def drawn(min_p, top_p=1.0):
+        return set(np.asarray(jax.jit(functools.partial(sample, logprobs=False))(
+            logits, jnp.ones(rows), jnp.full(rows, top_p), jnp.full(rows, -1), seeds, steps,
+            min_p=jnp.full(rows, min_p))[0]).tolist())
+    assert drawn(0.0) == {0, 1, 2, 3}
+    assert drawn(0.35) == {0, 1}
+    assert drawn(1.0) == {0}
+    assert drawn(0.0, top_p=0.83) == {0, 1, 2}
+    assert drawn(0.2, top_p=0.83) == {0, 1}
+
+
 @pytest.mark.parametrize("kw", [dict(presence_penalty=float("nan")),
                                 dict(frequency_penalty=2.5), dict(repetition_penalty=0.0),
                                 dict(logit_bias={1: 101}), dict(logit_bias={-1: 1}),
-                                dict(top_k=2**31), dict(temperature=float("inf"))])
+                                dict(top_k=2**31), dict(temperature=float("inf")),
+                                dict(min_p=1.5), dict(min_p=-0.1)])
 def test_bad_sampling_params_are_refused(kw):
     with pytest.raises(SamplingError):
         SamplingParams(**kw)
@@ -118,6 +142,23 @@ def test_engine_penalties_match_a_reference_greedy_loop(tiny_bundle, async_sched
     with pytest.raises(RequestError, match="logit_bias"):
         eng.add_request([1, 2], SamplingParams(logit_bias={cfg.vocab_size: 1.0}))
     assert eng.allocator.num_free == eng.allocator.num_pages
+
+
+def test_engine_min_p_one_samples_the_greedy_tokens(tiny_bundle):
+    """min_p reaches the device per row: at min_p 1 only the likeliest token survives, so a
+    sampled row (temperature 1) follows the greedy one beside it in the same batch."""
+    from nanojax.engine.llm_engine import EngineConfig, LLMEngine
+    eng = LLMEngine(tiny_bundle, EngineConfig(b_dense=32, num_pages=32, max_model_len=64))
+    prompt = [3, 14, 15, 92, 65]
+    greedy = eng.add_request(prompt, SamplingParams(max_tokens=8, temperature=0,
+                                                    ignore_eos=True))
+    minp = eng.add_request(prompt, SamplingParams(max_tokens=8, temperature=1.0, min_p=1.0,
+                                                  seed=3, ignore_eos=True))
+    free = eng.add_request(prompt, SamplingParams(max_tokens=8, temperature=5.0, seed=3,
+                                                  ignore_eos=True))
+    done = eng.run_to_completion()
+    assert done[minp].token_ids == done[greedy].token_ids
+    assert done[free].token_ids != done[greedy].token_ids  # sampling is on in that batch
 
 
 def test_the_sampler_holds_no_device_conditional_and_rows_do_not_depend_on_each_other():

@@ -77,6 +77,7 @@ class StepInputs:
     temperature: jax.Array    # [R] f32 (0: greedy)
     top_p: jax.Array          # [R] f32
     top_k: jax.Array          # [R] int32 (-1: off)
+    min_p: jax.Array          # [R] f32 (0: off)
     seeds: jax.Array          # [R] uint32
     steps: jax.Array          # [R] int32: tokens the row has generated (its PRNG step)
     penalties: Penalties | None  # None when no row asks for penalties or logit_bias
@@ -245,7 +246,8 @@ class ModelRunner:
         top_logprobs = forward.top_logprobs
 
         def sampler(logits, prev_tokens, host_tokens, token_src, logit_idx, temperature,
-                    top_p, top_k, seeds, steps, penalties, bitmask, sampling, logprobs):
+                    top_p, top_k, min_p, seeds, steps, penalties, bitmask, sampling,
+                    logprobs):
             self.num_sampler_compiles += 1
             if penalties is not None:  # a decode's input may be a sample the host lacks
                 tokens = _input_tokens(prev_tokens, host_tokens, token_src)
@@ -253,7 +255,7 @@ class ModelRunner:
                                          token_src[logit_idx] >= 0)
             out = sample(logits, temperature, top_p, top_k, seeds, steps, penalties,
                          top_logprobs, sampling=sampling, logprobs=logprobs,
-                         bitmask=bitmask)
+                         bitmask=bitmask, min_p=min_p)
             pad = max_rows - logits.shape[0]
             return [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in out]
 
@@ -470,7 +472,8 @@ class ModelRunner:
         with self._lock:
             with jax.profiler.TraceAnnotation("nanojax.dispatch_sample"):
                 out = self._sample(logits, prev, host_tokens, token_src, x.logit_idx,
-                                   x.temperature, x.top_p, x.top_k, x.seeds, x.steps,
+                                   x.temperature, x.top_p, x.top_k, x.min_p, x.seeds,
+                                   x.steps,
                                    x.penalties, bitmask, sampling=sampling,
                                    logprobs=logprobs)
             self._prev = out[0]
@@ -491,6 +494,7 @@ class ModelRunner:
         temperature = np.zeros(r, np.float32)
         top_p = np.ones(r, np.float32)
         top_k = np.full(r, -1, np.int32)
+        min_p = np.zeros(r, np.float32)
         seeds = np.zeros(r, np.uint32)
         steps = np.zeros(r, np.int32)
         wants_logprobs = np.zeros(r, bool)  # only picks the sampler's variant
@@ -531,7 +535,7 @@ class ModelRunner:
             flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(lens.sum()))
             first = np.repeat(np.cumsum(lens) - lens, lens)
             page_table[np.repeat(np.arange(rows), lens), np.arange(len(flat)) - first] = flat
-            (temperature[:rows], top_p[:rows], top_k[:rows], seeds[:rows],
+            (temperature[:rows], top_p[:rows], top_k[:rows], min_p[:rows], seeds[:rows],
              wants_logprobs[:rows], processes) = zip(*[e.seq.sampling_row for e in entries])
             steps[:rows] = [len(e.seq.output_ids) + e.seq.pending - e.samples
                             for e in entries]
@@ -552,4 +556,4 @@ class ModelRunner:
                              num_decodes=np.int32(batch.num_decodes),  # type: ignore[arg-type]
                              prefill_blocks=blocks, prefill_slot=slot)
         return StepInputs(host_tokens, token_src, meta, logit_idx, temperature, top_p, top_k,  # type: ignore[arg-type]
-                          seeds, steps, penalties, wants_logprobs)  # type: ignore[arg-type]
+                          min_p, seeds, steps, penalties, wants_logprobs)  # type: ignore[arg-type]

@@ -41,6 +41,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1          # -1 or 0: no top-k
+    min_p: float = 0.0       # [0, 1]: keep tokens at least min_p x the likeliest's probability
     seed: int | None = None
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
@@ -84,6 +85,7 @@ class SamplingParams:
             bad("max_tokens", "must be an integer >= 1")
         in_range("temperature", 0.0, 100.0)
         in_range("top_p", 0.0, 1.0, lo_open=True)
+        in_range("min_p", 0.0, 1.0)
         in_range("presence_penalty", -2.0, 2.0)
         in_range("frequency_penalty", -2.0, 2.0)
         in_range("repetition_penalty", 0.0, 10.0, lo_open=True)
@@ -245,9 +247,10 @@ def any_logprobs(wants) -> bool:
 
 def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties | None = None,
            top_logprobs=None, sampling: bool = True, logprobs: bool = True,
-           bitmask: GrammarMasks | None = None):
+           bitmask: GrammarMasks | None = None, min_p=None):
     """logits [R, V] f32; per-row temperature, top_p, top_k (<=0: off), seeds [R] uint32x2,
-    steps [R]; penalties: None or the logit-processing pass's inputs; bitmask: the
+    steps [R], min_p [R] (0: off; None: no row); penalties: None or the logit-processing
+    pass's inputs; bitmask: the
     constrained rows' grammar masks (apply_bitmask), None when no row is -> (tokens [R],
     chosen logprob [R], top ids [R, K], top logprobs [R, K]).
     sampling: static, decided on the host (any_sampling): False when every row is greedy,
@@ -260,6 +263,8 @@ def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties
     iteration: bench/results/log/engine_host.md) and returns zeros and [R, 0] tops. With
     sampling, each row that asks for top-k or top-p is masked from one descending sort;
     the others are not touched, so a row's draw never depends on the rest of the batch.
+    min_p applies first, to the tempered distribution, as vLLM's sampler: top-p's mass is
+    then counted over what min_p kept.
     top_logprobs(logprobs, k) -> (values, ids): lax.top_k unless given (tensor parallelism
     passes one that reads each vocabulary shard on its device, parallel/tp.py); the
     chosen logprob is then a masked sum (one value plus zeros: exact), which also reduces
@@ -292,6 +297,10 @@ def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties
 
     tokens = greedy_tok
     if sampling:
+        if min_p is not None:  # p >= min_p * p_max, i.e. a logit >= the top one + log(min_p)
+            floor = jnp.max(scaled, axis=-1) + jnp.log(jnp.where(min_p > 0, min_p, 1.0))
+            scaled = jnp.where((min_p[:, None] > 0) & (scaled < floor[:, None]), -jnp.inf,
+                               scaled)
         wants_filter = (top_k > 0) | (top_p < 1.0)
         masked = jnp.where(wants_filter[:, None], filtered(scaled), scaled)
         drawn = jax.vmap(draw)(seeds, steps, masked).astype(jnp.int32)

@@ -31,8 +31,8 @@ class Sequence:
         self.output_ids: list[int] = []
         self.params = params
         # the step's per-row sampling inputs, read every iteration: (temperature, top_p,
-        # top_k, seed as uint32, wants logprobs, processes logits)
-        self.sampling_row = (params.temperature, params.top_p, params.top_k,
+        # top_k, min_p, seed as uint32, wants logprobs, processes logits)
+        self.sampling_row = (params.temperature, params.top_p, params.top_k, params.min_p,
                              (params.seed or 0) & 0xFFFFFFFF, params.logprobs is not None,
                              params.processes_logits)
         # something other than max_tokens may end it (EOS, stop strings or ids): its

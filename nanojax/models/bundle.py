@@ -23,7 +23,7 @@ class ModelBundle:
     gguf: Path | None = None
     read_gguf_blocks: Callable[[Path, ModelConfig], dict] | None = None
     # the checkpoint's recommended sampling (its generation_config.json: temperature,
-    # top_p, top_k, repetition_penalty), for requests that leave them unset
+    # top_p, top_k, min_p, repetition_penalty), for requests that leave them unset
     sampling_defaults: dict = dataclasses.field(default_factory=dict)
 
 

@@ -595,7 +595,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     server_info: what GET /server_info adds to the model's name and limits.
     reasoning_parser: split chat outputs' thinking into reasoning_content (reasoning.py's
     PARSERS; None: no split). sampling_defaults: what requests that leave temperature,
-    top_p, top_k, repetition_penalty unset get (the model's generation_config.json)."""
+    top_p, top_k, min_p, repetition_penalty unset get (the model's generation_config.json)."""
     if reasoning_parser is not None and reasoning_parser not in reasoning.PARSERS:
         raise ValueError(f"reasoning parser {reasoning_parser!r}: one of {reasoning.PARSERS}")
     app = web.Application(middlewares=[error_middleware, auth_middleware],

@@ -146,7 +146,7 @@ def register(sub) -> None:
     s.add_argument("--no-access-log", action="store_true")
     s.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
                    help="auto: the model's generation_config.json sampling (temperature, "
-                        "top_p, top_k, repetition_penalty) for requests that leave them "
+                        "top_p, top_k, min_p, repetition_penalty) for requests that leave them "
                         "unset, as vLLM's default; vllm: the API's own defaults "
                         "(default: %(default)s)")
     from nanojax.server.reasoning import PARSERS
