@@ -133,13 +133,14 @@ class IncrementalDetokenizer:
     multi-byte character. With tokenizers' DecodeStream (0.21 and later) each token is
     one call into Rust; else a short window of ids is decoded twice per push."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
         self.text = ""
-        self._stream = _decode_stream()
+        self._stream = _decode_stream(skip_special_tokens)
         self._backend = tokenizer.backend
 
     def push(self, new_ids) -> str:
@@ -152,7 +153,8 @@ class IncrementalDetokenizer:
             self.text += delta
             return delta
         self.ids.extend(int(i) for i in new_ids)
-        decode = self.tokenizer.decode
+        def decode(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
         prefix = decode(self.ids[self.prefix_offset:self.read_offset])
         full = decode(self.ids[self.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
@@ -163,11 +165,10 @@ class IncrementalDetokenizer:
         return delta
 
 
-def _decode_stream():
-    """tokenizers' incremental decoder (special tokens skipped, as Tokenizer.decode does),
-    None where the installed tokenizers predates it."""
+def _decode_stream(skip_special_tokens: bool):
+    """tokenizers' incremental decoder, None where the installed tokenizers predates it."""
     try:
         from tokenizers.decoders import DecodeStream
     except ImportError:
         return None
-    return DecodeStream(skip_special_tokens=True)
+    return DecodeStream(skip_special_tokens=skip_special_tokens)

@@ -325,3 +325,36 @@ def test_reference_many_equals_one_at_a_time(tiny_bundle):
         assert got == [ref().generate(p, o, **kw) for p, o in zip(prompts, outs)]
         assert got == many.generate_many(prompts, outs, **kw)  # from the memo
         assert len(got[0]) == (3 if kw.get("stop_ids") and not kw.get("ignore_eos") else 12)
+
+
+def test_stop_strings_and_special_tokens_in_the_text(smollm2):
+    """vLLM's include_stop_str_in_output and skip_special_tokens, streamed (incremental
+    detokenizer) and final-only (one decode): a special token forced by logit_bias shows
+    only when not skipped; a stop token's own text only with include_stop_str_in_output."""
+    from nanojax.engine.llm import LLM
+    tok = smollm2.tokenizer
+    special = tok.encode("<|im_start|>", add_special_tokens=False)
+    assert len(special) == 1
+    sid = special[0]
+    llm = LLM(smollm2, b_dense=32, num_pages=16, max_model_len=64)
+    prompt = tok.encode("1, 2, 3, 4,")
+
+    def text(kind="final_only", **kw):
+        p = SamplingParams(max_tokens=kw.pop("max_tokens", 1), temperature=0, ignore_eos=True,
+                           output_kind=kind, **kw)
+        rid = llm.engine.add_request(prompt, p)
+        done = llm.engine.run_to_completion()
+        return done[rid].outputs[0].text
+    forced = {"logit_bias": {sid: 100.0}}
+    for kind in ("final_only", "cumulative"):
+        assert text(kind, **forced) == ""
+        assert text(kind, skip_special_tokens=False, **forced) == "<|im_start|>"
+        stop = {**forced, "stop_token_ids": [sid], "skip_special_tokens": False}
+        assert text(kind, **stop) == ""
+        assert text(kind, include_stop_str_in_output=True, **stop) == "<|im_start|>"
+    plain = text(max_tokens=6)
+    assert len(plain) > 3
+    s = plain[1:3]
+    assert text("cumulative", max_tokens=6, stop=[s]) == plain[:plain.find(s)]
+    assert text("cumulative", max_tokens=6, stop=[s], include_stop_str_in_output=True) == \
+        plain[:plain.find(s) + len(s)]

@@ -249,6 +249,7 @@ def test_error_table(server):
         (u + "/v1/completions", json.dumps({"prompt": "hi", "temperature": "hot"}), 400),
         (u + "/v1/completions", json.dumps({"prompt": "hi", "top_p": 1.5}), 400),
         (u + "/v1/completions", json.dumps({"prompt": "hi", "min_p": 1.5}), 400),
+        (u + "/v1/completions", json.dumps({"prompt": "hi", "skip_special_tokens": "no"}), 400),
         (u + "/v1/completions", json.dumps({"prompt": "hi", "n": 0}), 400),
         (u + "/v1/completions", json.dumps({"prompt": "hi", "logprobs": 99}), 400),
         (u + "/v1/completions", json.dumps({"prompt": [10 ** 9]}), 400),

@@ -223,7 +223,8 @@ class LLMEngine:
             usable = (len(ids) - 1) // self.config.page_size
             self.offloader.prefetch(self.prefix_cache.hashes(seq, usable))
         if self.tokenizer is not None and _text_while_running(params):
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer)
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer,
+                                                             params.skip_special_tokens)
         self.scheduler.add(seq)
         return request_id
 
@@ -409,6 +410,7 @@ class LLMEngine:
     def _check_finish(self, seq: Sequence, tok: int) -> None:
         p = seq.params
         detok = self._detok.get(seq.request_id)
+        before = seq.text
         if detok is not None:
             detok.push([tok])
             seq.text = detok.text
@@ -416,10 +418,11 @@ class LLMEngine:
         if seq.matcher is not None and not seq.matcher.consume_token(tok):
             return seq.finish("error", f"grammar: {seq.matcher.get_error()[:300]}")
         if n >= p.min_tokens:
-            if p.stop_token_ids and tok in p.stop_token_ids:
-                return seq.finish("stop", tok)
-            if tok in seq.eos_ids and not p.ignore_eos:
-                return seq.finish("stop", None)
+            stop_id = tok in (p.stop_token_ids or ())
+            if stop_id or (tok in seq.eos_ids and not p.ignore_eos):
+                if not p.include_stop_str_in_output:  # the stop token's text left out
+                    seq.text, seq.text_ids_end = before, n - 1  # (vLLM's, special or not)
+                return seq.finish("stop", tok if stop_id else None)
             if p.stop and detok is not None:
                 window = max(len(s) for s in p.stop) + 16
                 start = max(0, len(seq.text) - window)
@@ -427,7 +430,7 @@ class LLMEngine:
                 hits = [(i, s) for i, s in hits if i >= 0]
                 if hits:
                     i, s = min(hits)
-                    seq.text = seq.text[:i]
+                    seq.text = seq.text[:i + len(s) if p.include_stop_str_in_output else i]
                     return seq.finish("stop", s)
         if seq.matcher is not None and seq.matcher.is_stopped():  # the grammar is complete
             return seq.finish("stop")
@@ -446,7 +449,9 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         if self.tokenizer is not None and not _text_while_running(seq.params):
-            seq.text = self.tokenizer.decode(seq.output_ids)  # once, at the end
+            seq.text = self.tokenizer.decode(  # once, at the end
+                seq.output_ids[:seq.text_ids_end],
+                skip_special_tokens=seq.params.skip_special_tokens)
         text = seq.text
         if not seq.is_finished and seq.params.stop:  # hold back a possible stop prefix
             text = text[:max(seq.sent_text_len, len(text) - max(map(len, seq.params.stop)) + 1)]

@@ -46,6 +46,8 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # a matched stop string stays in the text
+    skip_special_tokens: bool = True          # the text leaves special tokens out
     logprobs: int | None = None  # number of top log-probabilities to return per token
     min_tokens: int = 0
     presence_penalty: float = 0.0    # [-2, 2], subtracted once from every generated token

@@ -55,6 +55,7 @@ class Sequence:
         self.num_preemptions = 0
         self.logprobs: list[dict] = []
         self.text = ""            # detokenized output (maintained by the engine)
+        self.text_ids_end: int | None = None  # output tokens the text covers (None: all)
         self.sent_text_len = 0    # how much text was already streamed
         self.sent_tokens = 0
         self.matcher: LLMatcher | None = None  # structured outputs: its llguidance matcher, fed its tokens
