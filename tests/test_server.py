@@ -200,6 +200,19 @@ def test_tokenize_detokenize_and_version(server, client, smollm2):
     assert chat["count"] == used.usage.prompt_tokens
     status, bare = post("/tokenize", {"messages": msgs, "add_generation_prompt": False})
     assert bare["count"] < chat["count"]
+    # continue_final_message: the prompt ends with the assistant's prefix, no end of turn
+    prefix = msgs + [{"role": "assistant", "content": "The colour is"}]
+    status, cont = post("/tokenize", {"messages": prefix, "continue_final_message": True})
+    assert status == 200 and tok.decode(cont["tokens"]).endswith("The colour is")
+    used = client.chat.completions.create(model=MODEL, messages=prefix, max_tokens=1,
+                                          extra_body={"continue_final_message": True,
+                                                      "add_generation_prompt": False})
+    assert used.usage.prompt_tokens == cont["count"]
+    for bad_turn in ({"messages": prefix, "continue_final_message": True,
+                      "add_generation_prompt": True},
+                     {"messages": msgs, "continue_final_message": True}):
+        status, r = post("/v1/chat/completions", bad_turn)
+        assert status == 400 and r["error"]["param"] == "continue_final_message", r
     assert post("/detokenize", {"tokens": chat["tokens"]}) == (
         200, {"prompt": tok.decode(chat["tokens"], skip_special_tokens=False)})
     for path, body, field in [

@@ -391,7 +391,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if eng.tokenizer is None or not eng.tokenizer.chat_template:
         raise ApiError(400, "this model has no chat template; use /v1/completions")
     try:
-        text = tools.render(eng.tokenizer, messages, treq, parsed.chat_template_kwargs)
+        text = tools.render(eng.tokenizer, messages, treq, parsed.chat_template_kwargs,
+                            parsed.add_generation_prompt, parsed.continue_final_message)
     except NanojaxError as e:
         raise ApiError(400, str(e), param="messages") from None
     parser = request.app[STATE_KEY]["reasoning_parser"]  # thinking split from the answer
@@ -513,7 +514,7 @@ async def tokenize(request: web.Request) -> web.Response:
                            param="messages")
         try:
             text = tools.render(tok, req.messages, req.tools, req.chat_template_kwargs,
-                                req.add_generation_prompt)
+                                req.add_generation_prompt, req.continue_final_message)
         except NanojaxError as e:
             raise ApiError(400, str(e), param="messages") from None
     else:

@@ -118,6 +118,8 @@ class ParsedRequest:
     echo_chat: bool = False
     structured_param: str | None = None  # the field the output's constraint came from
     chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
+    add_generation_prompt: bool = True   # chat: the template opens the assistant's turn
+    continue_final_message: bool = False  # chat: the last (assistant) message is continued
 
 
 def _token_ids(body: dict, key: str, vocab_size: int, limit: int) -> list[int] | None:
@@ -410,9 +412,26 @@ def parse_chat(body: dict, vocab_size: int) -> tuple[list[dict], ParsedRequest, 
                               "requires a call")
         structured, source = forced, "tools"
     params = _sampling(body, max_tokens or 1, logprobs, vocab_size, structured)
+    opening, continued = _chat_turn(body, messages)
     return messages, ParsedRequest([], params, n, stream, include_usage, given, logprobs,
                                    structured_param=source,
-                                   chat_template_kwargs=_template_kwargs(body)), treq
+                                   chat_template_kwargs=_template_kwargs(body),
+                                   add_generation_prompt=opening,
+                                   continue_final_message=continued), treq
+
+
+def _chat_turn(body: dict, messages: list[dict]) -> tuple[bool, bool]:
+    """vLLM's add_generation_prompt (default true) and continue_final_message (default
+    false: the model writes on from the last message, an assistant's prefix)."""
+    continued = _get(body, "continue_final_message", "bool", False)
+    opening = _get(body, "add_generation_prompt", "bool", not continued)
+    if continued and opening:
+        raise bad("continue_final_message", "'continue_final_message' and "
+                                            "'add_generation_prompt' cannot both be true")
+    if continued and messages[-1]["role"] != "assistant":
+        raise bad("continue_final_message", "'continue_final_message' needs the last message "
+                                            "to be the assistant's")
+    return opening, continued
 
 
 @dataclasses.dataclass
@@ -424,6 +443,7 @@ class TokenizeRequest:
     tools: Any = None                      # tools.ToolRequest, with messages
     chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
@@ -440,10 +460,11 @@ def parse_tokenize(body: dict) -> TokenizeRequest:
     msgs = body["messages"]
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "'messages' must be a non-empty list")
+    messages = [_message_text(i, m) for i, m in enumerate(msgs)]
+    opening, continued = _chat_turn(body, messages)
     # add_special_tokens: by default the chat endpoint's (a BOS the template left out)
-    return TokenizeRequest(None, [_message_text(i, m) for i, m in enumerate(msgs)],
-                           parse_tools(body), _template_kwargs(body),
-                           _get(body, "add_generation_prompt", "bool", True),
+    return TokenizeRequest(None, messages, parse_tools(body), _template_kwargs(body),
+                           opening, continued,
                            _get(body, "add_special_tokens", "bool", True), strs)
 
 

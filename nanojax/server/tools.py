@@ -24,6 +24,7 @@ import uuid
 
 from nanojax.engine.structured import StructuredOutputsParams
 from nanojax.server.api_error import bad, brief
+from nanojax.tokenizer import ChatTemplateError
 
 MAX_TOOLS = 128
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -107,17 +108,28 @@ def knows_tools(chat_template: str | None) -> bool:
 
 
 def render(tokenizer, messages: list[dict], treq: ToolRequest | None,
-           template_kwargs: dict | None = None, add_generation_prompt: bool = True) -> str:
+           template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+           continue_final_message: bool = False) -> str:
     """The chat prompt: tools through the template, or (a template that knows none) as
     the Hermes system prompt with calls and results written as Hermes text;
-    template_kwargs: the request's chat_template_kwargs."""
+    template_kwargs: the request's chat_template_kwargs. continue_final_message: the text
+    ends where the last message's content does (its end-of-turn cut off), as vLLM's."""
     tools = treq.tools if treq is not None and treq.choice != "none" else None
     template = tokenizer.chat_template
     uses_calls = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     if not knows_tools(template) and (tools or uses_calls):
         messages, tools = _as_hermes_text(messages, tools), None
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                          tools=tools, template_kwargs=template_kwargs)
+    if continue_final_message:
+        final = messages[-1]["content"].strip()
+        end = text.rfind(final) if final else -1
+        if end < 0:
+            raise ChatTemplateError("continue_final_message: the chat template does not "
+                                    "write the last message's content as given (or it is "
+                                    "empty)")
+        text = text[:end + len(final)]
+    return text
 
 
 def _as_hermes_text(messages: list[dict], tools: list[dict] | None) -> list[dict]:
