@@ -213,6 +213,17 @@ def test_tokenize_detokenize_and_version(server, client, smollm2):
                      {"messages": msgs, "continue_final_message": True}):
         status, r = post("/v1/chat/completions", bad_turn)
         assert status == 400 and r["error"]["param"] == "continue_final_message", r
+    # vLLM's return_tokens_as_token_ids and truncate_prompt_tokens
+    status, r = post("/v1/completions", {"prompt": "hello " * 300, "max_tokens": 2,
+                                         "temperature": 0, "logprobs": 2,
+                                         "truncate_prompt_tokens": 8,
+                                         "return_tokens_as_token_ids": True})
+    assert status == 200 and r["usage"]["prompt_tokens"] == 8, r
+    lp = r["choices"][0]["logprobs"]
+    assert [t.startswith("token_id:") for t in lp["tokens"]] == [True, True]
+    assert all(k.startswith("token_id:") for k in lp["top_logprobs"][0])
+    status, r = post("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 0})
+    assert status == 400 and r["error"]["param"] == "truncate_prompt_tokens"
     assert post("/detokenize", {"tokens": chat["tokens"]}) == (
         200, {"prompt": tok.decode(chat["tokens"], skip_special_tokens=False)})
     for path, body, field in [

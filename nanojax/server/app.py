@@ -234,6 +234,9 @@ def _prepare(request: web.Request, prompts: list, parsed: ParsedRequest) -> list
             raise ApiError(400, str(e), param="prompt") from None
         if not ids:
             raise ApiError(400, "the prompt is empty after tokenization", param="prompt")
+        keep = parsed.truncate_prompt_tokens
+        if keep is not None:  # the prompt's last tokens (-1: as many as the context holds)
+            ids = ids[-(max_len if keep == -1 else keep):]
         if not parsed.max_tokens_given:
             if parsed.echo_chat:  # chat default: whatever room the context leaves
                 parsed.params.max_tokens = max(1, max_len - len(ids))
@@ -262,29 +265,35 @@ async def _check_constraint(request: web.Request, parsed: ParsedRequest) -> None
         raise bad(parsed.structured_param, f"{what} does not compile: {e}") from None
 
 
-def _token_str(tok, tid: int) -> str:
-    return tok.decode([tid], skip_special_tokens=False) if tok is not None else str(tid)
+def _token_namer(tokenizer, as_ids: bool) -> Callable[[int], str]:
+    """How logprobs name a token: its text, or vLLM's "token_id:N"
+    (return_tokens_as_token_ids, for clients that must not re-tokenize)."""
+    if as_ids:
+        return lambda tid: f"token_id:{tid}"
+    if tokenizer is None:
+        return str
+    return lambda tid: tokenizer.decode([tid], skip_special_tokens=False)
 
 
-def _completion_logprobs(tok, lps, offset0: int, text: str) -> dict | None:
+def _completion_logprobs(name, lps, offset0: int, text: str) -> dict | None:
     if lps is None:
         return None
-    tokens = [_token_str(tok, e["token_id"]) for e in lps]
+    tokens = [name(e["token_id"]) for e in lps]
     offsets, pos = [], offset0
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
     return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in lps],
-            "top_logprobs": [{_token_str(tok, i): v for i, v in e["top"]} for e in lps],
+            "top_logprobs": [{name(i): v for i, v in e["top"]} for e in lps],
             "text_offset": offsets}
 
 
-def _chat_logprobs(tok, lps) -> dict | None:
+def _chat_logprobs(name, lps) -> dict | None:
     if lps is None:
         return None
 
     def entry(tid, lp):
-        s = _token_str(tok, tid)
+        s = name(tid)
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
 
     return {"content": [{**entry(e["token_id"], e["logprob"]),
@@ -346,7 +355,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt_ids = _prepare(request, parsed.prompts, parsed)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     choices = _Choices(request.app, prompt_ids, parsed, rid).start()
-    tok = eng.tokenizer
+    name = _token_namer(eng.tokenizer, parsed.tokens_as_ids)
 
     chunk = functools.partial(_envelope, rid, "text_completion", created, model)
 
@@ -361,7 +370,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                     sent[idx] = offset + len(out.delta_text)
                     await _send(resp, chunk([{
                         "index": idx, "text": out.delta_text,
-                        "logprobs": _completion_logprobs(tok, lps, offset, out.delta_text),
+                        "logprobs": _completion_logprobs(name, lps, offset, out.delta_text),
                         "finish_reason": c.finish_reason if out.finished else None,
                         "stop_reason": c.stop_reason if out.finished else None}]))
         except (ConnectionError, asyncio.CancelledError):
@@ -376,7 +385,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     for idx in sorted(finals):
         c = finals[idx].outputs[0]
         result.append({"index": idx, "text": c.text,
-                       "logprobs": _completion_logprobs(tok, c.logprobs, 0, c.text),
+                       "logprobs": _completion_logprobs(name, c.logprobs, 0, c.text),
                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     usage = _usage(prompt_ids, sum(len(finals[i].token_ids) for i in finals))
     return _json(chunk(result, usage))
@@ -408,7 +417,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prompt_ids = _prepare(request, [text], parsed)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     choices = _Choices(request.app, prompt_ids, parsed, rid).start()
-    tok = eng.tokenizer
+    name = _token_namer(eng.tokenizer, parsed.tokens_as_ids)
 
     def chunk(obj, choice_list, usage=None):
         return _envelope(rid, obj, created, model, choice_list, usage)
@@ -446,7 +455,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                     for delta in as_deltas(idx, pieces):
                         await _send(resp, chunk("chat.completion.chunk", [{
                             "index": idx, "delta": delta, "finish_reason": None,
-                            "logprobs": _chat_logprobs(tok, held_lps.pop(idx, None))}]))
+                            "logprobs": _chat_logprobs(name, held_lps.pop(idx, None))}]))
                 if out.finished:
                     reason = c.finish_reason
                     last = as_deltas(idx, thinking[idx].finish()) if idx in thinking else []
@@ -456,10 +465,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                     for delta in last:
                         await _send(resp, chunk("chat.completion.chunk", [{
                             "index": idx, "delta": delta, "finish_reason": None,
-                            "logprobs": _chat_logprobs(tok, held_lps.pop(idx, None))}]))
+                            "logprobs": _chat_logprobs(name, held_lps.pop(idx, None))}]))
                     await _send(resp, chunk("chat.completion.chunk", [{
                         "index": idx, "delta": {},
-                        "logprobs": _chat_logprobs(tok, held_lps.pop(idx, None)),
+                        "logprobs": _chat_logprobs(name, held_lps.pop(idx, None)),
                         "finish_reason": reason, "stop_reason": c.stop_reason}]))
         except (ConnectionError, asyncio.CancelledError):
             raise
@@ -482,7 +491,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             if found:
                 message["tool_calls"] = tools.openai_calls(found)
         result.append({"index": i, "message": message,
-                       "logprobs": _chat_logprobs(tok, c.logprobs), "finish_reason": reason,
+                       "logprobs": _chat_logprobs(name, c.logprobs), "finish_reason": reason,
                        "stop_reason": c.stop_reason})
     usage = _usage(prompt_ids, sum(len(finals[i].token_ids) for i in finals))
     return _json(chunk("chat.completion", result, usage))

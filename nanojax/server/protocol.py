@@ -118,6 +118,8 @@ class ParsedRequest:
     echo_chat: bool = False
     structured_param: str | None = None  # the field the output's constraint came from
     chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
+    tokens_as_ids: bool = False          # logprobs name tokens "token_id:N"
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens
     add_generation_prompt: bool = True   # chat: the template opens the assistant's turn
     continue_final_message: bool = False  # chat: the last (assistant) message is continued
 
@@ -295,7 +297,17 @@ def parse_completion(body: dict, vocab_size: int) -> ParsedRequest:
     params = _sampling(body, max_tokens, logprobs, vocab_size, structured)
     return ParsedRequest(prompts, params, n, stream, include_usage,
                          "max_tokens" in body and body["max_tokens"] is not None, logprobs,
-                         structured_param=source)
+                         structured_param=source, **_prompt_and_logprob_extras(body))
+
+
+def _prompt_and_logprob_extras(body: dict) -> dict:
+    """vLLM's return_tokens_as_token_ids and truncate_prompt_tokens (-1: to the
+    context's length, as vLLM)."""
+    k = _get(body, "truncate_prompt_tokens", "int", None, -1, INT32_MAX)
+    if k == 0:
+        raise bad("truncate_prompt_tokens", "'truncate_prompt_tokens' must be >= 1 or -1")
+    return {"tokens_as_ids": _get(body, "return_tokens_as_token_ids", "bool", False),
+            "truncate_prompt_tokens": k}
 
 
 def _message_text(i: int, m: Any) -> dict:
@@ -417,7 +429,8 @@ def parse_chat(body: dict, vocab_size: int) -> tuple[list[dict], ParsedRequest, 
                                    structured_param=source,
                                    chat_template_kwargs=_template_kwargs(body),
                                    add_generation_prompt=opening,
-                                   continue_final_message=continued), treq
+                                   continue_final_message=continued,
+                                   **_prompt_and_logprob_extras(body)), treq
 
 
 def _chat_turn(body: dict, messages: list[dict]) -> tuple[bool, bool]:
