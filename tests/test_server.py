@@ -124,6 +124,14 @@ def test_streaming_chat(client):
     assert text == full.choices[0].message.content
     assert reasons == [full.choices[0].finish_reason]
     assert usage.completion_tokens == full.usage.completion_tokens
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far, never shrinking
+    for create in (client.chat.completions.create, client.completions.create):
+        kw = {"messages": msgs} if create == client.chat.completions.create else \
+            {"prompt": "1, 2, 3,"}
+        counts = [c.usage.completion_tokens for c in create(
+            model=MODEL, max_tokens=6, temperature=0, stream=True, **kw,
+            stream_options={"include_usage": True, "continuous_usage_stats": True})]
+        assert len(counts) > 3 and counts == sorted(counts) and counts[-1] == 6, counts
 
 
 def test_n_choices_stop_and_seed(client):

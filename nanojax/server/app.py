@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import json
 import logging
 import time
@@ -126,6 +125,7 @@ class _Choices:
         self.prompt_ids, self.parsed, self.base_id = prompt_ids, parsed, base_id
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
+        self.completion_tokens = 0  # streamed so far (deltas())
 
     def start(self):
         p = self.parsed
@@ -186,7 +186,6 @@ class _Choices:
     async def deltas(self):
         """(index, output, log-probs of the tokens new in this output); counts the
         completion tokens of finished choices in self.completion_tokens."""
-        self.completion_tokens = 0
         async for idx, out in self.stream():  # the engine's outputs are deltas here
             self.completion_tokens += len(out.delta_token_ids)
             yield idx, out, out.outputs[0].logprobs
@@ -357,7 +356,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     choices = _Choices(request.app, prompt_ids, parsed, rid).start()
     name = _token_namer(eng.tokenizer, parsed.tokens_as_ids)
 
-    chunk = functools.partial(_envelope, rid, "text_completion", created, model)
+    def chunk(choice_list, usage=None):
+        if usage is None and parsed.continuous_usage:
+            usage = _usage(prompt_ids, choices.completion_tokens)
+        return _envelope(rid, "text_completion", created, model, choice_list, usage)
 
     if parsed.stream:
         resp = await _sse(request)
@@ -420,6 +422,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     name = _token_namer(eng.tokenizer, parsed.tokens_as_ids)
 
     def chunk(obj, choice_list, usage=None):
+        if usage is None and parsed.continuous_usage and parsed.stream:
+            usage = _usage(prompt_ids, choices.completion_tokens)
         return _envelope(rid, obj, created, model, choice_list, usage)
 
     if parsed.stream:

@@ -119,6 +119,7 @@ class ParsedRequest:
     structured_param: str | None = None  # the field the output's constraint came from
     chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
     tokens_as_ids: bool = False          # logprobs name tokens "token_id:N"
+    continuous_usage: bool = False       # a stream's every chunk carries the usage so far
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens
     add_generation_prompt: bool = True   # chat: the template opens the assistant's turn
     continue_final_message: bool = False  # chat: the last (assistant) message is continued
@@ -251,6 +252,8 @@ def with_sampling_defaults(body: dict, defaults: dict) -> dict:
 
 
 def _common(body: dict) -> tuple[int, bool, bool]:
+    """n, stream, stream_options.include_usage; continuous_usage_stats is read by
+    _continuous_usage."""
     n = _get(body, "n", "int", 1, 1, MAX_N)
     stream = _get(body, "stream", "bool", False)
     opts = body.get("stream_options")
@@ -286,6 +289,7 @@ def parse_completion(body: dict, vocab_size: int) -> ParsedRequest:
         if isinstance(p, str) and not p:
             raise bad("prompt", "'prompt' must not be empty")
     n, stream, include_usage = _common(body)
+    continuous = include_usage and _continuous_usage(body)
     max_tokens = _get(body, "max_tokens", "int", 16, 1, INT32_MAX)
     logprobs = _get(body, "logprobs", "int", None, 0, MAX_LOGPROBS)
     if _get(body, "echo", "bool", False):
@@ -297,7 +301,13 @@ def parse_completion(body: dict, vocab_size: int) -> ParsedRequest:
     params = _sampling(body, max_tokens, logprobs, vocab_size, structured)
     return ParsedRequest(prompts, params, n, stream, include_usage,
                          "max_tokens" in body and body["max_tokens"] is not None, logprobs,
-                         structured_param=source, **_prompt_and_logprob_extras(body))
+                         structured_param=source, continuous_usage=continuous,
+                         **_prompt_and_logprob_extras(body))
+
+
+def _continuous_usage(body: dict) -> bool:
+    """vLLM's stream_options.continuous_usage_stats (with include_usage)."""
+    return _get(body["stream_options"], "continuous_usage_stats", "bool", False)
 
 
 def _prompt_and_logprob_extras(body: dict) -> dict:
@@ -406,6 +416,7 @@ def parse_chat(body: dict, vocab_size: int) -> tuple[list[dict], ParsedRequest, 
         raise bad("messages", "'messages' must be a non-empty list")
     messages = [_message_text(i, m) for i, m in enumerate(msgs)]
     n, stream, include_usage = _common(body)
+    continuous = include_usage and _continuous_usage(body)
     max_tokens = _get(body, "max_completion_tokens", "int", None, 1, INT32_MAX)
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", "int", None, 1, INT32_MAX)
@@ -430,6 +441,7 @@ def parse_chat(body: dict, vocab_size: int) -> tuple[list[dict], ParsedRequest, 
                                    chat_template_kwargs=_template_kwargs(body),
                                    add_generation_prompt=opening,
                                    continue_final_message=continued,
+                                   continuous_usage=continuous,
                                    **_prompt_and_logprob_extras(body)), treq
 
 
