@@ -28,6 +28,7 @@ def treq(choice="auto"):
      "tools[0].function.name"),
     ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
     ({"tools": "get_weather"}, "tools"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
 ])
 def test_bad_tools_are_a_400_naming_the_field(body, param):
     with pytest.raises(ApiError) as e:
@@ -66,6 +67,19 @@ def test_parse_hermes_llama3_required_and_named():
     named = treq({"type": "function", "function": {"name": "get_weather"}})
     assert tools.parse_calls(named, "hermes", '{"city": "Oslo"}') == (
         None, [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}])
+    # parallel_tool_calls false: the first call only, and a required call's grammar
+    # allows one
+    one = tools.parse_tools({"tools": [WEATHER, TIME], "parallel_tool_calls": False})
+    content, calls = tools.parse_calls(one, "hermes", text)
+    assert content == "Let me check." and [c["name"] for c in calls] == ["get_weather"]
+    single = tools.parse_tools({"tools": [WEATHER, TIME], "tool_choice": "required",
+                                "parallel_tool_calls": False})
+    assert single.constraint().json["maxItems"] == 1
+    assert "maxItems" not in treq("required").constraint().json
+    stream = tools.ToolCallStream(one, "hermes")
+    deltas, _ = _run_stream(stream, [text[:20], text[20:]])
+    assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", [])] == [
+        "get_weather"]
     assert tools.finish_reason(calls, "stop") == "tool_calls"
     assert tools.finish_reason(calls, "length") == "length"
     assert tools.finish_reason([], "stop") == "stop"

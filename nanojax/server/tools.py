@@ -39,6 +39,7 @@ class ToolRequest:
     parameters: dict[str, dict]   # function name -> its parameters' JSON schema
     choice: str                   # "none", "auto", "required" or "function"
     name: str | None = None       # the function tool_choice names
+    parallel: bool = True         # parallel_tool_calls: false keeps one call a reply
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The grammar that enforces a required call (None: the model chooses)."""
@@ -50,6 +51,7 @@ class ToolRequest:
                       "required": ["name", "parameters"]}
                      for n, p in self.parameters.items()]
             return StructuredOutputsParams(json={"type": "array", "minItems": 1,
+                                                 **({} if self.parallel else {"maxItems": 1}),
                                                  "items": {"anyOf": calls}})
         return None
 
@@ -83,8 +85,11 @@ def parse_tools(body: dict) -> ToolRequest | None:
             raise bad(f"tools[{i}].function.parameters", "parameters must be a JSON schema "
                                                          "object")
         params[name] = schema or _EMPTY_PARAMETERS
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls", "'parallel_tool_calls' must be a boolean")
     if choice is None or choice in ("none", "auto", "required"):
-        return ToolRequest(tools, params, choice or "auto")
+        return ToolRequest(tools, params, choice or "auto", parallel=parallel)
     fn = choice.get("function") if isinstance(choice, dict) else None
     if not isinstance(fn, dict) or choice.get("type") != "function":
         raise bad("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or "
@@ -93,7 +98,7 @@ def parse_tools(body: dict) -> ToolRequest | None:
     if name not in params:
         raise bad("tool_choice", f"'tool_choice' names the function {brief(name)}, which "
                                  "is not in 'tools'")
-    return ToolRequest(tools, params, "function", name)
+    return ToolRequest(tools, params, "function", name, parallel)
 
 
 # ---- the prompt -------------------------------------------------------------------------
@@ -176,8 +181,13 @@ def _loads(text: str):
 
 
 def parse_calls(treq: ToolRequest, fmt: str, text: str) -> tuple[str | None, list[dict]]:
-    """(content, calls) of a finished output; calls: [{"name", "arguments"}]. Text that
-    does not parse as calls stays content."""
+    """(content, calls) of a finished output; calls: [{"name", "arguments"}], only the
+    first without parallel_tool_calls. Text that does not parse as calls stays content."""
+    content, calls = _parse_calls(treq, fmt, text)
+    return content, calls if treq.parallel else calls[:1]
+
+
+def _parse_calls(treq: ToolRequest, fmt: str, text: str) -> tuple[str | None, list[dict]]:
     if treq.choice == "function":
         return None, [{"name": treq.name, "arguments": text}]
     calls = None
