@@ -22,7 +22,7 @@ SAMPLING_FIELDS = {"temperature": (0.0, 2.0, False), "top_p": (0.0, 1.0, True),
 # transformers' own defaults: a file that states them changes nothing (vLLM reads the file
 # through GenerationConfig.to_diff_dict(), which drops them)
 HF_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0,
-               "min_p": 0.0}
+               "min_p": 0.0}  # (transformers' min_p is None: 0 is off too)
 # the request field each one fills
 REQUEST_FIELD = {"max_new_tokens": "max_tokens"}
 

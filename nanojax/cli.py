@@ -71,8 +71,13 @@ def cmd_generate(args) -> int:
     if unset:
         print(f"nanojax: sampling as the model's generation_config says: {unset} "
               "(flags override; --generation-config vllm: not)", file=sys.stderr)
-    params = generate_sampling_params(given, defaults)
     prompt = _prompt(args, llm.tokenizer)
+    if "max_tokens" not in given:  # a default, not the user's: capped to the context's room
+        n = len(prompt) if isinstance(prompt, list) else len(llm.tokenizer.encode(prompt))
+        room = llm.engine.max_model_len - n
+        cap = min(defaults.get("max_tokens", GENERATE_FALLBACK["max_tokens"]), room)
+        defaults = {**defaults, "max_tokens": max(1, cap)}
+    params = generate_sampling_params(given, defaults)
     t1 = time.time()
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     dt = time.time() - t1

@@ -352,6 +352,13 @@ def test_stop_strings_and_special_tokens_in_the_text(smollm2):
         stop = {**forced, "stop_token_ids": [sid], "skip_special_tokens": False}
         assert text(kind, **stop) == ""
         assert text(kind, include_stop_str_in_output=True, **stop) == "<|im_start|>"
+        # the model's EOS, not a stop id: its text left out the same way
+        eos = tok.eos_token_ids[0]
+        by_eos = {"logit_bias": {eos: 100.0}, "skip_special_tokens": False}
+        p = SamplingParams(max_tokens=4, temperature=0, output_kind=kind, **by_eos)
+        rid = llm.engine.add_request(prompt, p)
+        out = llm.engine.run_to_completion()[rid]
+        assert (out.outputs[0].text, out.token_ids) == ("", [eos])
     plain = text(max_tokens=6)
     assert len(plain) > 3
     s = plain[1:3]

@@ -35,6 +35,10 @@ def test_the_mode_follows_the_parser_and_enable_thinking():
     assert reasoning.mode_for("qwen3", {"enable_thinking": False}) == "off"
     assert reasoning.mode_for("qwen3", {"enable_thinking": True}) == "implicit"
     assert reasoning.mode_for("deepseek_r1", {"enable_thinking": False}) == "implicit"
+    # continue_final_message: thinking only if the continued message left a block open
+    assert reasoning.mode_for("qwen3", {}, "<think>\nLet me see") == "implicit"
+    assert reasoning.mode_for("qwen3", {}, "<think>x</think>\n\nThe answer") == "off"
+    assert reasoning.mode_for("deepseek_r1", {}, "The answer is") == "off"
 
 
 def _streamed(mode, pieces):

@@ -132,6 +132,10 @@ def test_streaming_chat(client):
             model=MODEL, max_tokens=6, temperature=0, stream=True, **kw,
             stream_options={"include_usage": True, "continuous_usage_stats": True})]
         assert len(counts) > 3 and counts == sorted(counts) and counts[-1] == 6, counts
+    per_choice = [c.usage.completion_tokens for c in client.completions.create(
+        model=MODEL, prompt="1, 2, 3,", max_tokens=6, n=2, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}) if c.choices]
+    assert max(per_choice) == 6  # each choice's own count, as vLLM's (not the two summed)
 
 
 def test_n_choices_stop_and_seed(client):
@@ -227,11 +231,17 @@ def test_tokenize_detokenize_and_version(server, client, smollm2):
                                          "truncate_prompt_tokens": 8,
                                          "return_tokens_as_token_ids": True})
     assert status == 200 and r["usage"]["prompt_tokens"] == 8, r
+    last8 = tok.encode("hello " * 300)[-8:]  # the kept tokens are the prompt's last 8
+    status, same = post("/v1/completions", {"prompt": last8, "max_tokens": 2,
+                                            "temperature": 0})
+    assert same["choices"][0]["text"] == tok.decode(
+        [int(t.split(":")[1]) for t in r["choices"][0]["logprobs"]["tokens"]])
     lp = r["choices"][0]["logprobs"]
     assert [t.startswith("token_id:") for t in lp["tokens"]] == [True, True]
     assert all(k.startswith("token_id:") for k in lp["top_logprobs"][0])
-    status, r = post("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 0})
-    assert status == 400 and r["error"]["param"] == "truncate_prompt_tokens"
+    for k in (0, 513):
+        status, r = post("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": k})
+        assert status == 400 and r["error"]["param"] == "truncate_prompt_tokens"
     assert post("/detokenize", {"tokens": chat["tokens"]}) == (
         200, {"prompt": tok.decode(chat["tokens"], skip_special_tokens=False)})
     for path, body, field in [

@@ -80,6 +80,15 @@ def test_parse_hermes_llama3_required_and_named():
     deltas, _ = _run_stream(stream, [text[:20], text[20:]])
     assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", [])] == [
         "get_weather"]
+    broken_second = text.replace('"get_time", "arguments": {}', '"get_time", "argu')
+    assert [c["name"] for c in tools.parse_calls(one, "hermes", broken_second)[1]] == [
+        "get_weather"]
+    assert tools.parse_tools({"tools": [WEATHER], "parallel_tool_calls": None}).parallel
+    # Llama-3.x with special tokens kept in the text: the tag is not streamed as content
+    tagged = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}'
+    deltas, reason = _run_stream(tools.ToolCallStream(treq(), "llama3"),
+                                 [tagged[:14], tagged[14:30], tagged[30:]])
+    assert [d for d in deltas if "content" in d] == [] and reason == "tool_calls"
     assert tools.finish_reason(calls, "stop") == "tool_calls"
     assert tools.finish_reason(calls, "length") == "length"
     assert tools.finish_reason([], "stop") == "stop"

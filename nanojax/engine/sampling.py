@@ -93,6 +93,9 @@ class SamplingParams:
         in_range("repetition_penalty", 0.0, 10.0, lo_open=True)
         if not isinstance(self.top_k, int) or not -1 <= self.top_k <= INT32_MAX:
             bad("top_k", "must be -1 (off) or a non-negative integer below 2^31")
+        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, flag), bool):
+                bad(flag, "must be a boolean")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             bad("seed", "must be a non-negative integer")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -251,8 +254,8 @@ def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties
            top_logprobs=None, sampling: bool = True, logprobs: bool = True,
            bitmask: GrammarMasks | None = None, min_p=None):
     """logits [R, V] f32; per-row temperature, top_p, top_k (<=0: off), seeds [R] uint32x2,
-    steps [R], min_p [R] (0: off; None: no row); penalties: None or the logit-processing
-    pass's inputs; bitmask: the
+    steps [R], min_p [R] (0: off; the runner always passes it, a fused mask where sampling)
+    or None; penalties: None or the logit-processing pass's inputs; bitmask: the
     constrained rows' grammar masks (apply_bitmask), None when no row is -> (tokens [R],
     chosen logprob [R], top ids [R, K], top logprobs [R, K]).
     sampling: static, decided on the host (any_sampling): False when every row is greedy,

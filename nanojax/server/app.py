@@ -125,7 +125,8 @@ class _Choices:
         self.prompt_ids, self.parsed, self.base_id = prompt_ids, parsed, base_id
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
-        self.completion_tokens = 0  # streamed so far (deltas())
+        self.completion_tokens = 0  # streamed so far (deltas()), and per choice index
+        self.tokens_of: dict[int, int] = {}
 
     def start(self):
         p = self.parsed
@@ -188,7 +189,12 @@ class _Choices:
         completion tokens of finished choices in self.completion_tokens."""
         async for idx, out in self.stream():  # the engine's outputs are deltas here
             self.completion_tokens += len(out.delta_token_ids)
+            self.tokens_of[idx] = self.tokens_of.get(idx, 0) + len(out.delta_token_ids)
             yield idx, out, out.outputs[0].logprobs
+
+    def usage_of(self, idx: int) -> dict:
+        """One choice's usage so far (continuous_usage_stats: per choice, as vLLM's)."""
+        return _usage([self.prompt_ids[idx // self.parsed.n]], self.tokens_of.get(idx, 0))
 
     async def stream(self):
         remaining = len(self.tasks)
@@ -234,6 +240,10 @@ def _prepare(request: web.Request, prompts: list, parsed: ParsedRequest) -> list
         if not ids:
             raise ApiError(400, "the prompt is empty after tokenization", param="prompt")
         keep = parsed.truncate_prompt_tokens
+        if keep is not None and keep > max_len:
+            raise ApiError(400, f"'truncate_prompt_tokens' ({keep}) is past the model's "
+                                f"maximum context length ({max_len})",
+                           param="truncate_prompt_tokens")
         if keep is not None:  # the prompt's last tokens (-1: as many as the context holds)
             ids = ids[-(max_len if keep == -1 else keep):]
         if not parsed.max_tokens_given:
@@ -357,8 +367,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     name = _token_namer(eng.tokenizer, parsed.tokens_as_ids)
 
     def chunk(choice_list, usage=None):
-        if usage is None and parsed.continuous_usage:
-            usage = _usage(prompt_ids, choices.completion_tokens)
+        if usage is None and parsed.continuous_usage and choice_list:
+            usage = choices.usage_of(choice_list[0]["index"])
         return _envelope(rid, "text_completion", created, model, choice_list, usage)
 
     if parsed.stream:
@@ -407,7 +417,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except NanojaxError as e:
         raise ApiError(400, str(e), param="messages") from None
     parser = request.app[STATE_KEY]["reasoning_parser"]  # thinking split from the answer
-    thinking_mode = reasoning.mode_for(parser, parsed.chat_template_kwargs)
+    thinking_mode = reasoning.mode_for(
+        parser, parsed.chat_template_kwargs,
+        messages[-1]["content"] if parsed.continue_final_message else None)
     constraint = parsed.params.structured_outputs
     if thinking_mode == "implicit" and constraint is not None:  # constrained after thinking
         parsed.params = dataclasses.replace(parsed.params, structured_outputs=dataclasses.replace(
@@ -422,8 +434,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     name = _token_namer(eng.tokenizer, parsed.tokens_as_ids)
 
     def chunk(obj, choice_list, usage=None):
-        if usage is None and parsed.continuous_usage and parsed.stream:
-            usage = _usage(prompt_ids, choices.completion_tokens)
+        if usage is None and parsed.continuous_usage and choice_list:
+            usage = choices.usage_of(choice_list[0]["index"])
         return _envelope(rid, obj, created, model, choice_list, usage)
 
     if parsed.stream:

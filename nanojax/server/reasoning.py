@@ -10,8 +10,9 @@ How an output is read (`mode_for`):
     parsers, as vLLM's current ones. A request's output constraint (response_format, a
     required tool call) then applies after the thinking (structured.after_thinking);
   * "off": no thinking to split: qwen3 with `chat_template_kwargs: {"enable_thinking":
-    false}` (the template wrote an empty think block into the prompt), and a server
-    without a parser; a constraint applies from the first token.
+    false}` (the template wrote an empty think block into the prompt), a continued
+    assistant message (continue_final_message) whose think block is closed or absent,
+    and a server without a parser; a constraint applies from the first token.
 """
 from __future__ import annotations
 
@@ -20,10 +21,13 @@ MODES = ("implicit", "off")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
-def mode_for(parser: str | None, template_kwargs: dict) -> str:
-    """How a request's output is read (the module docstring)."""
+def mode_for(parser: str | None, template_kwargs: dict, continued: str | None = None) -> str:
+    """How a request's output is read (the module docstring); continued: the assistant
+    message the output continues (continue_final_message), else None."""
     if parser is None or (parser == "qwen3" and template_kwargs.get("enable_thinking") is False):
         return "off"
+    if continued is not None and continued.rfind(THINK_OPEN) <= continued.rfind(THINK_CLOSE):
+        return "off"  # it continues the answer, not the thinking
     return "implicit"
 
 

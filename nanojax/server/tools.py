@@ -29,6 +29,7 @@ from nanojax.tokenizer import ChatTemplateError
 MAX_TOOLS = 128
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+LLAMA3_TAG = "<|python_tag|>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -85,7 +86,8 @@ def parse_tools(body: dict) -> ToolRequest | None:
             raise bad(f"tools[{i}].function.parameters", "parameters must be a JSON schema "
                                                          "object")
         params[name] = schema or _EMPTY_PARAMETERS
-    parallel = body.get("parallel_tool_calls", True)
+    parallel = body.get("parallel_tool_calls")
+    parallel = True if parallel is None else parallel
     if not isinstance(parallel, bool):
         raise bad("parallel_tool_calls", "'parallel_tool_calls' must be a boolean")
     if choice is None or choice in ("none", "auto", "required"):
@@ -183,18 +185,13 @@ def _loads(text: str):
 def parse_calls(treq: ToolRequest, fmt: str, text: str) -> tuple[str | None, list[dict]]:
     """(content, calls) of a finished output; calls: [{"name", "arguments"}], only the
     first without parallel_tool_calls. Text that does not parse as calls stays content."""
-    content, calls = _parse_calls(treq, fmt, text)
-    return content, calls if treq.parallel else calls[:1]
-
-
-def _parse_calls(treq: ToolRequest, fmt: str, text: str) -> tuple[str | None, list[dict]]:
     if treq.choice == "function":
         return None, [{"name": treq.name, "arguments": text}]
     calls = None
     if treq.choice == "required":
         parsed = _loads(text)
         if isinstance(parsed, list):
-            calls = [_call(c) for c in parsed]
+            calls = [_call(c) for c in parsed][:None if treq.parallel else 1]
         return (text, []) if not calls or None in calls else (None, calls)
     if fmt == "hermes":
         start = text.find(HERMES_OPEN)
@@ -203,10 +200,12 @@ def _parse_calls(treq: ToolRequest, fmt: str, text: str) -> tuple[str | None, li
         calls = [_call(_loads(body)) for body in _HERMES_CALL.findall(text, start)]
         content = text[:start].rstrip() or None
     else:
-        body = text.strip().removeprefix("<|python_tag|>").strip()
+        body = text.strip().removeprefix(LLAMA3_TAG).strip()
         if not body.startswith("{"):
             return text, []
         content, calls = None, [_call(_loads(part)) for part in body.split(";")]
+    if not treq.parallel:
+        calls = calls[:1]
     return (text, []) if not calls or None in calls else (content, calls)
 
 
@@ -266,7 +265,8 @@ class ToolCallStream:
                 if HERMES_OPEN.startswith(self.text[-k:]):  # a tag may be starting
                     return len(self.text) - k
             return len(self.text)
-        head = self.text.lstrip()
+        # <|python_tag|> is in the text where special tokens are kept (skip_special_tokens)
+        head = self.text.lstrip().removeprefix(LLAMA3_TAG).lstrip()
         if not head:
             return self.sent
         if self.sent == 0 and head[0] == "{":  # Llama-3.x writes a call as the whole output
