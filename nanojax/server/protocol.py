@@ -320,6 +320,13 @@ def _prompt_and_logprob_extras(body: dict) -> dict:
             "truncate_prompt_tokens": k}
 
 
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages", "'messages' must be a non-empty list")
+    return [_message_text(i, m) for i, m in enumerate(msgs)]
+
+
 def _message_text(i: int, m: Any) -> dict:
     if not isinstance(m, dict):
         raise bad(f"messages[{i}]", f"messages[{i}] must be an object")
@@ -411,10 +418,7 @@ def _template_kwargs(body: dict) -> dict:
 
 def parse_chat(body: dict, vocab_size: int) -> tuple[list[dict], ParsedRequest, Any]:
     """(messages, the request, its tools.ToolRequest or None)."""
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad("messages", "'messages' must be a non-empty list")
-    messages = [_message_text(i, m) for i, m in enumerate(msgs)]
+    messages = _messages(body)
     n, stream, include_usage = _common(body)
     continuous = include_usage and _continuous_usage(body)
     max_tokens = _get(body, "max_completion_tokens", "int", None, 1, INT32_MAX)
@@ -482,10 +486,7 @@ def parse_tokenize(body: dict) -> TokenizeRequest:
         return TokenizeRequest(_get(body, "prompt", "str"), None,
                                add_special_tokens=_get(body, "add_special_tokens", "bool", True),
                                return_token_strs=strs)
-    msgs = body["messages"]
-    if not isinstance(msgs, list) or not msgs:
-        raise bad("messages", "'messages' must be a non-empty list")
-    messages = [_message_text(i, m) for i, m in enumerate(msgs)]
+    messages = _messages(body)
     opening, continued = _chat_turn(body, messages)
     # add_special_tokens: by default the chat endpoint's (a BOS the template left out)
     return TokenizeRequest(None, messages, parse_tools(body), _template_kwargs(body),
