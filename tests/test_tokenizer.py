@@ -59,13 +59,15 @@ def test_incremental_detokenizer_paths_agree(smollm2, monkeypatch, stream):
     import numpy as np
     from nanojax import tokenizer as tokenizer_mod
     if not stream:
-        monkeypatch.setattr(tokenizer_mod, "_decode_stream", lambda: None)
+        monkeypatch.setattr(tokenizer_mod, "_decode_stream", lambda skip: None)
     tok = smollm2.tokenizer
     rng = np.random.default_rng(7)
-    for n in (1, 3):
-        ids = rng.integers(0, tok.vocab_size, 90).tolist() + tok.encode("日本語 🤖")
-        detok = tokenizer_mod.IncrementalDetokenizer(tok)
+    for n, skip in ((1, True), (3, True), (1, False)):  # skip_special_tokens either way
+        ids = (rng.integers(0, tok.vocab_size, 90).tolist() + tok.encode("日本語 🤖")
+               + tok.encode("<|im_start|>hi<|im_end|>", add_special_tokens=False))
+        detok = tokenizer_mod.IncrementalDetokenizer(tok, skip)
         assert (detok._stream is not None) == stream
         pieces = [detok.push(ids[i:i + n]) for i in range(0, len(ids), n)]
         assert "".join(pieces) == detok.text
-        assert detok.text == tok.decode(ids), (n, detok.text[-40:], tok.decode(ids)[-40:])
+        whole = tok.decode(ids, skip_special_tokens=skip)
+        assert detok.text == whole, (n, detok.text[-40:], whole[-40:])
