@@ -254,8 +254,8 @@ def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties
            top_logprobs=None, sampling: bool = True, logprobs: bool = True,
            bitmask: GrammarMasks | None = None, min_p=None):
     """logits [R, V] f32; per-row temperature, top_p, top_k (<=0: off), seeds [R] uint32x2,
-    steps [R], min_p [R] (0: off; the runner always passes it, a fused mask where sampling)
-    or None; penalties: None or the logit-processing pass's inputs; bitmask: the
+    steps [R], min_p [R] (0: off; the runner always passes it: one mask fused into the
+    draw) or None; penalties: None or the logit-processing pass's inputs; bitmask: the
     constrained rows' grammar masks (apply_bitmask), None when no row is -> (tokens [R],
     chosen logprob [R], top ids [R, K], top logprobs [R, K]).
     sampling: static, decided on the host (any_sampling): False when every row is greedy,
@@ -303,7 +303,9 @@ def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties
     tokens = greedy_tok
     if sampling:
         if min_p is not None:  # p >= min_p * p_max, i.e. a logit >= the top one + log(min_p)
-            floor = jnp.max(scaled, axis=-1) + jnp.log(jnp.where(min_p > 0, min_p, 1.0))
+            # the top logit is the greedy token's: a gather, not another pass over the vocab
+            top = jnp.take_along_axis(scaled, greedy_tok[:, None], axis=-1)[:, 0]
+            floor = top + jnp.log(jnp.where(min_p > 0, min_p, 1.0))
             scaled = jnp.where((min_p[:, None] > 0) & (scaled < floor[:, None]), -jnp.inf,
                                scaled)
         wants_filter = (top_k > 0) | (top_p < 1.0)

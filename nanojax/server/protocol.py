@@ -251,20 +251,21 @@ def with_sampling_defaults(body: dict, defaults: dict) -> dict:
     return {**body, **unset} if unset else body
 
 
-def _common(body: dict) -> tuple[int, bool, bool]:
-    """n, stream, stream_options.include_usage; continuous_usage_stats is read by
-    _continuous_usage."""
+def _common(body: dict) -> tuple[int, bool, bool, bool]:
+    """n, stream, stream_options' include_usage and (with it) vLLM's
+    continuous_usage_stats."""
     n = _get(body, "n", "int", 1, 1, MAX_N)
     stream = _get(body, "stream", "bool", False)
     opts = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if opts is not None:
         if not isinstance(opts, dict):
             raise bad("stream_options", "'stream_options' must be an object")
         if not stream:
             raise bad("stream_options", "'stream_options' is only allowed with 'stream': true")
         include_usage = _get(opts, "include_usage", "bool", False)
-    return n, stream, include_usage
+        continuous = include_usage and _get(opts, "continuous_usage_stats", "bool", False)
+    return n, stream, include_usage, continuous
 
 
 def parse_completion(body: dict, vocab_size: int) -> ParsedRequest:
@@ -288,8 +289,7 @@ def parse_completion(body: dict, vocab_size: int) -> ParsedRequest:
             raise bad("prompt", f"prompt token ids must be in [0, {vocab_size})")
         if isinstance(p, str) and not p:
             raise bad("prompt", "'prompt' must not be empty")
-    n, stream, include_usage = _common(body)
-    continuous = include_usage and _continuous_usage(body)
+    n, stream, include_usage, continuous = _common(body)
     max_tokens = _get(body, "max_tokens", "int", 16, 1, INT32_MAX)
     logprobs = _get(body, "logprobs", "int", None, 0, MAX_LOGPROBS)
     if _get(body, "echo", "bool", False):
@@ -303,11 +303,6 @@ def parse_completion(body: dict, vocab_size: int) -> ParsedRequest:
                          "max_tokens" in body and body["max_tokens"] is not None, logprobs,
                          structured_param=source, continuous_usage=continuous,
                          **_prompt_and_logprob_extras(body))
-
-
-def _continuous_usage(body: dict) -> bool:
-    """vLLM's stream_options.continuous_usage_stats (with include_usage)."""
-    return _get(body["stream_options"], "continuous_usage_stats", "bool", False)
 
 
 def _prompt_and_logprob_extras(body: dict) -> dict:
@@ -419,8 +414,7 @@ def _template_kwargs(body: dict) -> dict:
 def parse_chat(body: dict, vocab_size: int) -> tuple[list[dict], ParsedRequest, Any]:
     """(messages, the request, its tools.ToolRequest or None)."""
     messages = _messages(body)
-    n, stream, include_usage = _common(body)
-    continuous = include_usage and _continuous_usage(body)
+    n, stream, include_usage, continuous = _common(body)
     max_tokens = _get(body, "max_completion_tokens", "int", None, 1, INT32_MAX)
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", "int", None, 1, INT32_MAX)
