@@ -169,7 +169,7 @@ def test_merge_splits_the_ratio_into_fill_and_iteration_speed():
     out = merge.merge(step, engine)
     assert out["ratio"] == pytest.approx(0.95 * 0.9)
     assert out["where_the_rest_goes"]["fill_times_speed"] == pytest.approx(out["ratio"])
-    assert out["target"] == {"ratio_at_least_0.9": False, "fill_at_least_0.9": True}
+    assert out["target"] == {"ratio_at_least_0.97": False, "fill_at_least_0.9": True}
 
 
 def test_engine_timeline_window_profiles_iterations_mid_run(tiny_bundle, tmp_path):

@@ -21,11 +21,11 @@
 # step left).
 # MAX_NUM_SEQS 1,152: rows of the fixed-shape step (logits and sampling per row); the
 # steady state runs ~1,030 (1,024 decodes + prefilling ones), more while cohorts even out.
-# STAGING=put|pinned: the engine's --input-staging (how a step's host arrays reach the
-# device; bench/results/log/engine_host.md §34), default numpy.
 # KERNEL: the decode kernel of both runs (default auto, today's engine default: the Mosaic
 # GPU swap-AB kernel on Hopper; the committed 0.961 run passed triton).
-# Usage: OUT=dir [KERNEL=auto|triton|mosaic] [NUM_PROMPTS=3072] [STAGING=pinned] bash bench/repro/engine_host/steady_state_llama3_8b.sh
+# KV=fp8: FP8 pages in both runs (the step's mode non-overlap::fp8kv, the engine's
+# --kv-cache-dtype fp8): twice the pages, so an 80 GB H100 also keeps the batch full (§85).
+# Usage: OUT=dir [KERNEL=auto|triton|mosaic] [NUM_PROMPTS=3072] [KV=fp8] bash bench/repro/engine_host/steady_state_llama3_8b.sh
 # CPU dry run (tiny shapes, a plan for them): MODEL=random:tiny PLAN=plan.json B_DENSE=64
 #   INPUT_LEN=32 OUTPUT_LEN=32 MAX_MODEL_LEN=64 NUM_PROMPTS=150 MAX_NUM_SEQS=64
 #   NUM_PAGES=480 PAGE_SIZE=4 OUT=dir bash bench/repro/engine_host/steady_state_llama3_8b.sh
@@ -41,6 +41,9 @@ OUTLEN=${OUTPUT_LEN:-512}
 start=$(date +%s)
 quiet() { grep -v "^[WI]1" | tail -n "$1"; }
 kernel=(--decode-kernel "${KERNEL:-auto}")
+step_mode=non-overlap
+kv=()
+if [ "${KV:-bf16}" = fp8 ]; then step_mode=non-overlap::fp8kv; kv=(--kv-cache-dtype fp8); fi
 pages=()
 [ -n "${NUM_PAGES:-}" ] && pages=(--num-pages "$NUM_PAGES")
 # the engine through the step's plan, non-overlap mode, so the two run the same executor
@@ -60,14 +63,14 @@ step_pages=()
 [ -n "${STEP_NUM_PAGES:-}" ] && step_pages=(--num-pages "$STEP_NUM_PAGES")
 
 timeout "${LIMIT_STEP:-180}" python3 -m nanojax bench step --model "$MODEL" --plan "$PLAN" \
-  --b-dense "$B_DENSE" --workloads "$IN/$OUTLEN" --modes non-overlap "${kernel[@]}" \
+  --b-dense "$B_DENSE" --workloads "$IN/$OUTLEN" --modes "$step_mode" "${kernel[@]}" \
   "${step_pages[@]}" \
   --max-num-seqs "${MAX_NUM_SEQS:-1152}" \
   --max-model-len "${MAX_MODEL_LEN:-1024}" --quiet --json "$OUT/step.json" 2>&1 | quiet 6
 
 left=$(( ${TOTAL_LIMIT:-560} - ($(date +%s) - start) - 15 ))
 echo "engine: $left s left of the call"
-timeout "$left" python3 -m nanojax bench --model "$MODEL" --quiet "${kernel[@]}" \
+timeout "$left" python3 -m nanojax bench --model "$MODEL" --quiet "${kernel[@]}" "${kv[@]}" \
   "${engine_plan[@]}" --b-dense "$B_DENSE" --admission predicted --fixed-shapes \
   --min-token-bucket "${MIN_TOKEN_BUCKET:-128}" --max-num-seqs "${MAX_NUM_SEQS:-1152}" \
   --page-size "${PAGE_SIZE:-16}" "${pages[@]}" --num-prompts "${NUM_PROMPTS:-3072}" \
