@@ -165,6 +165,62 @@ def test_logprobs(client):
         assert e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-5)
 
 
+def test_echo_and_prompt_logprobs(client, server, smollm2):
+    """lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 1, and 0 as vLLM
+    takes it): the prompt leads the text and its tokens the logprobs, the first one's
+    None; each prompt token's logprob is the reference's; a stream echoes the same."""
+    from nanojax.reference import ReferenceGenerator
+    prompt = "The capital of France is Paris"
+    ids = smollm2.tokenizer.encode(prompt)
+    lp_ref = np.asarray(jax_log_softmax(ReferenceGenerator(
+        smollm2.config, smollm2.params, max_len=64).logits(ids)))
+    one = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                    logprobs=1, echo=True)
+    c = one.choices[0]
+    assert c.text.startswith(prompt) and len(c.text) > len(prompt)
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    np.testing.assert_allclose(lp.token_logprobs[1:len(ids)],
+                               [lp_ref[j, ids[j + 1]] for j in range(len(ids) - 1)], atol=2e-4)
+    assert all(len(t) == 1 for t in lp.top_logprobs[1:])
+    assert one.usage.completion_tokens == 1
+    zero = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, logprobs=1,
+                                     echo=True, temperature=0)
+    z = zero.choices[0]
+    assert z.text == prompt and z.finish_reason == "length"
+    assert z.logprobs.token_logprobs == lp.token_logprobs[:len(ids)]
+    assert zero.usage.completion_tokens == 0
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=3,
+                                              temperature=0, logprobs=1, echo=True,
+                                              stream=True))
+    assert "".join(s.choices[0].text for s in streamed).startswith(prompt)
+    head = streamed[0].choices[0].logprobs
+    assert head.token_logprobs[:len(ids)] == lp.token_logprobs[:len(ids)]
+    # vLLM's prompt_logprobs field: the token itself and the top ones, with ranks
+    chat = client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0,
+                                          messages=[{"role": "user", "content": "Hi"}],
+                                          extra_body={"prompt_logprobs": 2})
+    pl = chat.model_extra["prompt_logprobs"]
+    assert pl[0] is None and all(2 <= len(e) <= 3 for e in pl[1:])
+    assert all(min(v["rank"] for v in e.values()) == 1 for e in pl[1:])
+    ranks = {v["rank"] for e in pl[1:] for v in e.values()}
+    assert max(ranks) > 2  # some prompt token is not among the model's top two
+    for body, field in (({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+                        ({"prompt": "hi", "prompt_logprobs": -1}, "prompt_logprobs"),
+                        ({"prompt": "hi", "prompt_logprobs": 2, "stream": True},
+                         "prompt_logprobs")):
+        status, text = asyncio.run(_post(server.url + "/v1/completions", json.dumps(body)))
+        _check_error(status, text, 400)
+        assert json.loads(text)["error"]["param"] == field
+    assert server.idle() and server.engine.allocator.num_used == 0
+
+
+def jax_log_softmax(x):
+    import jax
+    return jax.nn.log_softmax(x, axis=-1)
+
+
 def test_models_health_and_auth(server, smollm2, tmp_path):
     import urllib.error
     import urllib.request
@@ -318,7 +374,8 @@ JSONISH = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(all
                                                                            c, max_size=4),
                        max_leaves=10)
 FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "n", "seed",
-          "stop", "logprobs", "top_logprobs", "stream", "stream_options", "model",
+          "stop", "logprobs", "top_logprobs", "stream", "stream_options", "model", "echo",
+          "prompt_logprobs",
           "ignore_eos", "tokens", "add_special_tokens", "add_generation_prompt",
           "return_token_strs"]
 

@@ -263,7 +263,8 @@ COMPLETION = {**COMMON,
               "prompt": _either(SMALL_TEXT | st.lists(TOKEN, min_size=1, max_size=8)
                                 | st.lists(SMALL_TEXT, min_size=1, max_size=3)),
               "logprobs": _either(st.integers(0, 5)),
-              "echo": _either(st.just(False)),
+              "echo": _either(st.booleans()),
+              "prompt_logprobs": _either(st.integers(0, 3)),
               "suffix": _either(st.none())}
 MESSAGE = st.fixed_dictionaries({"role": _either(st.sampled_from(["user", "system",
                                                                    "assistant"])),

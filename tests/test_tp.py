@@ -63,6 +63,12 @@ def test_tp_tokens_equal_tp1(tiny):
     lp = tiny["top_logprobs"]
     for tp in ("2", "4"):
         assert lp[tp][0] == pytest.approx(lp["1"][0], abs=1e-5)
+    scored = tiny["prompt_logprobs"]  # each prompt token after the first, at every TP
+    assert [len(p) for p in scored["1"]] == [4, 2, 19]
+    for tp in ("2", "4"):
+        for mine, one in zip(scored[tp], scored["1"]):
+            assert [e[0] for e in mine] == pytest.approx([e[0] for e in one], abs=1e-5)
+            assert [e[1:] for e in mine] == [e[1:] for e in one]
 
 
 @pytest.mark.slow

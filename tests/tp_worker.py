@@ -70,6 +70,11 @@ def case_tiny():
         out["top_logprobs"][tp] = [[t[1] for t in lps[0][0]["top"]]]
         out["sampled"][tp] = _tokens(llm, PROMPTS, sampled)[0]
         out.setdefault("penalized", {})[tp] = _tokens(llm, PROMPTS, _penalized())[0]
+        scored = llm.generate(PROMPTS, SamplingParams(max_tokens=1, temperature=0.0,
+                                                      prompt_logprobs=2), use_tqdm=False)
+        out.setdefault("prompt_logprobs", {})[tp] = [  # scored from vocab-sharded logits
+            [(e["logprob"], e["rank"], [i for i, _ in e["top"]]) for e in o.prompt_logprobs[1:]]
+            for o in scored]
         if tp > 1:
             out["bytes"][tp] = _sharded_bytes(llm.engine.runner.params, tp)
             out["bytes"][f"{tp}_kv"] = _sharded_bytes(llm.engine.runner.kv, tp)

@@ -217,6 +217,8 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, self.eos_ids)
         if params.structured_outputs is not None:
             seq.matcher = self._matcher(params)
+        if params.prompt_logprobs is not None and self.runner.broadcast is not None:
+            raise RequestError("prompt_logprobs are not supported across processes yet")
         self.requests[request_id] = seq
         # disk pages of its prefix to host memory, meanwhile (an offloader has a prefix cache)
         if self.offloader is not None and self.prefix_cache is not None:
@@ -366,11 +368,13 @@ class LLMEngine:
                  ) -> list[RequestOutput]:
         t = time.perf_counter()
         with TraceAnnotation("nanojax.to_host"):
-            tokens, chosen, top_ids, top_lp = out.to_host()
+            tokens, chosen, top_ids, top_lp, scores = out.to_host()
         done = time.perf_counter()
         self.stats.wait_s += done - t
         if record is not None:
             record.done_t = done
+        if scores is not None:
+            self._prompt_logprobs(batch, *scores)
         results = []
         ids = tokens.tolist()  # Python ints once, not a numpy scalar per row
         generated = 0
@@ -406,6 +410,24 @@ class LLMEngine:
                 self._retire(seq)
         self.stats.generation_tokens += generated
         return results
+
+    @staticmethod
+    def _prompt_logprobs(batch: ScheduledBatch, logprob, rank, top_ids, top_lp) -> None:
+        """A step's scored prompt tokens into their requests, in the order the runner
+        laid them out (ModelRunner._score_inputs): prefill rows in order, each chunk's
+        scored positions; a position's logits score the token after it."""
+        k = 0
+        for e in batch.entries[batch.num_decodes:]:
+            seq = e.seq
+            if seq.prompt_logprobs is None:
+                continue
+            n = seq.params.prompt_logprobs
+            for j in seq.scored_positions(e.start, e.num_tokens):
+                seq.prompt_logprobs[j + 1] = {
+                    "token_id": seq.prompt_ids[j + 1], "logprob": float(logprob[k]),
+                    "rank": int(rank[k]),
+                    "top": list(zip(top_ids[k][:n].tolist(), top_lp[k][:n].tolist()))}
+                k += 1
 
     def _check_finish(self, seq: Sequence, tok: int) -> None:
         p = seq.params
@@ -468,7 +490,8 @@ class LLMEngine:
         seq.sent_text_len, seq.sent_tokens = len(text), len(seq.output_ids)
         ttft = seq.first_token_time - seq.arrival if seq.first_token_time else None
         return RequestOutput(seq.request_id, None, seq.prompt_ids, [comp], seq.is_finished,
-                             ttft, seq.num_preemptions, delta_text, delta_ids)
+                             ttft, seq.num_preemptions, delta_text, delta_ids,
+                             seq.prompt_logprobs)
 
     # ---- offline helper ------------------------------------------------------------------
     def run_to_completion(self, progress=None, max_steps: int | None = None,

@@ -27,6 +27,9 @@ class RequestOutput:
     # streaming: what is new since the last output of this request
     delta_text: str = ""
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first, else as
+    # CompletionOutput.logprobs' entries plus "rank" (1: the model's likeliest)
+    prompt_logprobs: list[dict | None] | None = None
 
     # single-completion conveniences
     @property

@@ -23,12 +23,13 @@ import numpy as np
 from nanojax.config import EngineConfig, ModelConfig
 from nanojax.engine.forward import Forward, default_forward
 from nanojax.engine.sampling import (Penalties, any_logprobs, any_sampling, penalty_inputs,
-                                     sample, with_pending)
-from nanojax.engine.scheduler import ScheduledBatch
+                                     sample, token_logprobs, with_pending)
+from nanojax.engine.scheduler import MAX_SCORED_TOKENS, ScheduledBatch
 from nanojax.engine.structured import GrammarMasks, mask_sizes
 from nanojax.layers.attention import PagedMetadata, prefill_metadata
 
 if TYPE_CHECKING:
+    from nanojax.engine.sequence import Sequence
     from nanojax.step_cache import CachedJit
 
 
@@ -83,21 +84,30 @@ class StepInputs:
     penalties: Penalties | None  # None when no row asks for penalties or logit_bias
     # [R] bool: picks the sampler's variant on the host; never sent to the device
     wants_logprobs: np.ndarray
+    # prompt_logprobs: the tokens whose logits score the prompt token after them [S], and
+    # those tokens [S] (padding: token 0 scoring id 0); None in a step that scores none.
+    # The forward's logit rows are logit_idx's, then score_idx's.
+    score_idx: jax.Array | None = None
+    score_ids: jax.Array | None = None
 
 
 @dataclasses.dataclass
 class StepOutput:
-    """Device arrays of one launched step; rows follow the batch's entries."""
+    """Device arrays of one launched step; rows follow the batch's entries. scores: the
+    scored prompt tokens' (logprob [S], rank [S], top ids [S, K], top logprobs [S, K]) in
+    score_idx's order, or None."""
     tokens: jax.Array
     chosen_logprob: jax.Array
     top_ids: jax.Array
     top_logprobs: jax.Array
+    scores: tuple | None = None
 
     def to_host(self):
+        """(tokens, chosen logprob, top ids, top logprobs, scores or None) as numpy."""
         out = (self.tokens, self.chosen_logprob, self.top_ids, self.top_logprobs)
         # across processes the outputs are replicated global arrays: read our own copy
         return jax.device_get(tuple(x if x.is_fully_addressable else x.addressable_data(0)
-                                    for x in out))
+                                    for x in out) + (self.scores,))
 
 
 class DispatchedStep:
@@ -191,6 +201,7 @@ class ModelRunner:
         self._forward = self._make_forward(forward)
         self._sample = jax.jit(self._make_sampler(forward),
                                static_argnames=("sampling", "logprobs"))
+        self._score = jax.jit(self._make_scorer(forward))
         # several processes (parallel/multihost.py): process 0 sends each step's inputs
         self.broadcast = broadcast
         self._prev = jnp.zeros((self.max_rows,), jnp.int32)
@@ -260,6 +271,19 @@ class ModelRunner:
             return [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in out]
 
         return sampler
+
+    @staticmethod
+    def _make_scorer(forward):
+        top_logprobs = forward.top_logprobs
+
+        def scorer(logits, score_ids):
+            """The step's logits split: the sampling rows', and the scored prompt tokens'
+            log-probabilities from the rows after them."""
+            rows = logits.shape[0] - score_ids.shape[0]
+            return logits[:rows], token_logprobs(logits[rows:], score_ids, top_logprobs,
+                                                 rank=True)
+
+        return scorer
 
     def shapes_for(self, batch: ScheduledBatch) -> tuple[int, int, int]:
         if self.constant_batch and self.max_pages_per_seq:  # one shape: one compile
@@ -451,17 +475,23 @@ class ModelRunner:
             inputs, fwd, bitmask_fn(len(inputs.temperature)) if bitmask_fn else None)
 
     def _dispatch_forward(self, inputs: StepInputs):
-        """The step's forward dispatched: (placed inputs, previous tokens, logits)."""
+        """The step's forward dispatched: (placed inputs, previous tokens, the sampling
+        rows' logits, the scored prompt tokens' logprobs or None)."""
         x = self._place(inputs)
+        scores = None
+        logit_idx = (x.logit_idx if x.score_idx is None  # scored prompt tokens' rows last
+                     else np.concatenate([x.logit_idx, x.score_idx]))
         with self._lock:
             prev = self._prev
             with jax.profiler.TraceAnnotation("nanojax.dispatch_forward"):
                 self.kv, logits = self._forward(self.params, self.kv, prev, x.host_tokens,
-                                                x.token_src, x.meta, x.logit_idx)
-        return x, prev, logits
+                                                x.token_src, x.meta, logit_idx)
+            if x.score_idx is not None:
+                logits, scores = self._score(logits, x.score_ids)
+        return x, prev, logits, scores
 
     def _dispatch_sample(self, inputs: StepInputs, forward, bitmask) -> StepOutput:
-        x, prev, logits = forward
+        x, prev, logits, scores = forward
         # the sampler's variant, from the host arrays before placing them
         sampling = any_sampling(inputs.temperature)
         logprobs = any_logprobs(inputs.wants_logprobs)
@@ -477,7 +507,7 @@ class ModelRunner:
                                    x.penalties, bitmask, sampling=sampling,
                                    logprobs=logprobs)
             self._prev = out[0]
-        return StepOutput(*out)
+        return StepOutput(out[0], out[1], out[2], out[3], scores)
 
     def _host_inputs(self, batch, t: int, r: int, p: int) -> StepInputs:
         """The step's host arrays for a batch at shapes (tokens, rows, pages per row).
@@ -498,6 +528,7 @@ class ModelRunner:
         seeds = np.zeros(r, np.uint32)
         steps = np.zeros(r, np.int32)
         wants_logprobs = np.zeros(r, bool)  # only picks the sampler's variant
+        scored: list[tuple[int, range, Sequence]] = []  # (its first token's index, ...)
         ps = self.page_size
         entries = batch.entries
         rows, nd = len(entries), batch.num_decodes
@@ -528,6 +559,8 @@ class ModelRunner:
             seq_ids[i:i + n] = row
             context_lens[row] = start + n
             logit_idx[row] = i + n - 1
+            if seq.prompt_logprobs is not None:
+                scored.append((i, seq.scored_positions(start, n), seq))
             i += n
         if rows:
             tables = [e.seq.pages for e in entries]
@@ -555,5 +588,24 @@ class ModelRunner:
                              page_table=page_table, context_lens=context_lens,  # type: ignore[arg-type]
                              num_decodes=np.int32(batch.num_decodes),  # type: ignore[arg-type]
                              prefill_blocks=blocks, prefill_slot=slot)
+        score_idx, score_ids = self._score_inputs(scored)
         return StepInputs(host_tokens, token_src, meta, logit_idx, temperature, top_p, top_k,  # type: ignore[arg-type]
-                          min_p, seeds, steps, penalties, wants_logprobs)  # type: ignore[arg-type]
+                          min_p, seeds, steps, penalties, wants_logprobs, score_idx, score_ids)  # type: ignore[arg-type]
+
+    def _score_inputs(self, scored) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """score_idx and score_ids of the chunks' scored positions (in row order; the
+        engine reads them back in the same order): their count padded to a power of two,
+        or with fixed shapes to the scheduler's cap (one more shape per token bucket)."""
+        n = sum(len(pos) for _, pos, _ in scored)
+        if not n:
+            return None, None
+        size = (MAX_SCORED_TOKENS if self.fixed_shapes or self.constant_batch
+                else bucket(n, 16, MAX_SCORED_TOKENS))
+        idx, ids = np.zeros(size, np.int32), np.zeros(size, np.int32)
+        k = 0
+        for first, pos, seq in scored:  # pos starts at the chunk's first token
+            m = len(pos)
+            idx[k:k + m] = np.arange(first, first + m)
+            ids[k:k + m] = seq.prompt_ids[pos.start + 1:pos.stop + 1]
+            k += m
+        return idx, ids

@@ -49,6 +49,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # a matched stop string stays in the text
     skip_special_tokens: bool = True          # the text leaves special tokens out
     logprobs: int | None = None  # number of top log-probabilities to return per token
+    # the same for each prompt token after the first (vLLM's; scores a text, lm-eval's
+    # loglikelihood): its prompt is run in full, not read from the prefix cache
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     presence_penalty: float = 0.0    # [-2, 2], subtracted once from every generated token
     frequency_penalty: float = 0.0   # [-2, 2], subtracted per occurrence in the output
@@ -98,8 +101,11 @@ class SamplingParams:
                 bad(flag, "must be a boolean")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             bad("seed", "must be a non-negative integer")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        for field in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, field)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool)
+                                  or not 0 <= k <= MAX_LOGPROBS):
+                bad(field, f"must be an integer in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", "must be in [0, max_tokens]")
         # as __post_init__ left them: lists and a dict, not None or a str
@@ -316,12 +322,23 @@ def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties
         rows = tokens.shape[0]
         return (tokens, jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, 0), jnp.int32),
                 jnp.zeros((rows, 0), jnp.float32))
-    all_lp = jax.nn.log_softmax(logits_in, axis=-1)  # the model's, before processing
+    chosen, _, top_ids, top_lp = token_logprobs(logits_in, tokens, top_logprobs)
+    return tokens, chosen, top_ids, top_lp
+
+
+def token_logprobs(logits, tokens, top_logprobs=None, rank: bool = False):
+    """The model's log-probabilities of logits [R, V] (before any processing): each row's
+    token's [R], with its rank (1: the likeliest; zeros unless rank) [R], and the top
+    MAX_LOGPROBS ids [R, K] and values [R, K]. top_logprobs: as sample()'s; with it the
+    token's value is a masked sum, which reduces per vocabulary shard."""
+    all_lp = jax.nn.log_softmax(logits, axis=-1)
     if top_logprobs is not None:
         hit = jnp.arange(logits.shape[-1], dtype=jnp.int32)[None, :] == tokens[:, None]
         chosen = jnp.sum(jnp.where(hit, all_lp, 0.0), axis=-1)
         top_lp, top_ids = top_logprobs(all_lp, MAX_LOGPROBS)
-        return tokens, chosen, top_ids.astype(jnp.int32), top_lp
-    chosen = jnp.take_along_axis(all_lp, tokens[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(all_lp, MAX_LOGPROBS)
-    return tokens, chosen, top_ids.astype(jnp.int32), top_lp
+    else:
+        chosen = jnp.take_along_axis(all_lp, tokens[:, None], axis=-1)[:, 0]
+        top_lp, top_ids = jax.lax.top_k(all_lp, MAX_LOGPROBS)
+    ranks = (1 + jnp.sum(all_lp > chosen[:, None], axis=-1, dtype=jnp.int32) if rank
+             else jnp.zeros(tokens.shape, jnp.int32))
+    return chosen, ranks, top_ids.astype(jnp.int32), top_lp

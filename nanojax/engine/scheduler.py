@@ -61,6 +61,10 @@ from nanojax.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+# prompt tokens one step scores at most (prompt_logprobs: a row of logits over the
+# vocabulary each); a longer prompt that asks is prefilled in chunks of this size
+MAX_SCORED_TOKENS = 512
+
 
 @dataclasses.dataclass(slots=True)
 class BatchEntry:
@@ -192,6 +196,7 @@ class Scheduler:
         self.max_prefill_seqs = max_prefill_seqs or b_dense
         self._loads: list = []  # staged tier pages to copy in before this step
         self._credit = 1.0  # predicted admission: requests its pace lets in now
+        self._scored_left = MAX_SCORED_TOKENS  # this step's room for prompt_logprobs
 
     # ---- queue management ------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -313,6 +318,7 @@ class Scheduler:
         if self.prefix_cache is not None:
             self._register_full_pages(self.prefix_cache)
         entries, decode_keys, prefilling = self._decodes(prev)
+        self._scored_left = MAX_SCORED_TOKENS
         num_decodes = len(entries)
         budget = self._prefills(prefilling, entries, self.b_dense - num_decodes)
         self._admit(entries, budget, num_decodes)
@@ -407,7 +413,9 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING or not self._loaded(seq):
                 continue  # (preempted for an earlier one)
-            chunk = self._chunk(seq.num_known - seq.num_computed, budget)
+            chunk = self._chunk_of(seq, budget)
+            if not chunk:  # its prompt's scoring waits for the next step
+                continue
             if not self._grow_or_preempt(seq, seq.num_computed + chunk, entries):
                 continue
             entries.append(self._prefill_entry(seq, chunk))
@@ -440,6 +448,8 @@ class Scheduler:
                 break
             if self.admission == "predicted" and self.running and self._credit < 1:
                 break
+            if not self._scored_left and seq.scored_positions(seq.num_computed, 1):
+                break  # this step scores no more prompt tokens
             room = room or _Room(self)
             match = self._match(seq)
             if not self._admissible(seq, match, room):
@@ -452,7 +462,7 @@ class Scheduler:
             if seq.loading is not None:  # scheduled once its tier pages are staged
                 room.add(self, seq)
                 continue
-            chunk = self._chunk(seq.num_known - seq.num_computed, budget)
+            chunk = self._chunk_of(seq, budget)
             ok = self._grow(seq, seq.num_computed + chunk)
             assert ok, "admission checked the pages"
             room.add(self, seq)
@@ -489,12 +499,23 @@ class Scheduler:
         room = next((c - pos for c in self.chunk_cuts if c > pos), budget)
         return min(wanted, budget, room)
 
+    def _chunk_of(self, seq: Sequence, budget: int) -> int:
+        """seq's next prefill chunk: what is left of it, within the budget, the cuts and
+        the step's room for scored prompt tokens (which it takes)."""
+        chunk = self._chunk(seq.num_known - seq.num_computed, budget)
+        scored = len(seq.scored_positions(seq.num_computed, chunk))
+        if scored > self._scored_left:  # all of the shorter chunk is scored
+            chunk = scored = self._scored_left
+        self._scored_left -= scored
+        return chunk
+
     def _prefill_entry(self, seq: Sequence, chunk: int) -> BatchEntry:
         samples = seq.num_computed + chunk == seq.num_known and seq.pending == 0
         return BatchEntry(seq, seq.num_computed, chunk, samples)
 
     def _match(self, seq: Sequence) -> PrefixMatch:
-        if self.prefix_cache is None:
+        # a scored prompt runs in full: cached pages come without their logits
+        if self.prefix_cache is None or seq.prompt_logprobs is not None:
             return PrefixMatch([], [])
         return self.prefix_cache.match(seq)
 

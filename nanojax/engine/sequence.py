@@ -54,6 +54,10 @@ class Sequence:
         self.first_token_time: float | None = None
         self.num_preemptions = 0
         self.logprobs: list[dict] = []
+        # prompt_logprobs: one entry per prompt token, None for the first (nothing before
+        # it) and until the step that scores it is read
+        self.prompt_logprobs: list[dict | None] | None = (
+            [None] * len(self.prompt_ids) if params.prompt_logprobs is not None else None)
         self.text = ""            # detokenized output (maintained by the engine)
         self.text_ids_end: int | None = None  # output tokens the text covers (None: all)
         self.sent_text_len = 0    # how much text was already streamed
@@ -72,6 +76,13 @@ class Sequence:
     @property
     def num_generated(self) -> int:
         return len(self.output_ids) + self.pending
+
+    def scored_positions(self, start: int, num_tokens: int) -> range:
+        """Of a chunk of positions [start, start + num_tokens), those whose logits score
+        the prompt token after them (prompt_logprobs; none otherwise)."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        return range(start, max(start, min(start + num_tokens, len(self.prompt_ids) - 1)))
 
     def token_at(self, i: int) -> int:
         n = len(self.prompt_ids)

@@ -188,8 +188,9 @@ class _Choices:
         """(index, output, log-probs of the tokens new in this output); counts the
         completion tokens of finished choices in self.completion_tokens."""
         async for idx, out in self.stream():  # the engine's outputs are deltas here
-            self.completion_tokens += len(out.delta_token_ids)
-            self.tokens_of[idx] = self.tokens_of.get(idx, 0) + len(out.delta_token_ids)
+            new = 0 if self.parsed.echo_only else len(out.delta_token_ids)  # (not returned)
+            self.completion_tokens += new
+            self.tokens_of[idx] = self.tokens_of.get(idx, 0) + new
             yield idx, out, out.outputs[0].logprobs
 
     def usage_of(self, idx: int) -> dict:
@@ -284,7 +285,9 @@ def _token_namer(tokenizer, as_ids: bool) -> Callable[[int], str]:
     return lambda tid: tokenizer.decode([tid], skip_special_tokens=False)
 
 
-def _completion_logprobs(name, lps, offset0: int, text: str) -> dict | None:
+def _completion_logprobs(name, lps, offset0: int) -> dict | None:
+    """OpenAI's completions logprobs of entries (CompletionOutput.logprobs'; a prompt's
+    first token has None for its logprob and tops); offsets run on from offset0."""
     if lps is None:
         return None
     tokens = [name(e["token_id"]) for e in lps]
@@ -293,8 +296,44 @@ def _completion_logprobs(name, lps, offset0: int, text: str) -> dict | None:
         offsets.append(pos)
         pos += len(t)
     return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in lps],
-            "top_logprobs": [{name(i): v for i, v in e["top"]} for e in lps],
+            "top_logprobs": [None if e["top"] is None else {name(i): v for i, v in e["top"]}
+                             for e in lps],
             "text_offset": offsets}
+
+
+def _prompt_entries(prompt_ids: list[int], scored: list | None) -> list[dict]:
+    """A prompt's tokens as logprob entries (RequestOutput.prompt_logprobs): the first,
+    with nothing before it, has none."""
+    none = {"logprob": None, "top": None}
+    return [{"token_id": prompt_ids[0], **none}] + [
+        e if e is not None else {"token_id": t, **none}
+        for t, e in zip(prompt_ids[1:], (scored or [None] * len(prompt_ids))[1:])]
+
+
+def _vllm_prompt_logprobs(name, scored: list | None) -> list | None:
+    """vLLM's prompt_logprobs field: per prompt token None (the first) or {token id:
+    {logprob, rank, decoded_token}} for the token itself and the top ones after it."""
+    if scored is None:
+        return None
+
+    def entry(e):
+        d = {str(e["token_id"]): {"logprob": e["logprob"], "rank": e["rank"],
+                                  "decoded_token": name(e["token_id"])}}
+        for rank, (i, v) in enumerate(e["top"], 1):
+            d.setdefault(str(i), {"logprob": v, "rank": rank, "decoded_token": name(i)})
+        return d
+
+    return [None if e is None else entry(e) for e in scored]
+
+
+def _prompt_text(tokenizer, prompt, ids: list[int], parsed: ParsedRequest) -> str:
+    """The text a completions echo opens with: the prompt as sent, or as the tokens the
+    model saw where it was token ids or truncated."""
+    if isinstance(prompt, str) and parsed.truncate_prompt_tokens is None:
+        return prompt
+    if tokenizer is None:
+        return ""
+    return tokenizer.decode(ids, skip_special_tokens=parsed.params.skip_special_tokens)
 
 
 def _chat_logprobs(name, lps) -> dict | None:
@@ -365,26 +404,45 @@ async def completions(request: web.Request) -> web.StreamResponse:
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     choices = _Choices(request.app, prompt_ids, parsed, rid).start()
     name = _token_namer(eng.tokenizer, parsed.tokens_as_ids)
+    echo = ([_prompt_text(eng.tokenizer, p, ids, parsed)
+             for p, ids in zip(parsed.prompts, prompt_ids)] if parsed.echo else None)
+    asked_prompt_lps = body.get("prompt_logprobs") is not None
 
     def chunk(choice_list, usage=None):
         if usage is None and parsed.continuous_usage and choice_list:
             usage = choices.usage_of(choice_list[0]["index"])
         return _envelope(rid, "text_completion", created, model, choice_list, usage)
 
+    def choice(idx, out, text, lps, first: bool, finished: bool, offset: int = 0) -> dict:
+        """A choice (or a stream's chunk of it: first, and its text's offset): its text and
+        logprobs, the echoed prompt's ahead of the first; with echo_only nothing generated
+        is shown."""
+        c = out.outputs[0]
+        if parsed.echo_only:
+            text, lps = "", ([] if lps is not None else None)
+        if echo is not None and first:
+            p = idx // parsed.n
+            text = echo[p] + text
+            if parsed.logprobs is not None:
+                lps = _prompt_entries(prompt_ids[p], out.prompt_logprobs) + (lps or [])
+        d = {"index": idx, "text": text, "logprobs": _completion_logprobs(name, lps, offset),
+             "finish_reason": ("length" if parsed.echo_only else c.finish_reason)
+             if finished else None,
+             "stop_reason": None if parsed.echo_only or not finished else c.stop_reason}
+        if asked_prompt_lps and first:
+            d["prompt_logprobs"] = _vllm_prompt_logprobs(name, out.prompt_logprobs)
+        return d
+
     if parsed.stream:
         resp = await _sse(request)
         sent: dict[int, int] = {}  # text streamed so far per choice: offsets run on
         try:
             async for idx, out, lps in choices.deltas():
-                c = out.outputs[0]
-                if out.delta_text or out.finished or out.delta_token_ids:
-                    offset = sent.get(idx, 0)
-                    sent[idx] = offset + len(out.delta_text)
-                    await _send(resp, chunk([{
-                        "index": idx, "text": out.delta_text,
-                        "logprobs": _completion_logprobs(name, lps, offset, out.delta_text),
-                        "finish_reason": c.finish_reason if out.finished else None,
-                        "stop_reason": c.stop_reason if out.finished else None}]))
+                first, offset = idx not in sent, sent.get(idx, 0)
+                d = choice(idx, out, out.delta_text, lps, first, out.finished, offset)
+                if d["text"] or out.finished or (out.delta_token_ids and not parsed.echo_only):
+                    sent[idx] = offset + len(d["text"])
+                    await _send(resp, chunk([d]))
         except (ConnectionError, asyncio.CancelledError):
             raise
         except Exception as e:
@@ -393,13 +451,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                  if parsed.include_usage else None)
 
     finals = await choices.finals()
-    result = []
-    for idx in sorted(finals):
-        c = finals[idx].outputs[0]
-        result.append({"index": idx, "text": c.text,
-                       "logprobs": _completion_logprobs(name, c.logprobs, 0, c.text),
-                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-    usage = _usage(prompt_ids, sum(len(finals[i].token_ids) for i in finals))
+    result = [choice(idx, finals[idx], finals[idx].text, finals[idx].outputs[0].logprobs,
+                     True, True) for idx in sorted(finals)]
+    usage = _usage(prompt_ids, 0 if parsed.echo_only
+                   else sum(len(finals[i].token_ids) for i in finals))
     return _json(chunk(result, usage))
 
 
@@ -510,7 +565,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                        "logprobs": _chat_logprobs(name, c.logprobs), "finish_reason": reason,
                        "stop_reason": c.stop_reason})
     usage = _usage(prompt_ids, sum(len(finals[i].token_ids) for i in finals))
-    return _json(chunk("chat.completion", result, usage))
+    response = chunk("chat.completion", result, usage)
+    if finals and parsed.params.prompt_logprobs is not None:  # vLLM's: one rendered prompt
+        response["prompt_logprobs"] = _vllm_prompt_logprobs(
+            name, finals[min(finals)].prompt_logprobs)
+    return _json(response)
 
 
 async def models(request: web.Request) -> web.Response:

@@ -27,8 +27,7 @@ MAX_DEPTH = 32   # JSON nesting; OpenAI bodies need 5
 UNSUPPORTED = {"suffix": lambda v: v in (None, ""),
                "best_of": lambda v: v in (None, 1),
                "functions": lambda v: v in (None, []),
-               "function_call": lambda v: v in (None, "none"),
-               "prompt_logprobs": lambda v: v is None}
+               "function_call": lambda v: v in (None, "none")}
 # vLLM's older names of the structured_outputs fields
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}
@@ -123,6 +122,8 @@ class ParsedRequest:
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens
     add_generation_prompt: bool = True   # chat: the template opens the assistant's turn
     continue_final_message: bool = False  # chat: the last (assistant) message is continued
+    echo: bool = False        # completions: each choice opens with its prompt (and logprobs)
+    echo_only: bool = False   # echo with max_tokens 0: the prompt alone, nothing generated
 
 
 def _token_ids(body: dict, key: str, vocab_size: int, limit: int) -> list[int] | None:
@@ -205,8 +206,17 @@ def _constraint(body: dict) -> tuple[StructuredOutputsParams | None, str | None]
 
 
 def _sampling(body: dict, max_tokens, logprobs, vocab_size: int,
-              structured: StructuredOutputsParams | None = None) -> SamplingParams:
+              structured: StructuredOutputsParams | None = None,
+              echo_logprobs: int | None = None) -> SamplingParams:
+    """echo_logprobs: the prompt's logprobs a completions echo needs (at least that many
+    top ones; vLLM's)."""
     _unsupported(body)
+    prompt_logprobs = _get(body, "prompt_logprobs", "int", None, 0, MAX_LOGPROBS)
+    if prompt_logprobs is not None and _get(body, "stream", "bool", False):
+        raise bad("prompt_logprobs", "'prompt_logprobs' is not supported with 'stream': "
+                                     "true (a completions 'echo' streams them)")
+    if echo_logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, echo_logprobs)
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -238,7 +248,8 @@ def _sampling(body: dict, max_tokens, logprobs, vocab_size: int,
             frequency_penalty=float(_get(body, "frequency_penalty", "num", 0.0, -2.0, 2.0)),
             repetition_penalty=float(_get(body, "repetition_penalty", "num", 1.0, 0.0, 10.0,
                                           lo_open=True)),
-            logit_bias=_logit_bias(body, vocab_size), structured_outputs=structured)
+            logit_bias=_logit_bias(body, vocab_size), structured_outputs=structured,
+            prompt_logprobs=prompt_logprobs)
     except SamplingError as e:  # what the checks above let through (max_tokens >= 2^31)
         raise bad(None, str(e)) from None
 
@@ -290,18 +301,23 @@ def parse_completion(body: dict, vocab_size: int) -> ParsedRequest:
         if isinstance(p, str) and not p:
             raise bad("prompt", "'prompt' must not be empty")
     n, stream, include_usage, continuous = _common(body)
-    max_tokens = _get(body, "max_tokens", "int", 16, 1, INT32_MAX)
+    # echo: the prompt leads each choice's text, and its tokens' logprobs the logprobs
+    # (lm-eval's loglikelihood: echo, logprobs 1, max_tokens 0 or 1)
+    echo = _get(body, "echo", "bool", False)
+    max_tokens = _get(body, "max_tokens", "int", 16, 0 if echo else 1, INT32_MAX)
     logprobs = _get(body, "logprobs", "int", None, 0, MAX_LOGPROBS)
-    if _get(body, "echo", "bool", False):
-        raise bad("echo", "'echo' is not supported")
     for key in ("tools", "tool_choice"):
         if body.get(key) not in (None, [], "none"):
             raise bad(key, f"'{key}' is a chat completions field")
     structured, source = _constraint(body)
-    params = _sampling(body, max_tokens, logprobs, vocab_size, structured)
+    if echo and max_tokens == 0 and structured is not None:
+        raise bad(source, f"'{source}' constrains generated text; 'max_tokens' 0 generates none")
+    params = _sampling(body, max(max_tokens, 1), logprobs, vocab_size, structured,
+                       echo_logprobs=logprobs if echo else None)
     return ParsedRequest(prompts, params, n, stream, include_usage,
                          "max_tokens" in body and body["max_tokens"] is not None, logprobs,
                          structured_param=source, continuous_usage=continuous,
+                         echo=echo, echo_only=echo and max_tokens == 0,
                          **_prompt_and_logprob_extras(body))
 
 
