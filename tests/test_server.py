@@ -189,14 +189,30 @@ def test_echo_and_prompt_logprobs(client, server, smollm2):
                                      echo=True, temperature=0)
     z = zero.choices[0]
     assert z.text == prompt and z.finish_reason == "length"
-    assert z.logprobs.token_logprobs == lp.token_logprobs[:len(ids)]
+    assert z.logprobs.token_logprobs[0] is None
+    np.testing.assert_allclose(z.logprobs.token_logprobs[1:], lp.token_logprobs[1:len(ids)],
+                               atol=1e-5)
     assert zero.usage.completion_tokens == 0
+    # a batch of token-id prompts (lm-eval's tokenized requests), scoring more top ones
+    # than echo shows: the vLLM field has them, the echo's logprobs only logprobs' 1
+    both = client.completions.create(model=MODEL, prompt=[ids, ids[:4]], max_tokens=1,
+                                     temperature=0, logprobs=1, echo=True,
+                                     extra_body={"prompt_logprobs": 3})
+    for ch, p_ids in zip(both.choices, (ids, ids[:4])):
+        assert len(ch.logprobs.tokens) == len(p_ids) + 1
+        assert all(len(t) == 1 for t in ch.logprobs.top_logprobs[1:])
+        field = ch.model_extra["prompt_logprobs"]
+        assert len(field) == len(p_ids) and all(3 <= len(e) <= 4 for e in field[1:])
+    np.testing.assert_allclose(both.choices[0].logprobs.token_logprobs[1:len(ids)],
+                               lp.token_logprobs[1:len(ids)], atol=1e-5)
     streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=3,
                                               temperature=0, logprobs=1, echo=True,
                                               stream=True))
     assert "".join(s.choices[0].text for s in streamed).startswith(prompt)
     head = streamed[0].choices[0].logprobs
-    assert head.token_logprobs[:len(ids)] == lp.token_logprobs[:len(ids)]
+    assert head.token_logprobs[0] is None
+    np.testing.assert_allclose(head.token_logprobs[1:len(ids)], lp.token_logprobs[1:len(ids)],
+                               atol=1e-5)
     # vLLM's prompt_logprobs field: the token itself and the top ones, with ranks
     chat = client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0,
                                           messages=[{"role": "user", "content": "Hi"}],

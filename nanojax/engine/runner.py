@@ -599,8 +599,8 @@ class ModelRunner:
         n = sum(len(pos) for _, pos, _ in scored)
         if not n:
             return None, None
-        size = (MAX_SCORED_TOKENS if self.fixed_shapes or self.constant_batch
-                else bucket(n, 16, MAX_SCORED_TOKENS))
+        most = min(MAX_SCORED_TOKENS, self.b_dense)  # (a step holds at most B_dense tokens)
+        size = most if self.fixed_shapes or self.constant_batch else bucket(n, 16, most)
         idx, ids = np.zeros(size, np.int32), np.zeros(size, np.int32)
         k = 0
         for first, pos, seq in scored:  # pos starts at the chunk's first token

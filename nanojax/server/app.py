@@ -301,25 +301,26 @@ def _completion_logprobs(name, lps, offset0: int) -> dict | None:
             "text_offset": offsets}
 
 
-def _prompt_entries(prompt_ids: list[int], scored: list | None) -> list[dict]:
-    """A prompt's tokens as logprob entries (RequestOutput.prompt_logprobs): the first,
-    with nothing before it, has none."""
+def _prompt_entries(prompt_ids: list[int], scored: list | None, k: int) -> list[dict]:
+    """A prompt's tokens as logprob entries (RequestOutput.prompt_logprobs) with their k
+    top ones (the request may have scored more: prompt_logprobs); the first, with nothing
+    before it, has none."""
     none = {"logprob": None, "top": None}
     return [{"token_id": prompt_ids[0], **none}] + [
-        e if e is not None else {"token_id": t, **none}
+        {**e, "top": e["top"][:k]} if e is not None else {"token_id": t, **none}
         for t, e in zip(prompt_ids[1:], (scored or [None] * len(prompt_ids))[1:])]
 
 
-def _vllm_prompt_logprobs(name, scored: list | None) -> list | None:
+def _vllm_prompt_logprobs(name, scored: list | None, k: int) -> list | None:
     """vLLM's prompt_logprobs field: per prompt token None (the first) or {token id:
-    {logprob, rank, decoded_token}} for the token itself and the top ones after it."""
+    {logprob, rank, decoded_token}} for the token itself and the k top ones after it."""
     if scored is None:
         return None
 
     def entry(e):
         d = {str(e["token_id"]): {"logprob": e["logprob"], "rank": e["rank"],
                                   "decoded_token": name(e["token_id"])}}
-        for rank, (i, v) in enumerate(e["top"], 1):
+        for rank, (i, v) in enumerate(e["top"][:k], 1):
             d.setdefault(str(i), {"logprob": v, "rank": rank, "decoded_token": name(i)})
         return d
 
@@ -406,7 +407,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     name = _token_namer(eng.tokenizer, parsed.tokens_as_ids)
     echo = ([_prompt_text(eng.tokenizer, p, ids, parsed)
              for p, ids in zip(parsed.prompts, prompt_ids)] if parsed.echo else None)
-    asked_prompt_lps = body.get("prompt_logprobs") is not None
+    asked_prompt_lps = body.get("prompt_logprobs")  # (parse_completion checked it)
 
     def chunk(choice_list, usage=None):
         if usage is None and parsed.continuous_usage and choice_list:
@@ -424,13 +425,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
             p = idx // parsed.n
             text = echo[p] + text
             if parsed.logprobs is not None:
-                lps = _prompt_entries(prompt_ids[p], out.prompt_logprobs) + (lps or [])
+                lps = (_prompt_entries(prompt_ids[p], out.prompt_logprobs, parsed.logprobs)
+                       + (lps or []))
         d = {"index": idx, "text": text, "logprobs": _completion_logprobs(name, lps, offset),
              "finish_reason": ("length" if parsed.echo_only else c.finish_reason)
              if finished else None,
              "stop_reason": None if parsed.echo_only or not finished else c.stop_reason}
-        if asked_prompt_lps and first:
-            d["prompt_logprobs"] = _vllm_prompt_logprobs(name, out.prompt_logprobs)
+        if asked_prompt_lps is not None and first:
+            d["prompt_logprobs"] = _vllm_prompt_logprobs(name, out.prompt_logprobs,
+                                                         asked_prompt_lps)
         return d
 
     if parsed.stream:
@@ -568,7 +571,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     response = chunk("chat.completion", result, usage)
     if finals and parsed.params.prompt_logprobs is not None:  # vLLM's: one rendered prompt
         response["prompt_logprobs"] = _vllm_prompt_logprobs(
-            name, finals[min(finals)].prompt_logprobs)
+            name, finals[min(finals)].prompt_logprobs, parsed.params.prompt_logprobs)
     return _json(response)
 
 
