@@ -590,7 +590,8 @@ def test_multi_round_bench_compares_reuse_modes(tmp_path):
                  "--num-pages", "16", "--page-size", "8", "--input-len", "24",
                  "--output-len", "8", "--num-prompts", "4", "--multi-round", "3",
                  "--reuse-modes", "recompute,prefix,offload", "--kv-offload-host-bytes", "1M",
-                 "--timeline", str(tmp_path / "tl.json"), "--timeline-at", "2",
+                 # (a folder that does not exist yet: the bench makes it)
+                 "--timeline", str(tmp_path / "new" / "tl.json"), "--timeline-at", "2",
                  "--timeline-iterations", "2", "--json", str(out)]) == 0
     res = json.loads(out.read_text())["results"]
     for mode, r in res.items():  # the profiled iterations change no token (checked below)

@@ -57,6 +57,7 @@ def run_with_window(engine: LLMEngine, advance, window: TimelineWindow | None) -
     events = (timeline.capture(lambda: advance(window.iterations), keep_trace=raw)
               if not engine.is_idle else [])
     advance(None)
+    Path(window.path).parent.mkdir(parents=True, exist_ok=True)
     Path(window.path).write_text(json.dumps({"engine": events}))
     return {"path": window.path, "raw_trace": raw, "first_iteration": first,
             "iterations": window.iterations, **timeline.summarize(events)}

@@ -90,7 +90,8 @@ def capture(fn, log_dir: str | None = None, keep_trace: str | None = None) -> li
         jax.profiler.stop_trace()
     newest = max(glob.glob(f"{log_dir}/plugins/profile/*/*.trace.json.gz"),
                  key=lambda p: Path(p).stat().st_mtime)
-    if keep_trace:
+    if keep_trace:  # (its folder made, as write_json makes the result's)
+        Path(keep_trace).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(newest, keep_trace)
     return parse_trace(newest)
 

@@ -9,8 +9,11 @@
 # Usage: OUT=dir [ROWS="128/128/4096 1000/1000/2048"] [BF16=1] [LIMIT=s] bash bench/repro/fp8/engine_h200.sh
 # TensorRT-LLM's four rows at ~2-3x what fits with FP8 KV on the H200 (~88,000 pages):
 #   ROWS="1000/1000/2048/330 128/128/4096/230 500/2000/1400 2048/2048/860"
+# A row with a new max_model_len compiles its fixed shapes first (~100 s on a warm
+# autotune cache, bench/results/log/fp8.md §86): 2048/2048 needs a limit well past 260 s.
 set -u
 OUT=${OUT:?set OUT}
+mkdir -p "$OUT"  # (a missing OUT failed each run at its end, copying its profile there)
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 tune_flag=--xla_gpu_per_fusion_autotune_cache_dir=${AUTOTUNE_CACHE:-/tmp/nanojax_autotune}
 if XLA_FLAGS="$tune_flag" python3 -c "import jax.numpy as j; j.ones(1).block_until_ready()" \
