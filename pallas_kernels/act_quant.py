@@ -10,7 +10,11 @@ e4m3, so the only traffic is the producer's input and the 1-byte output.
 
 Two producers, those of the FP8 projections' inputs in a LLaMA layer:
 - `rms_norm_quant`: RMSNorm (the input of q/k/v and of gate/up);
-- `silu_mul_quant`: SiLU(gate) x up (the input of down).
+- `silu_mul_quant`: SiLU(gate) x up (the input of down). With `scales`, gate and up are
+  FP8 GEMMs' outputs before their dequantization (a row scale per token, a column scale
+  per output channel), applied here: XLA would otherwise give each its own pass in and
+  out of memory, as a kernel's input is not fused into it (on the H200, 2 x 117 MB a
+  layer at 2,048 tokens).
 
 Both compute in float32 from the producer's inputs to the quantization, with no rounding
 to the model dtype in between (as XLA's GPU fusions do, excess precision being allowed by
@@ -49,11 +53,15 @@ def rms_norm_quant_reference(x, weight, eps: float):
     return _quantize_rows(weight.astype(jnp.float32) * y)
 
 
-def silu_mul_quant_reference(gate, up):
+def silu_mul_quant_reference(gate, up, scales=None):
     """gate, up [T, I] -> (e4m3 [T, I], scale [T, 1] f32): SiLU(gate) x up then per-token
-    quantization, in f32."""
-    g = gate.astype(jnp.float32)
-    return _quantize_rows(g * jax.nn.sigmoid(g) * up.astype(jnp.float32))
+    quantization, in f32. scales: None, or (row [T, 1], gate's columns [I], up's [I]) that
+    gate and up are multiplied by first."""
+    g, u = gate.astype(jnp.float32), up.astype(jnp.float32)
+    if scales is not None:
+        row, gate_cols, up_cols = (jnp.asarray(x, jnp.float32) for x in scales)
+        g, u = g * row * gate_cols, u * row * up_cols
+    return _quantize_rows(g * jax.nn.sigmoid(g) * u)
 
 
 def chunk_of(width: int) -> int | None:
@@ -92,12 +100,18 @@ def _rms_norm_quant_kernel(x_ref, w_ref, q_ref, s_ref, *, chunk, eps):
     _store_quantized(pieces, q_ref, s_ref, row, chunk)
 
 
-def _silu_mul_quant_kernel(g_ref, u_ref, q_ref, s_ref, *, chunk):
+def _silu_mul_quant_kernel(g_ref, u_ref, *refs, chunk, scaled):
+    *scale_refs, q_ref, s_ref = refs  # scaled: the row scales [T], gate's and up's [I]
     row = pl.program_id(0)
     pieces = []
     for c in range(g_ref.shape[1] // chunk):
-        g = g_ref[row, pl.ds(c * chunk, chunk)].astype(jnp.float32)
-        u = u_ref[row, pl.ds(c * chunk, chunk)].astype(jnp.float32)
+        cols = pl.ds(c * chunk, chunk)
+        g = g_ref[row, cols].astype(jnp.float32)
+        u = u_ref[row, cols].astype(jnp.float32)
+        if scaled:
+            rows_ref, g_cols_ref, u_cols_ref = scale_refs
+            r = rows_ref[row]
+            g, u = g * (r * g_cols_ref[cols]), u * (r * u_cols_ref[cols])
         pieces.append(g * jax.nn.sigmoid(g) * u)
     _store_quantized(pieces, q_ref, s_ref, row, chunk)
 
@@ -123,10 +137,17 @@ def rms_norm_quant(x, weight, eps: float, *, num_warps: int = 4, interpret: bool
                  num_warps=num_warps, interpret=interpret, name="rms_norm_quant")
 
 
-def silu_mul_quant(gate, up, *, num_warps: int = 8, interpret: bool = False):
-    """Fused silu_mul_quant_reference: gate, up [T, I] -> (e4m3 [T, I], scale [T, 1])."""
+def silu_mul_quant(gate, up, scales=None, *, num_warps: int = 8, interpret: bool = False):
+    """Fused silu_mul_quant_reference: gate, up [T, I] (and its scales) -> (e4m3 [T, I],
+    scale [T, 1])."""
     if (why := unsupported(gate.shape[1])) is not None:
         raise ValueError(why)
-    kern = functools.partial(_silu_mul_quant_kernel, chunk=chunk_of(gate.shape[1]))
-    return _call(kern, gate.shape[0], gate.shape[1], (gate, up),
-                 num_warps=num_warps, interpret=interpret, name="silu_mul_quant")
+    t, width = gate.shape
+    args: tuple = (gate, up)
+    if scales is not None:  # f32 vectors: the row scales one per program, columns chunked
+        row, gate_cols, up_cols = (jnp.asarray(x, jnp.float32) for x in scales)
+        args += (jnp.broadcast_to(row.reshape(-1), (t,)), gate_cols, up_cols)
+    kern = functools.partial(_silu_mul_quant_kernel, chunk=chunk_of(width),
+                             scaled=scales is not None)
+    return _call(kern, t, width, args, num_warps=num_warps, interpret=interpret,
+                 name="silu_mul_quant")

@@ -32,6 +32,24 @@ def test_silu_mul_quant_matches_reference_interpret(t, width, dtype):
     _close_fp8(silu_mul_quant(gate, up, interpret=True), silu_mul_quant_reference(gate, up))
 
 
+@pytest.mark.parametrize("t, width", [(8, 64), (5, 14336)])
+def test_silu_mul_quant_dequantizes_its_inputs_interpret(t, width):
+    """gate and up as FP8 GEMMs leave them (bf16, before their row and column scales):
+    the kernel applies the scales as the reference does, and that is SiLU x up of the
+    dequantized values (the same function as scaling first)."""
+    kg, ku, kr, kc = jax.random.split(jax.random.PRNGKey(width + 7), 4)
+    gate = (300 * jax.random.normal(kg, (t, width))).astype(jnp.bfloat16)
+    up = (300 * jax.random.normal(ku, (t, width))).astype(jnp.bfloat16)
+    row = jax.random.uniform(kr, (t, 1), minval=1e-3, maxval=2e-2)
+    cols = jax.random.uniform(kc, (2, width), minval=1e-3, maxval=2e-2)
+    scales = (row, cols[0], cols[1])
+    got = silu_mul_quant(gate, up, scales, interpret=True)
+    _close_fp8(got, silu_mul_quant_reference(gate, up, scales))
+    g = gate.astype(jnp.float32) * row * cols[0]
+    u = up.astype(jnp.float32) * row * cols[1]
+    _close_fp8(got, silu_mul_quant_reference(g, u))
+
+
 @pytest.mark.parametrize("t, width, dtype", [(8, 64, jnp.float32), (4, 4096, jnp.bfloat16)])
 def test_rms_norm_quant_matches_reference_interpret(t, width, dtype):
     kx, kw = jax.random.split(jax.random.PRNGKey(width + 1))
@@ -50,20 +68,25 @@ def test_widths_the_kernels_cannot_take_are_refused():
         silu_mul_quant(jnp.zeros((2, 100)), jnp.zeros((2, 100)), interpret=True)
 
 
-@pytest.mark.parametrize("which, width", [("silu", 14336), ("silu", 7168), ("rms", 4096)])
+@pytest.mark.parametrize("which, width", [("silu", 14336), ("silu", 7168), ("rms", 4096),
+                                          ("scaled", 14336)])
 def test_kernels_lower_for_cuda(which, width):
     """The Triton lowering of both kernels at the 8B's widths (and the intermediate
-    size's half under TP 2), on the CPU."""
+    size's half under TP 2; silu_mul_quant with its inputs' scales too), on the CPU."""
     from jax import export
     sd = jax.ShapeDtypeStruct
     x = sd((2048, width), jnp.bfloat16)
     if which == "silu":
         f, args = jax.jit(silu_mul_quant), (x, x)
+    elif which == "scaled":
+        f = jax.jit(lambda g, u, r, gc, uc: silu_mul_quant(g, u, (r, gc, uc)))
+        args = (x, x, sd((2048, 1), jnp.float32), sd((width,), jnp.float32),
+                sd((width,), jnp.float32))
     else:
         f, args = jax.jit(lambda x, w: rms_norm_quant(x, w, 1e-5)), (x, sd((width,), jnp.bfloat16))
     exp = export.export(f, platforms=["cuda"], disabled_checks=[
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-    assert ("silu_mul_quant" if which == "silu" else "rms_norm_quant") in exp.mlir_module()
+    assert ("rms_norm_quant" if which == "rms" else "silu_mul_quant") in exp.mlir_module()
     assert exp.out_avals[0].dtype == FP8 and exp.out_avals[1].shape == (2048, 1)
 
 

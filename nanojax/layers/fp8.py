@@ -184,17 +184,33 @@ class QuantizedActivation(NamedTuple):
     scale: jax.Array   # [T, 1] f32
 
 
-def fp8_linear(x, weight, weight_scale, input_scale=None, out_dtype=None):
-    """x [T, in] -> [T, out] in out_dtype (default x's dtype): quantize x, FP8 GEMM,
-    rescale. x may be a QuantizedActivation (then out_dtype is needed)."""
+class ScaledOutput(NamedTuple):
+    """An FP8 projection's output before its dequantization (fp8_gemm): the output is
+    values x row_scale x col_scale, for a consumer kernel to apply in its own pass over
+    them (pallas_kernels/act_quant.py's silu_mul_quant)."""
+    values: jax.Array     # [T, out] the GEMM's, in the model dtype
+    row_scale: jax.Array  # [T, 1] f32 per token ([] for a static input scale)
+    col_scale: jax.Array  # [out] f32 per output channel
+
+
+def fp8_gemm(x, weight, weight_scale, input_scale=None, out_dtype=None) -> ScaledOutput:
+    """x [T, in] -> its FP8 product with weight, unscaled: quantize x (unless it is a
+    QuantizedActivation: then out_dtype is needed), the FP8 GEMM into out_dtype (default
+    x's dtype), and the scales that dequantize it."""
     if isinstance(x, QuantizedActivation):
         assert out_dtype is not None, "an FP8 input has no output dtype to keep"
         x8, sx = x
     else:
         x8, sx = quantize_activation(x, input_scale)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    y = fp8_matmul(x8, weight, out_dtype)
-    return (y.astype(jnp.float32) * (sx * weight_scale)).astype(out_dtype)
+    return ScaledOutput(fp8_matmul(x8, weight, out_dtype), sx, weight_scale)
+
+
+def fp8_linear(x, weight, weight_scale, input_scale=None, out_dtype=None):
+    """x [T, in] -> [T, out] in out_dtype (default x's dtype): quantize x, FP8 GEMM,
+    rescale (fp8_gemm's output dequantized)."""
+    y, sx, sw = fp8_gemm(x, weight, weight_scale, input_scale, out_dtype)
+    return (y.astype(jnp.float32) * (sx * sw)).astype(y.dtype)
 
 
 def reference_linear(x, weight, weight_scale, input_scale=None):

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from nanojax.layers.fp8 import (FP8, WEIGHT_BLOCK, QuantizedActivation, fp8_block_linear,
-                                fp8_linear)
+                                fp8_gemm, fp8_linear)
 from nanojax.layers.quant import quantized_dot
 
 
@@ -43,9 +43,13 @@ class Linear(nn.Module):
     static_input_scale: bool = False  # fp8: the checkpoint's input_scale, not per token
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, unscaled: bool = False):
+        """unscaled (quantization "fp8", no bias): the FP8 GEMM's output and the scales
+        that dequantize it (layers/fp8.py's ScaledOutput), for a kernel that applies them."""
+        if unscaled and (self.quantization != "fp8" or self.use_bias):
+            raise ValueError("an unscaled output is an fp8 projection's without a bias")
         if self.quantization in ("fp8", "fp8-block"):
-            return self._bias(self._fp8(x))
+            return self._fp8(x, unscaled) if unscaled else self._bias(self._fp8(x))
         kernel = self.param("kernel", nn.initializers.normal(0.02),
                             (x.shape[-1], self.features), self.dtype)
         # output in the model dtype (GPUs accumulate bf16 GEMMs in f32 anyway): an f32
@@ -62,7 +66,7 @@ class Linear(nn.Module):
             y = (self.matmul or jnp.dot)(x.astype(self.dtype), kernel)
         return self._bias(y)
 
-    def _fp8(self, x):
+    def _fp8(self, x, unscaled: bool = False):
         # real weights arrive quantized (checkpoints/quantize.py); these inits only shape
         # the tree (random models are made in the float dtype, then quantized)
         width = (x.values if isinstance(x, QuantizedActivation) else x).shape[-1]
@@ -76,6 +80,8 @@ class Linear(nn.Module):
                     if self.static_input_scale else None)
         if not isinstance(x, QuantizedActivation):
             x = x.astype(self.dtype)
+        if unscaled:
+            return fp8_gemm(x, weight, scale, in_scale, self.dtype)
         return fp8_linear(x, weight, scale, in_scale, self.dtype)
 
     def _bias(self, y):

@@ -90,12 +90,14 @@ class DecoderLayer(nn.Module):
         if c.is_moe:
             return self.moe(self.post_attention_norm(x))
         h = self.post_attention_norm(x, quantize=self._fused_quant(c.hidden_size))
-        gate, up = self.gate_proj(h), self.up_proj(h)
-        if self._fused_quant(gate.shape[-1]):
+        if self._fused_quant(c.intermediate_size):
+            # gate and up dequantized inside the kernel, not each in a pass of XLA's
             from pallas_kernels.act_quant import silu_mul_quant
+            gate, up = self.gate_proj(h, unscaled=True), self.up_proj(h, unscaled=True)
             return self.down_proj(QuantizedActivation(*silu_mul_quant(
-                gate, up, interpret=jax.default_backend() != "gpu")))
-        return self.down_proj(nn.silu(gate) * up)
+                gate.values, up.values, (gate.row_scale, gate.col_scale, up.col_scale),
+                interpret=jax.default_backend() != "gpu")))
+        return self.down_proj(nn.silu(self.gate_proj(h)) * self.up_proj(h))
 
     def _fused_quant(self, width: int) -> bool:
         """Whether an FP8 projection's input of this width is quantized by its producer's
