@@ -367,6 +367,8 @@ def test_error_table(server):
         (u + "/v1/completions", json.dumps({"prompt": "hi", "n": 0}), 400),
         (u + "/v1/completions", json.dumps({"prompt": "hi", "logprobs": 99}), 400),
         (u + "/v1/completions", json.dumps({"prompt": [10 ** 9]}), 400),
+        (u + "/v1/completions", json.dumps({"prompt": "hi", "allowed_token_ids": []}), 400),
+        (u + "/v1/completions", json.dumps({"prompt": "hi", "allowed_token_ids": [-1]}), 400),
         (u + "/v1/completions", json.dumps({"prompt": "hi", "model": "gpt-9"}), 404),
         (u + "/v1/chat/completions", json.dumps({"messages": []}), 400),
         (u + "/v1/chat/completions", json.dumps({"messages": [{"role": "x", "content": 1}]}),

@@ -299,3 +299,45 @@ def test_masks_filled_on_the_dispatch_thread_give_the_same_tokens(llm, smollm2, 
     assert _is_array_or_prefix(got[1].text, got[1].finish_reason), got[1].text
     if got[0].finish_reason == "stop":
         jsonschema.validate(json.loads(got[0].text), PERSON)
+
+
+def test_allowed_token_ids_mask_every_sample(tiny_bundle):
+    """vLLM's allowed_token_ids: every token, greedy or sampled, is one of them (the
+    unconstrained greedy tokens are not), beside a grammar-free row and without a
+    tokenizer's grammar compiler; the packed mask has exactly those bits."""
+    import numpy as np
+
+    from nanojax import SamplingParams
+    from nanojax.engine.llm_engine import EngineConfig, LLMEngine
+    from nanojax.engine.structured import token_mask
+    m = token_mask([0, 5, 31, 32, 70], 100)
+    assert [32 * w + j for w in range(len(m)) for j in range(32)
+            if (int(m[w]) >> j) & 1] == [0, 5, 31, 32, 70]
+    eng = LLMEngine(tiny_bundle, EngineConfig(b_dense=32, num_pages=64, min_token_bucket=16,
+                                              min_row_bucket=4))
+    prompt = [5, 6, 7, 8, 9]
+    free = eng.add_request(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    alone = eng.run_to_completion()[free].token_ids
+    allowed = sorted(set(range(200, 260)) - set(alone))
+    rids = [eng.add_request(prompt, SamplingParams(max_tokens=6, temperature=t, seed=1,
+                                                   ignore_eos=True, allowed_token_ids=allowed))
+            for t in (0.0, 1.0)]
+    again = eng.add_request(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    done = eng.run_to_completion()
+    for rid in rids:
+        assert set(done[rid].token_ids) <= set(allowed), done[rid].token_ids
+    # the masked rows' neighbour is untouched: the same greedy tokens as alone
+    assert done[again].token_ids == alone
+    assert not np.isin(done[again].token_ids, allowed).any()
+    assert eng._grammars is None  # no tokenizer-built compiler was needed
+
+
+def test_allowed_token_ids_narrow_a_grammar(llm):
+    """A grammar and allowed_token_ids on one row: both masks apply (ANDed), so of the
+    choice only the answer spelled with the allowed tokens can come out."""
+    tok = llm.tokenizer
+    allowed = tok.encode("Berlin") + list(tok.eos_token_ids)
+    out = llm.generate(chat(llm, "The capital of France?"), SamplingParams(
+        max_tokens=8, temperature=0, structured_outputs={"choice": ["Paris", "Berlin"]},
+        allowed_token_ids=allowed))[0]
+    assert out.text == "Berlin" and out.finish_reason == "stop"

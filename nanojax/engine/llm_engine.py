@@ -27,7 +27,7 @@ from nanojax.engine.sampling import SamplingError, SamplingParams
 from nanojax.engine.scheduler import ScheduledBatch, Scheduler
 from nanojax.engine.sequence import Sequence, Status
 from nanojax.engine.structured import (GrammarCompiler, StructuredOutputError,
-                                       StructuredOutputsParams)
+                                       StructuredOutputsParams, fixed_bitmask, token_mask)
 from nanojax.errors import NanojaxError
 from nanojax.layers.kv_fp8 import resolve_kv_cache_dtype
 from nanojax.models.bundle import ModelBundle, cpu_params
@@ -156,6 +156,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stats = EngineStats()
         self._grammars: GrammarCompiler | None = None
+        self._masked = False  # some request had allowed_token_ids: steps look for masks
         # the server's threads check constraints while the engine's thread makes matchers:
         # one compiler (its tokenizer takes a while to build), not one per thread
         self._grammars_lock = threading.Lock()
@@ -219,6 +220,12 @@ class LLMEngine:
             seq.matcher = self._matcher(params)
         if params.prompt_logprobs is not None and self.runner.broadcast is not None:
             raise RequestError("prompt_logprobs are not supported across processes yet")
+        if params.allowed_token_ids is not None:
+            if self.runner.broadcast is not None:  # (masks are not sent to followers)
+                raise RequestError("allowed_token_ids are not supported across processes yet")
+            seq.allowed_mask = token_mask(params.allowed_token_ids,
+                                          self.model_config.vocab_size)
+            self._masked = True
         self.requests[request_id] = seq
         # disk pages of its prefix to host memory, meanwhile (an offloader has a prefix cache)
         if self.offloader is not None and self.prefix_cache is not None:
@@ -339,11 +346,12 @@ class LLMEngine:
         return results
 
     def _constrained_rows(self, batch: ScheduledBatch) -> list[int]:
-        """The rows that sample under a grammar (none before the first constrained
-        request: not even a scan)."""
-        if self._grammars is None:
+        """The rows that sample under a grammar or allowed_token_ids (none before the
+        first such request: not even a scan)."""
+        if self._grammars is None and not self._masked:
             return []
-        return [r for r, e in enumerate(batch.entries) if e.samples and e.seq.matcher is not None]
+        return [r for r, e in enumerate(batch.entries) if e.samples and (
+            e.seq.matcher is not None or e.seq.allowed_mask is not None)]
 
     def _bitmask_fn(self, batch: ScheduledBatch, rows: list[int]):
         """The masked step's bitmask_fn, its matchers taken now (each has its row's newest
@@ -352,8 +360,12 @@ class LLMEngine:
         that finished since it was scheduled (its matcher released) leaves its row free:
         this step's token of it is dropped."""
         matchers = [(m, r) for r in rows if (m := batch.entries[r].seq.matcher) is not None]
+        fixed = [(a, r) for r in rows if (a := batch.entries[r].seq.allowed_mask) is not None]
+        if not matchers:  # (no tokenizer needed)
+            vocab = self.model_config.vocab_size
+            return lambda num_rows: fixed_bitmask(fixed, num_rows, vocab)
         grammars = self.grammars
-        return lambda num_rows: grammars.bitmask(matchers, num_rows)
+        return lambda num_rows: grammars.bitmask(matchers, num_rows, fixed)
 
     def _record(self, batch: ScheduledBatch) -> IterationRecord | None:
         if self.stats.trace is None:

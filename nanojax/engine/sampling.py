@@ -57,6 +57,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0   # [-2, 2], subtracted per occurrence in the output
     repetition_penalty: float = 1.0  # (0, 10]: > 1 discourages prompt and output tokens
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
+    # the only tokens it may sample (vLLM's; a mask on the device, as a grammar's)
+    allowed_token_ids: list[int] | None = None
     # a grammar the output must match (a StructuredOutputsParams or its fields as a dict)
     structured_outputs: StructuredOutputsParams | dict | None = None
     # what each RequestOutput of the request holds (vLLM's RequestOutputKind): cumulative
@@ -69,6 +71,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         if isinstance(self.structured_outputs, dict):
             try:
@@ -122,6 +126,10 @@ class SamplingParams:
                 for k, v in logit_bias.items()):
             bad("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to biases in "
                               "[-100, 100]")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids
+                or any(not 0 <= t <= INT32_MAX for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", "must be a non-empty list of token ids")
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", f"must be one of {OUTPUT_KINDS}")
         if self.structured_outputs is not None and not isinstance(
@@ -131,7 +139,8 @@ class SamplingParams:
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids in stop_token_ids and logit_bias must name tokens of the model."""
         for field, ids in (("stop_token_ids", cast(list[int], self.stop_token_ids)),
-                           ("logit_bias", cast(dict[int, float], self.logit_bias))):
+                           ("logit_bias", cast(dict[int, float], self.logit_bias)),
+                           ("allowed_token_ids", self.allowed_token_ids or [])):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise SamplingError(f"{field}: token id {bad[0]} is outside the vocabulary "

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import enum
 import time
+
+import numpy as np
 from typing import TYPE_CHECKING
 
 from nanojax.engine.sampling import SamplingParams
@@ -63,6 +65,8 @@ class Sequence:
         self.sent_text_len = 0    # how much text was already streamed
         self.sent_tokens = 0
         self.matcher: LLMatcher | None = None  # structured outputs: its llguidance matcher, fed its tokens
+        # allowed_token_ids as a packed mask (structured.token_mask; set by the engine)
+        self.allowed_mask: np.ndarray | None = None
 
     @property
     def num_known(self) -> int:

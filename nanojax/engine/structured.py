@@ -197,13 +197,15 @@ class GrammarCompiler:
         """A fresh matcher for one request."""
         return self._compiled(spec).deep_copy()
 
-    def bitmask(self, rows: list[tuple[LLMatcher, int]], num_rows: int) -> GrammarMasks:
+    def bitmask(self, rows: list[tuple[LLMatcher, int]], num_rows: int,
+                fixed: list[tuple[np.ndarray, int]] | None = None) -> GrammarMasks:
         """The masks of a step of num_rows rows. rows: (matcher, row) of its constrained
-        rows; every other row allows every token."""
-        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
-        size = mask_rows(len(rows), num_rows)
-        mask = allocate_token_bitmask(size, self.vocab_size)  # all bits set
-        index = np.full(size, num_rows, np.int32)  # padding: past the batch, dropped
+        rows; fixed: (packed mask, row) of rows with a fixed set of tokens (token_mask),
+        ANDed with a matcher's on the same row; every other row allows every token."""
+        from llguidance.numpy import fill_next_token_bitmask_par
+        fixed = fixed or []
+        mask, index = _empty_masks(len({r for _, r in rows} | {r for _, r in fixed}),
+                                   num_rows, self.vocab_size)
         if rows:
             fill_next_token_bitmask_par(self._executor,
                                         [(m, i) for i, (m, _) in enumerate(rows)], mask)
@@ -212,7 +214,45 @@ class GrammarCompiler:
             # when the token is read, and an all -inf row must never reach the sampler
             filled = mask[:len(rows)]
             filled[~filled.any(axis=1)] = -1
+        _and_fixed(mask, index, len(rows), fixed)
         return GrammarMasks(mask, index)
+
+
+def token_mask(token_ids, vocab_size: int) -> np.ndarray:
+    """A packed mask [ceil(V/32)] int32 allowing exactly token_ids (GrammarMasks' bits)."""
+    bits = np.zeros(-(-vocab_size // 32) * 32, bool)
+    bits[np.asarray(list(token_ids), np.int64)] = True
+    return np.packbits(bits.reshape(-1, 4, 8)[:, ::-1, ::-1]).view(">i4").astype(np.int32)
+
+
+def fixed_bitmask(fixed: list[tuple[np.ndarray, int]], num_rows: int,
+                  vocab_size: int) -> GrammarMasks:
+    """GrammarCompiler.bitmask without matchers (no tokenizer needed)."""
+    mask, index = _empty_masks(len(fixed), num_rows, vocab_size)
+    _and_fixed(mask, index, 0, fixed)
+    return GrammarMasks(mask, index)
+
+
+def _empty_masks(constrained: int, num_rows: int, vocab_size: int):
+    size = mask_rows(constrained, num_rows)
+    # all bits set; padding rows index past the batch (dropped)
+    return (np.full((size, -(-vocab_size // 32)), -1, np.int32),
+            np.full(size, num_rows, np.int32))
+
+
+def _and_fixed(mask, index, used: int, fixed) -> None:
+    """Fixed masks into the step's: ANDed into their row's where it has one, else in a
+    new row after the used ones."""
+    where = {int(r): i for i, r in enumerate(index[:used])}
+    for m, r in fixed:
+        i = where.get(r)
+        if i is None:
+            i = where[r] = used
+            index[i] = r
+            used += 1
+            mask[i] = m
+        else:
+            mask[i] &= m
 
 
 def mask_threads() -> int:

@@ -226,6 +226,9 @@ def _sampling(body: dict, max_tokens, logprobs, vocab_size: int,
             raise bad("stop", f"'stop' must be a non-empty string or a list of at most "
                               f"{MAX_STOP} non-empty strings")
     stop_ids = _token_ids(body, "stop_token_ids", vocab_size, MAX_STOP_TOKEN_IDS)
+    allowed = _token_ids(body, "allowed_token_ids", vocab_size, vocab_size)
+    if allowed == []:
+        raise bad("allowed_token_ids", "'allowed_token_ids' must not be empty")
     seed = _get(body, "seed", "int")
     if seed is not None and not 0 <= seed < 2**63:
         raise bad("seed", f"'seed' must be in [0, 2^63), got {brief(seed)}")
@@ -249,7 +252,7 @@ def _sampling(body: dict, max_tokens, logprobs, vocab_size: int,
             repetition_penalty=float(_get(body, "repetition_penalty", "num", 1.0, 0.0, 10.0,
                                           lo_open=True)),
             logit_bias=_logit_bias(body, vocab_size), structured_outputs=structured,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, allowed_token_ids=allowed)
     except SamplingError as e:  # what the checks above let through (max_tokens >= 2^31)
         raise bad(None, str(e)) from None
 
