@@ -98,7 +98,8 @@ def test_cut_by_max_tokens_ends_length(llm):
 def test_only_steps_with_a_constrained_row_fill_a_mask(llm, monkeypatch):
     grammars, calls = llm.engine.grammars, []
     fill = grammars.bitmask
-    monkeypatch.setattr(grammars, "bitmask", lambda rows, n: calls.append(rows) or fill(rows, n))
+    monkeypatch.setattr(grammars, "bitmask",
+                        lambda rows, n, *fixed: calls.append(rows) or fill(rows, n, *fixed))
     llm.generate(chat(llm, "Hi"), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert calls == []  # the sampler took no mask: no extra work, no other variant
     llm.generate(chat(llm, "Hi"), SamplingParams(max_tokens=3, temperature=0,
@@ -284,8 +285,8 @@ def test_masks_filled_on_the_dispatch_thread_give_the_same_tokens(llm, smollm2, 
                    async_dispatch=True)
     grammars, fill_threads = threaded.engine.grammars, set()
     fill = grammars.bitmask
-    monkeypatch.setattr(grammars, "bitmask", lambda rows, n: fill_threads.add(
-        threading.current_thread().name) or fill(rows, n))
+    monkeypatch.setattr(grammars, "bitmask", lambda rows, n, *fixed: fill_threads.add(
+        threading.current_thread().name) or fill(rows, n, *fixed))
     prompts = [chat(llm, q) for q in ("Describe a person as JSON.", "Numbers?", "Say hi.")]
     params = [SamplingParams(max_tokens=24, temperature=0.8, seed=3,
                              structured_outputs={"json": PERSON}),
