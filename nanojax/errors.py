@@ -15,3 +15,8 @@ class CheckpointError(NanojaxError):
 
 class UnsupportedError(NanojaxError):
     """A valid input that nanojax does not handle (quant type, architecture, tokenizer)."""
+
+
+class EngineDeadError(RuntimeError):
+    """A step failed: the engine's state (pages, steps in flight) can no longer be trusted,
+    so it takes no more work and says why (vLLM's EngineDeadError)."""

@@ -109,3 +109,38 @@ def test_engine_with_fused_quantization_gives_the_xla_quantizations_tokens(tiny_
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose([x["logprob"] for x in a.outputs[0].logprobs],
                                    [x["logprob"] for x in b.outputs[0].logprobs], atol=2e-2)
+
+
+def test_the_gpu_forward_runs_the_kernels_its_config_names(tiny_bundle, monkeypatch):
+    """The GPU's straight-line forward (UnrolledForward, interpreted here) quantizes the FP8
+    projections' inputs where act_quant says, with the tokens of XLA's quantization. Its
+    layers once kept the model's default (XLA's passes) whatever the KernelConfig said, so
+    the engine on a GPU never ran the fused kernels only the plan executor's steps had."""
+    import pallas_kernels.act_quant as aq
+    from nanojax.engine.forward import UnrolledForward
+    from nanojax.engine.llm_engine import EngineConfig, LLMEngine
+    from nanojax.engine.sampling import SamplingParams
+    from nanojax.models.bundle import quantize_bundle
+    bundle = quantize_bundle(tiny_bundle, "fp8")
+    calls = []
+    for name in ("silu_mul_quant", "rms_norm_quant"):
+        real = getattr(aq, name)
+        monkeypatch.setattr(aq, name, lambda *a, _f=real, _n=name, **k: (
+            calls.append(_n), _f(*a, **{**k, "interpret": True}))[1])
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(100, 130))]
+    outs = {}
+    for mode in ("xla", "pallas"):
+        calls.clear()
+        fwd = UnrolledForward(bundle.config)
+        fwd.act_quant = mode
+        assert fwd.for_shard(bundle.config, "tp").model.act_quant == mode
+        eng = LLMEngine(bundle, EngineConfig(b_dense=32, num_pages=48, page_size=4,
+                                             max_model_len=64, step_cache=False),
+                        forward=fwd)  # (a stored step would skip the trace counted here)
+        ids = [eng.add_request(p, SamplingParams(max_tokens=4, temperature=0,
+                                                 ignore_eos=True)) for p in prompts]
+        done = eng.run_to_completion()
+        outs[mode] = [done[i].token_ids for i in ids]
+        assert (set(calls) == {"silu_mul_quant", "rms_norm_quant"}) == (mode == "pallas")
+        assert calls or mode == "xla"
+    assert outs["xla"] == outs["pallas"]

@@ -200,3 +200,28 @@ def test_abort_frees_pages_and_spares_the_others():
         assert done[ids[i]].token_ids == mock_outputs(*work[i], VOCAB)
     assert eng.stats.finished == {"abort": 2, "length": 3}
     _assert_no_leaks(eng)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failed_step_stops_the_engine_with_its_error(monkeypatch, async_scheduling):
+    """After a step raises, the engine refuses more work and names the first error rather
+    than scheduling on sequences whose tokens will never be read (an offline LLM's next
+    generate() spun in schedule() forever)."""
+    from nanojax.errors import EngineDeadError
+    eng = _engine(async_scheduling=async_scheduling)
+    for p, m in _workload(3, 6):
+        eng.add_request(p, _greedy(m))
+    eng.step()
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("device lost")
+    monkeypatch.setattr(eng.runner, "launch", broken)
+    with pytest.raises(RuntimeError, match="device lost"):
+        eng.run_to_completion()
+    with pytest.raises(EngineDeadError, match="RuntimeError: device lost"):
+        eng.step()
+    with pytest.raises(EngineDeadError, match="device lost"):
+        eng.add_request([1, 2, 3], _greedy(4))
+    assert len(calls) == 1  # nothing was launched after the failure

@@ -23,10 +23,7 @@ from nanojax.engine.gc_freeze import FrozenWhileBusy
 from nanojax.engine.llm_engine import LLMEngine, RequestError
 from nanojax.engine.outputs import RequestOutput
 from nanojax.engine.sampling import SamplingParams
-
-
-class EngineDeadError(RuntimeError):
-    pass
+from nanojax.errors import EngineDeadError
 
 
 @dataclasses.dataclass

@@ -92,10 +92,16 @@ class UnrolledForward:
         self.cfg = cfg
         self.attention = attention
         self.tp_axis = tp_axis
-        self.model = LlamaForCausalLM(cfg, tp_axis=tp_axis)
         self.compiler_options: dict = {}
         self.grouped_gemm = "auto"  # an MoE FFN's expert GEMMs (KernelConfig.grouped_gemm)
         self.act_quant = "xla"  # FP8 projections' input quantization (KernelConfig.act_quant)
+
+    @property
+    def model(self) -> LlamaForCausalLM:
+        """The model with this forward's kernel choices, which are set after __init__
+        (default_forward): built when used, so its layers never keep stale ones."""
+        return LlamaForCausalLM(self.cfg, tp_axis=self.tp_axis,
+                                grouped_gemm=self.grouped_gemm, act_quant=self.act_quant)
 
     def layer(self, matmul=None, grouped_gemm: str | None = None) -> DecoderLayer:
         """A decoder layer whose GEMMs are `matmul` and expert GEMMs `grouped_gemm` (None:
@@ -113,7 +119,6 @@ class UnrolledForward:
         """This forward for one tensor-parallel shard of shape cfg (inside shard_map)."""
         new = copy.copy(self)
         new.cfg, new.tp_axis = cfg, tp_axis
-        new.model = LlamaForCausalLM(cfg, tp_axis=tp_axis)
         return new
 
     def prepare(self, params):

@@ -28,7 +28,7 @@ from nanojax.engine.scheduler import ScheduledBatch, Scheduler
 from nanojax.engine.sequence import Sequence, Status
 from nanojax.engine.structured import (GrammarCompiler, StructuredOutputError,
                                        StructuredOutputsParams, fixed_bitmask, token_mask)
-from nanojax.errors import NanojaxError
+from nanojax.errors import EngineDeadError, NanojaxError
 from nanojax.layers.kv_fp8 import resolve_kv_cache_dtype
 from nanojax.models.bundle import ModelBundle, cpu_params
 from nanojax.tokenizer import IncrementalDetokenizer
@@ -152,6 +152,7 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._in_flight: tuple[ScheduledBatch, object, IterationRecord | None] | None = None
         self._aborted: list[Sequence] = []
+        self._failure: BaseException | None = None  # the step that failed, if one did
         self._seed_rng = np.random.default_rng(cfg.seed)
         self._ids = itertools.count()
         self.stats = EngineStats()
@@ -202,6 +203,7 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
+        self._check_alive()
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -291,7 +293,24 @@ class LLMEngine:
         return a.num_used / a.num_pages
 
     # ---- one iteration -------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            e = self._failure
+            raise EngineDeadError(f"the engine stopped after a failed step "
+                                  f"({type(e).__name__}: {e}); start a new one") from e
+
     def step(self) -> list[RequestOutput]:
+        """One iteration. If it raises, the engine is dead: sequences may hold tokens that
+        will never be read and pages of a step that never ran, so every later call raises
+        EngineDeadError with the first error rather than scheduling on that state."""
+        self._check_alive()
+        try:
+            return self._step()
+        except BaseException as e:
+            self._failure = e
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         start, wait_before = time.perf_counter(), self.stats.wait_s
         # the step in flight: its rows hold the newest tokens of the decodes in it
         prev = self._in_flight[0] if self._in_flight is not None else None

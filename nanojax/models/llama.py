@@ -121,12 +121,15 @@ class LlamaForCausalLM(nn.Module):
     # one shard's shape; the embedding holds a contiguous slice of the vocabulary and
     # logits() returns that slice's logits (nanojax/parallel/tp.py)
     tp_axis: str | None = None
+    grouped_gemm: str = "auto"  # the layers' KernelConfig.grouped_gemm
+    act_quant: str = "xla"  # the layers' KernelConfig.act_quant
 
     def setup(self):
         c, dt = self.cfg, _dtype(self.cfg)
         self.embed = nn.Embed(c.vocab_size, c.hidden_size, param_dtype=dt, dtype=dt,
                               embedding_init=nn.initializers.normal(0.02))
-        self.layers = [DecoderLayer(c, reduce=self.reduce) for _ in range(c.num_layers)]
+        self.layers = [DecoderLayer(c, reduce=self.reduce, grouped_gemm=self.grouped_gemm,
+                                    act_quant=self.act_quant) for _ in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, dt)
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.vocab_size, dt)

@@ -11,7 +11,8 @@
 # model; nanojax/models/fp8_calibration.py): no per-token absmax pass at all.
 # F32=1: also the float32 step, each mode's logits distance from it (issue 42 item 4: the
 # FP8 modes' distance beside bf16's; ~32 GB more weights, a compile more).
-# Usage: OUT=dir [GEMM=0: skip the GEMM bench] [MODES=...] [WORKLOADS=...] [SUSTAIN=s] [F32=1]
+# KEEP_HLO=1: keep the optimized HLO (gzipped, $OUT/hlo_opt/) to name the fusions.
+# Usage: OUT=dir [GEMM=0: skip the GEMM bench] [MODES=...] [WORKLOADS=...] [SUSTAIN=s] [F32=1] [KEEP_HLO=1]
 #   bash bench/repro/fp8/gemm_and_step_h200.sh
 set -u
 OUT=${OUT:?set OUT}
@@ -29,5 +30,11 @@ for f in "$OUT"/hlo/*after_optimizations.txt; do
   echo "$(basename "$f"): fp8 cublasLt calls $(grep -c 'cublas\$lt\$matmul\$f8' "$f"), other cublas $(grep -c 'custom_call_target="__cublas\$gemm\|custom_call_target="__cublas\$lt\$matmul"' "$f")"
 done > "$OUT/hlo_fp8_calls.txt"
 cat "$OUT/hlo_fp8_calls.txt" | head -20
+if [ "${KEEP_HLO:-0}" = 1 ]; then  # the optimized HLO, gzipped, to name each fusion
+  mkdir -p "$OUT/hlo_opt"
+  for f in "$OUT"/hlo/*after_optimizations.txt; do
+    [ -f "$f" ] && gzip -c "$f" > "$OUT/hlo_opt/$(basename "$f").gz"
+  done
+fi
 rm -rf "$OUT/hlo"
 ls -la "$OUT"
