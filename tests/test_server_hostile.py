@@ -249,6 +249,7 @@ COMMON = {
     "stop": _either(st.lists(SMALL_TEXT, max_size=2)),
     "stop_token_ids": _either(st.lists(TOKEN, max_size=3)),
     "allowed_token_ids": _either(st.lists(TOKEN, max_size=3)),
+    "bad_words": _either(st.lists(SMALL_TEXT, max_size=3)),
     "stream": _either(st.booleans()),
     "ignore_eos": _either(st.booleans()),
     "min_tokens": _either(st.integers(0, 2)),

@@ -1,5 +1,6 @@
 """Structured outputs in the engine: every constrained output obeys its constraint, on the
 embedded SmolLM2 model (async scheduling: the mask of step i+1 needs step i's token)."""
+import dataclasses
 import functools
 import json
 import re
@@ -331,6 +332,56 @@ def test_allowed_token_ids_mask_every_sample(tiny_bundle):
     assert done[again].token_ids == alone
     assert not np.isin(done[again].token_ids, allowed).any()
     assert eng._grammars is None  # no tokenizer-built compiler was needed
+
+
+def test_bad_words_tokens_and_bans():
+    """vLLM's reading: a word at the start and, where a space makes another first token,
+    inside a text; each word's last token is banned where the output ends with the rest."""
+    from nanojax.engine.structured import bad_words_token_ids, banned_tokens
+
+    class Tok:  # words split on letters: "a b" -> [1, 2]; a leading space is its own id
+        def encode(self, text, add_special_tokens=True):
+            return ([100] if text.startswith(" ") else []) + [ord(c) - 96 for c in text.strip()]
+    assert bad_words_token_ids(Tok(), ["ab", " c"], 200) == [(1, 2), (3,)]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        bad_words_token_ids(Tok(), ["z"], 20)
+    ids = [(7,), (1, 2), (1, 2, 3)]
+    assert banned_tokens(ids, []) == [7]
+    assert banned_tokens(ids, [5, 1]) == [7, 2]
+    assert banned_tokens(ids, [1, 2]) == [7, 3]
+    assert banned_tokens(ids, [2, 1]) == [7, 2]
+
+
+def test_bad_words_are_never_written(llm):
+    """The words the unconstrained greedy output wrote are avoided with bad_words (their
+    tokens never follow each other in the output), beside a row that keeps its tokens; a
+    grammar whose only answer is a bad word still answers (the ban yields to it rather
+    than leave the sampler no token), and a choice loses its banned answer."""
+    from nanojax.engine.structured import bad_words_token_ids
+    tok = llm.tokenizer
+    prompt = chat(llm, "Name three colours.")
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    free = llm.generate(prompt, greedy)[0]
+    words = sorted({w.strip(".,!*:") for w in free.text.split()} - {""}, key=len)[-3:]
+    banned = bad_words_token_ids(tok, words, llm.engine.model_config.vocab_size)
+    assert any(len(ids) > 1 for ids in banned) or len(banned) >= 3
+    outs = llm.generate([prompt, prompt],
+                        [dataclasses.replace(greedy, bad_words=words), greedy])
+    got = outs[0].token_ids
+    for ids in banned:
+        n = len(ids)
+        assert all(tuple(got[i:i + n]) != ids for i in range(len(got) - n + 1)), (ids, got)
+    assert got != free.token_ids and outs[1].token_ids == free.token_ids
+    choice = {"choice": ["Paris", "Berlin"]}
+    question = chat(llm, "The capital of France?")
+    out = llm.generate(question, SamplingParams(max_tokens=8, temperature=0,
+                                                structured_outputs=choice,
+                                                bad_words=["Paris"]))[0]
+    assert out.text == "Berlin"
+    out = llm.generate(question, SamplingParams(max_tokens=8, temperature=0,
+                                                structured_outputs={"choice": ["Paris"]},
+                                                bad_words=["Paris"]))[0]
+    assert out.text == "Paris" and out.finish_reason == "stop"
 
 
 def test_allowed_token_ids_narrow_a_grammar(llm):

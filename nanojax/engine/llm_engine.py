@@ -27,7 +27,9 @@ from nanojax.engine.sampling import SamplingError, SamplingParams
 from nanojax.engine.scheduler import ScheduledBatch, Scheduler
 from nanojax.engine.sequence import Sequence, Status
 from nanojax.engine.structured import (GrammarCompiler, StructuredOutputError,
-                                       StructuredOutputsParams, fixed_bitmask, token_mask)
+                                       StructuredOutputsParams, bad_words_token_ids,
+                                       banned_tokens, fixed_bitmask, token_mask,
+                                       without_tokens)
 from nanojax.errors import EngineDeadError, NanojaxError
 from nanojax.layers.kv_fp8 import resolve_kv_cache_dtype
 from nanojax.models.bundle import ModelBundle, cpu_params
@@ -157,7 +159,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stats = EngineStats()
         self._grammars: GrammarCompiler | None = None
-        self._masked = False  # some request had allowed_token_ids: steps look for masks
+        # some request had allowed_token_ids or bad_words: steps look for masks
+        self._masked = False
         # the server's threads check constraints while the engine's thread makes matchers:
         # one compiler (its tokenizer takes a while to build), not one per thread
         self._grammars_lock = threading.Lock()
@@ -227,6 +230,17 @@ class LLMEngine:
                 raise RequestError("allowed_token_ids are not supported across processes yet")
             seq.allowed_mask = token_mask(params.allowed_token_ids,
                                           self.model_config.vocab_size)
+            self._masked = True
+        if params.bad_words:
+            if self.runner.broadcast is not None:
+                raise RequestError("bad_words are not supported across processes yet")
+            if self.tokenizer is None:
+                raise RequestError("bad_words need the model's tokenizer")
+            try:
+                seq.bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words,
+                                                        self.model_config.vocab_size)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
             self._masked = True
         self.requests[request_id] = seq
         # disk pages of its prefix to host memory, meanwhile (an offloader has a prefix cache)
@@ -365,26 +379,30 @@ class LLMEngine:
         return results
 
     def _constrained_rows(self, batch: ScheduledBatch) -> list[int]:
-        """The rows that sample under a grammar or allowed_token_ids (none before the
-        first such request: not even a scan)."""
+        """The rows that sample under a grammar, allowed_token_ids or bad_words (none
+        before the first such request: not even a scan)."""
         if self._grammars is None and not self._masked:
             return []
         return [r for r, e in enumerate(batch.entries) if e.samples and (
-            e.seq.matcher is not None or e.seq.allowed_mask is not None)]
+            e.seq.matcher is not None or e.seq.allowed_mask is not None
+            or e.seq.bad_words_ids)]
 
     def _bitmask_fn(self, batch: ScheduledBatch, rows: list[int]):
         """The masked step's bitmask_fn, its matchers taken now (each has its row's newest
         token: the step before was processed); the fill may run on the dispatch thread,
         and nothing advances these matchers until this step's tokens are read. A request
         that finished since it was scheduled (its matcher released) leaves its row free:
-        this step's token of it is dropped."""
-        matchers = [(m, r) for r in rows if (m := batch.entries[r].seq.matcher) is not None]
-        fixed = [(a, r) for r in rows if (a := batch.entries[r].seq.allowed_mask) is not None]
+        this step's token of it is dropped. Bad words' bans are taken now, from each
+        row's output so far (which this step's token follows)."""
+        seqs, vocab = [batch.entries[r].seq for r in rows], self.model_config.vocab_size
+        matchers = [(s.matcher, r) for s, r in zip(seqs, rows) if s.matcher is not None]
+        fixed = [(s.allowed_mask, r) for s, r in zip(seqs, rows) if s.allowed_mask is not None]
+        bans = [(without_tokens(b, vocab), r) for s, r in zip(seqs, rows) if s.bad_words_ids
+                and (b := banned_tokens(s.bad_words_ids, s.output_ids))]
         if not matchers:  # (no tokenizer needed)
-            vocab = self.model_config.vocab_size
-            return lambda num_rows: fixed_bitmask(fixed, num_rows, vocab)
+            return lambda num_rows: fixed_bitmask(fixed, num_rows, vocab, bans)
         grammars = self.grammars
-        return lambda num_rows: grammars.bitmask(matchers, num_rows, fixed)
+        return lambda num_rows: grammars.bitmask(matchers, num_rows, fixed, bans)
 
     def _record(self, batch: ScheduledBatch) -> IterationRecord | None:
         if self.stats.trace is None:

@@ -27,6 +27,7 @@ from nanojax.errors import NanojaxError
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300       # entries per request
 MAX_STOP_TOKEN_IDS = 256
+MAX_BAD_WORDS = 256
 INT32_MAX = 2**31 - 1
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
@@ -59,6 +60,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
     # the only tokens it may sample (vLLM's; a mask on the device, as a grammar's)
     allowed_token_ids: list[int] | None = None
+    # words it must not write (vLLM's): each word's last token is masked where the output
+    # so far ends with the rest of it (bad_words_token_ids in structured.py)
+    bad_words: list[str] | None = None
     # a grammar the output must match (a StructuredOutputsParams or its fields as a dict)
     structured_outputs: StructuredOutputsParams | dict | None = None
     # what each RequestOutput of the request holds (vLLM's RequestOutputKind): cumulative
@@ -73,6 +77,8 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         if isinstance(self.structured_outputs, dict):
             try:
@@ -130,6 +136,11 @@ class SamplingParams:
                 not self.allowed_token_ids
                 or any(not 0 <= t <= INT32_MAX for t in self.allowed_token_ids)):
             bad("allowed_token_ids", "must be a non-empty list of token ids")
+        if self.bad_words is not None and (
+                not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS
+                or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            bad("bad_words", f"must be a list of at most {MAX_BAD_WORDS} words "
+                             "(non-blank strings)")
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", f"must be one of {OUTPUT_KINDS}")
         if self.structured_outputs is not None and not isinstance(

@@ -67,6 +67,8 @@ class Sequence:
         self.matcher: LLMatcher | None = None  # structured outputs: its llguidance matcher, fed its tokens
         # allowed_token_ids as a packed mask (structured.token_mask; set by the engine)
         self.allowed_mask: np.ndarray | None = None
+        # bad_words as token sequences (structured.bad_words_token_ids; set by the engine)
+        self.bad_words_ids: list[tuple[int, ...]] | None = None
 
     @property
     def num_known(self) -> int:

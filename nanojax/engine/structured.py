@@ -198,14 +198,17 @@ class GrammarCompiler:
         return self._compiled(spec).deep_copy()
 
     def bitmask(self, rows: list[tuple[LLMatcher, int]], num_rows: int,
-                fixed: list[tuple[np.ndarray, int]] | None = None) -> GrammarMasks:
+                fixed: list[tuple[np.ndarray, int]] | None = None,
+                bans: list[tuple[np.ndarray, int]] | None = None) -> GrammarMasks:
         """The masks of a step of num_rows rows. rows: (matcher, row) of its constrained
         rows; fixed: (packed mask, row) of rows with a fixed set of tokens (token_mask),
-        ANDed with a matcher's on the same row; every other row allows every token."""
+        ANDed with a matcher's on the same row; bans: (packed mask, row) of tokens a row
+        must avoid (bad words: without_tokens), ANDed last where they leave it a token;
+        every other row allows every token."""
         from llguidance.numpy import fill_next_token_bitmask_par
-        fixed = fixed or []
-        mask, index = _empty_masks(len({r for _, r in rows} | {r for _, r in fixed}),
-                                   num_rows, self.vocab_size)
+        fixed, bans = fixed or [], bans or []
+        mask, index = _empty_masks(len({r for _, r in rows} | {r for _, r in fixed}
+                                       | {r for _, r in bans}), num_rows, self.vocab_size)
         if rows:
             fill_next_token_bitmask_par(self._executor,
                                         [(m, i) for i, (m, _) in enumerate(rows)], mask)
@@ -214,7 +217,7 @@ class GrammarCompiler:
             # when the token is read, and an all -inf row must never reach the sampler
             filled = mask[:len(rows)]
             filled[~filled.any(axis=1)] = -1
-        _and_fixed(mask, index, len(rows), fixed)
+        _and_bans(mask, index, _and_fixed(mask, index, len(rows), fixed), bans)
         return GrammarMasks(mask, index)
 
 
@@ -225,11 +228,55 @@ def token_mask(token_ids, vocab_size: int) -> np.ndarray:
     return np.packbits(bits.reshape(-1, 4, 8)[:, ::-1, ::-1]).view(">i4").astype(np.int32)
 
 
-def fixed_bitmask(fixed: list[tuple[np.ndarray, int]], num_rows: int,
-                  vocab_size: int) -> GrammarMasks:
+def without_tokens(token_ids, vocab_size: int) -> np.ndarray:
+    """A packed mask [ceil(V/32)] int32 allowing every token but token_ids."""
+    words = np.full(-(-vocab_size // 32), 0xFFFFFFFF, np.uint32)
+    if vocab_size % 32:  # no bits past the vocabulary (token_mask has none either)
+        words[-1] = (1 << (vocab_size % 32)) - 1
+    ids = np.asarray(list(token_ids), np.int64)
+    np.bitwise_and.at(words, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+    return words.view(np.int32)
+
+
+def bad_words_token_ids(tokenizer, words: list[str], vocab_size: int
+                        ) -> list[tuple[int, ...]]:
+    """vLLM's reading of bad_words: each word as it tokenizes at the start of a text and,
+    where a leading space gives another first token but as many tokens, as it tokenizes
+    inside one. Raises ValueError for a word with a token past the model's vocabulary."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        forms = [alone]
+        if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone):
+            forms.append(spaced)
+        for ids in forms:
+            if any(t >= vocab_size for t in ids):
+                raise ValueError(f"bad word {word[:40]!r} has token {max(ids)}, outside the "
+                                 f"vocabulary [0, {vocab_size})")
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
+def banned_tokens(bad_ids: list[tuple[int, ...]], output_ids: list[int]) -> list[int]:
+    """The tokens that would complete a bad word next: each word's last token, where the
+    output so far ends with the rest of it (a one-token word: always)."""
+    n, banned = len(output_ids), []
+    for ids in bad_ids:
+        k = len(ids) - 1
+        if k <= n and (k == 0 or tuple(output_ids[n - k:]) == ids[:-1]):
+            banned.append(ids[-1])
+    return banned
+
+
+def fixed_bitmask(fixed: list[tuple[np.ndarray, int]], num_rows: int, vocab_size: int,
+                  bans: list[tuple[np.ndarray, int]] | None = None) -> GrammarMasks:
     """GrammarCompiler.bitmask without matchers (no tokenizer needed)."""
-    mask, index = _empty_masks(len(fixed), num_rows, vocab_size)
-    _and_fixed(mask, index, 0, fixed)
+    bans = bans or []
+    mask, index = _empty_masks(len({r for _, r in fixed} | {r for _, r in bans}),
+                               num_rows, vocab_size)
+    _and_bans(mask, index, _and_fixed(mask, index, 0, fixed), bans)
     return GrammarMasks(mask, index)
 
 
@@ -240,19 +287,32 @@ def _empty_masks(constrained: int, num_rows: int, vocab_size: int):
             np.full(size, num_rows, np.int32))
 
 
-def _and_fixed(mask, index, used: int, fixed) -> None:
+def _and_fixed(mask, index, used: int, fixed, keep_a_token: bool = False) -> int:
     """Fixed masks into the step's: ANDed into their row's where it has one, else in a
-    new row after the used ones."""
+    new row after the used ones; returns the rows used. keep_a_token: a mask that would
+    leave its row no token is not applied (an all -inf row must never reach the
+    sampler)."""
     where = {int(r): i for i, r in enumerate(index[:used])}
     for m, r in fixed:
         i = where.get(r)
+        if i is None and keep_a_token and not m.any():
+            continue
         if i is None:
             i = where[r] = used
             index[i] = r
             used += 1
             mask[i] = m
         else:
-            mask[i] &= m
+            both = mask[i] & m
+            if not keep_a_token or both.any():
+                mask[i] = both
+    return used
+
+
+def _and_bans(mask, index, used: int, bans) -> int:
+    """A row's banned tokens (bad words) go last: where a grammar or allowed_token_ids
+    leave the row only banned tokens, the ban yields (vLLM would sample from all -inf)."""
+    return _and_fixed(mask, index, used, bans, keep_a_token=True)
 
 
 def mask_threads() -> int:

@@ -14,7 +14,7 @@ import math
 import re
 from typing import Any
 
-from nanojax.engine.sampling import (INT32_MAX, MAX_LOGIT_BIAS, MAX_LOGPROBS,
+from nanojax.engine.sampling import (INT32_MAX, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS,
                                      MAX_STOP_TOKEN_IDS, SamplingError, SamplingParams)
 from nanojax.engine.structured import StructuredOutputError, StructuredOutputsParams
 from nanojax.server.api_error import ApiError, bad, brief  # noqa: F401 - importers use them here
@@ -22,6 +22,7 @@ from nanojax.server.tools import parse_tools
 
 MAX_N = 16
 MAX_STOP = 4
+MAX_BAD_WORD_CHARS = 256
 MAX_DEPTH = 32   # JSON nesting; OpenAI bodies need 5
 # fields of the OpenAI / vLLM APIs this server does not implement: (field, value allowed)
 UNSUPPORTED = {"suffix": lambda v: v in (None, ""),
@@ -229,6 +230,13 @@ def _sampling(body: dict, max_tokens, logprobs, vocab_size: int,
     allowed = _token_ids(body, "allowed_token_ids", vocab_size, vocab_size)
     if allowed == []:
         raise bad("allowed_token_ids", "'allowed_token_ids' must not be empty")
+    bad_words = body.get("bad_words")
+    if bad_words is not None and (
+            not isinstance(bad_words, list) or len(bad_words) > MAX_BAD_WORDS
+            or not all(isinstance(w, str) and w.strip() and len(w) <= MAX_BAD_WORD_CHARS
+                       for w in bad_words)):
+        raise bad("bad_words", f"'bad_words' must be a list of at most {MAX_BAD_WORDS} "
+                               f"words of 1 to {MAX_BAD_WORD_CHARS} characters")
     seed = _get(body, "seed", "int")
     if seed is not None and not 0 <= seed < 2**63:
         raise bad("seed", f"'seed' must be in [0, 2^63), got {brief(seed)}")
@@ -252,7 +260,8 @@ def _sampling(body: dict, max_tokens, logprobs, vocab_size: int,
             repetition_penalty=float(_get(body, "repetition_penalty", "num", 1.0, 0.0, 10.0,
                                           lo_open=True)),
             logit_bias=_logit_bias(body, vocab_size), structured_outputs=structured,
-            prompt_logprobs=prompt_logprobs, allowed_token_ids=allowed)
+            prompt_logprobs=prompt_logprobs, allowed_token_ids=allowed,
+            bad_words=bad_words or None)
     except SamplingError as e:  # what the checks above let through (max_tokens >= 2^31)
         raise bad(None, str(e)) from None
 
