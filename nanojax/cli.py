@@ -230,6 +230,8 @@ def main(argv=None) -> int:
         argv.insert(1, "throughput")  # `nanojax bench` is the offline benchmark
     args = build_parser().parse_args(argv)
     try:
+        from nanojax.config_flags import apply_gpu_memory_utilization
+        apply_gpu_memory_utilization(args)
         if hasattr(args, "no_compile_cache"):  # commands that compile: cache what they do
             from nanojax import compile_cache
             compile_cache.configure(args)

@@ -525,7 +525,11 @@ class EngineConfig:
     num_pages: int | None = dataclasses.field(default=None, metadata=_opt(
         "KV pages (default: sized from free device memory; 8 full requests on the CPU)"))
     memory_utilization: float = dataclasses.field(default=0.9, metadata=_opt(
-        "fraction of device memory the weights and KV cache may use", flag="gpu-memory-utilization"))
+        "GPU: the share of the card's memory this process takes, as vLLM's flag: weights, "
+        "XLA's work buffers (a tenth of the share) and the KV cache, which gets the rest. "
+        "The CLI sizes jax's allocator to it (jax's own default, 0.75, left a fifth of the "
+        "cache unused); XLA_CLIENT_MEM_FRACTION, where set, wins. In Python jax has "
+        "started before the engine: set that variable first", flag="gpu-memory-utilization"))
     max_num_seqs: int | None = dataclasses.field(default=None, metadata=_opt(
         "most requests running at once (default: from KV capacity)"))
     max_model_len: int = dataclasses.field(default=2048, metadata=_opt(

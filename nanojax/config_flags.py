@@ -37,6 +37,32 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     compile_cache.add_args(p)
 
 
+MEM_FRACTION_ENV = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+
+def apply_gpu_memory_utilization(args: argparse.Namespace) -> float | None:
+    """--gpu-memory-utilization (EngineConfig.memory_utilization) as jax's allocator reads
+    it: its pool is sized when the backend starts, so this runs first. Returns the share in
+    force (None: the command loads no model); the environment's, where set, is kept."""
+    import os
+    if not hasattr(args, "model"):
+        return None
+    chosen = getattr(args, "memory_utilization", EngineConfig.memory_utilization)
+    if not 0 < chosen <= 1:  # (NaN too) before jax reads it
+        raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {chosen}")
+    for env in MEM_FRACTION_ENV:
+        if os.environ.get(env):
+            return float(os.environ[env])
+    from jax._src import xla_bridge
+    if xla_bridge.backends_are_initialized():  # (main() called again in one process)
+        import logging
+        logging.getLogger("nanojax").warning(
+            "jax's backend has started: --gpu-memory-utilization %s is not applied", chosen)
+        return None
+    os.environ[MEM_FRACTION_ENV[0]] = str(chosen)
+    return chosen
+
+
 def _parsed(convert, s: str, expected: str):
     """argparse says "invalid <function name> value" for a ValueError: name the expectation."""
     try:
@@ -51,6 +77,13 @@ def integer(s: str) -> int:
 
 def number(s: str) -> float:
     return _parsed(float, s, "a number")
+
+
+def fraction(s: str) -> float:
+    v = _parsed(float, s, "a number in (0, 1]")
+    if not 0 < v <= 1:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {s!r}")
+    return v
 
 
 def positive_int(s: str) -> int:

@@ -1,4 +1,5 @@
 """The `nanojax` command line, run as a user would (subprocess)."""
+import os
 import json
 import subprocess
 import sys
@@ -68,3 +69,32 @@ def test_compile_cache_is_on_by_default_and_can_be_moved_or_turned_off(tmp_path)
                          timeout=120)
     assert res.returncode == 0, res.stderr
     assert not off.exists() or not list(off.rglob("*"))
+
+
+def test_gpu_memory_utilization_sizes_jax_pool(monkeypatch):
+    """--gpu-memory-utilization becomes jax's allocator share before the backend starts
+    (jax's own 0.75 left a fifth of an H200's KV cache unused); a variable the user set
+    wins; a bad share is refused before jax reads it; commands without a model are left
+    alone."""
+    from nanojax.cli import build_parser
+    from nanojax.config_flags import MEM_FRACTION_ENV, apply_gpu_memory_utilization
+    from nanojax.errors import ConfigError
+    from jax._src import xla_bridge
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    for env in MEM_FRACTION_ENV:
+        monkeypatch.delenv(env, raising=False)
+    parse = build_parser().parse_args
+    assert apply_gpu_memory_utilization(parse(["serve"])) == 0.9
+    assert os.environ["XLA_CLIENT_MEM_FRACTION"] == "0.9"
+    assert apply_gpu_memory_utilization(
+        parse(["bench", "throughput", "--gpu-memory-utilization", "0.8"])) == 0.9  # kept
+    monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION")
+    assert apply_gpu_memory_utilization(
+        parse(["bench", "throughput", "--gpu-memory-utilization", "0.8"])) == 0.8
+    monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION")
+    with pytest.raises(ConfigError, match="must be in"):
+        apply_gpu_memory_utilization(parse(["serve", "--gpu-memory-utilization", "nan"]))
+    assert "XLA_CLIENT_MEM_FRACTION" not in os.environ
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
+    assert apply_gpu_memory_utilization(parse(["serve"])) is None  # too late: not applied
+    assert "XLA_CLIENT_MEM_FRACTION" not in os.environ

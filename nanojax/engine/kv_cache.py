@@ -202,7 +202,9 @@ class CacheSizing:
 
 
 def free_device_bytes(utilization: float = 0.9) -> int | None:
-    """Bytes the KV cache may take on the first device, or None where unknown (CPU)."""
+    """Bytes the KV cache may take on the first device, or None where unknown (CPU): a
+    share of jax's pool (EngineConfig.memory_utilization sized the pool; the rest of it
+    is XLA's work buffers), less what is in use (the weights)."""
     try:
         stats = jax.devices()[0].memory_stats()
     except Exception:

@@ -106,7 +106,7 @@ class LLMEngine:
         num_pages, free = cfg.num_pages, None
         if num_pages is None:
             from nanojax.engine.kv_cache import free_device_bytes
-            free = free_device_bytes(cfg.memory_utilization)
+            free = free_device_bytes()
             free = free if free is None or broadcast is None else agree(free)
             if free is None:  # CPU: enough for a modest batch of full-length requests
                 num_pages = max(64, 8 * self.max_model_len // cfg.page_size)

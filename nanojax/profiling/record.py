@@ -16,7 +16,18 @@ def environment() -> dict:
     return {"jax": jax.__version__, "backend": jax.default_backend(),
             "device": getattr(dev, "device_kind", str(dev)), "num_devices": jax.device_count(),
             "python": platform.python_version(), "host": platform.node(),
-            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            # the allocator's share of the card (--gpu-memory-utilization; unset: jax's 0.75)
+            "mem_fraction": (os.environ.get("XLA_CLIENT_MEM_FRACTION")
+                             or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")),
+            "memory_limit_bytes": _memory_limit(dev)}
+
+
+def _memory_limit(dev) -> int | None:
+    try:
+        return (dev.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # (CPU devices may not say)
+        return None
 
 
 def run_record(config=None, model_config=None) -> dict:
