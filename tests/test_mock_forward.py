@@ -70,6 +70,7 @@ def _assert_no_leaks(eng: LLMEngine) -> None:
     assert a.num_used == 0 and a.num_free == a.num_pages
     assert all(c == 0 for c in a.refcount)
     assert not eng.scheduler.running and not eng.scheduler.waiting and not eng.requests
+    assert len(eng.runner.page_tables) == 0  # every finished request gave its row back
 
 
 def _assert_kv_holds_tokens(eng: LLMEngine) -> None:
@@ -172,6 +173,27 @@ def test_fixed_shapes_and_constant_batch_compile_only_at_warmup():
     _assert_no_leaks(eng)
 
 
+@pytest.mark.parametrize("row_shapes", [1, 2])
+def test_fixed_shapes_compile_the_full_step_at_half_the_rows_too(row_shapes):
+    """With fixed shapes the B_dense step is also compiled at half the rows (its LM head
+    and sampler then run on half): warmup compiles it, steps of few rows run it, nothing
+    compiles mid-run, and the tokens are the mock's either way."""
+    eng = _engine(fixed_shapes=True, b_dense=256, max_num_seqs=128, num_pages=2048,
+                  full_step_row_shapes=row_shapes)
+    runner = eng.runner
+    assert runner.row_shapes(256) == ([64, 128] if row_shapes == 2 else [128])
+    assert runner.row_shapes(128) == [128]
+    assert runner.warmup() == len(runner.token_buckets()) + row_shapes - 1
+    compiled, used = runner.num_compiles, []
+    shapes_for = runner.shapes_for
+    runner.shapes_for = lambda b, rows=None: used.append(shapes_for(b, rows)) or used[-1]
+    _run(eng, _workload(5, 200), check_kv=True)
+    assert runner.num_compiles == compiled, "a step shape compiled while serving"
+    full = {r for t, r, _ in used if t == 256}
+    assert full == ({64, 128} if row_shapes == 2 else {128}), used
+    _assert_no_leaks(eng)
+
+
 def test_abort_frees_pages_and_spares_the_others():
     eng = _engine(enable_prefix_caching=False, max_num_seqs=3)
     rng = np.random.default_rng(5)
@@ -225,3 +247,30 @@ def test_a_failed_step_stops_the_engine_with_its_error(monkeypatch, async_schedu
     with pytest.raises(EngineDeadError, match="device lost"):
         eng.add_request([1, 2, 3], _greedy(4))
     assert len(calls) == 1  # nothing was launched after the failure
+
+
+def test_page_tables_follow_extended_and_replaced_page_lists():
+    """The runner's kept page tables: a row follows its list as it grows, is rewritten in
+    full (its stale tail cleared) when the list is replaced (preemption, a prefix match),
+    is cleared when released and reused, and the table grows past its first rows."""
+    from nanojax.engine.page_tables import PageTables
+
+    class Seq:
+        def __init__(self, pages):
+            self.pages = pages
+
+    t = PageTables(width=6, capacity=2)
+    a, b, c = Seq([3, 4]), Seq([7]), Seq([9, 9, 9])
+    rows = t.rows([a, b])
+    np.testing.assert_array_equal(t.table[rows], [[3, 4, 0, 0, 0, 0], [7, 0, 0, 0, 0, 0]])
+    a.pages.extend([5, 6])
+    b.pages = [8]  # replaced: same length, other pages
+    np.testing.assert_array_equal(t.table[t.rows([b, a])], [[8, 0, 0, 0, 0, 0],
+                                                            [3, 4, 5, 6, 0, 0]])
+    a.pages = [1]  # a preempted request's new, shorter list
+    np.testing.assert_array_equal(t.table[t.rows([a])], [[1, 0, 0, 0, 0, 0]])
+    t.release(b)
+    rows = t.rows([c, a, Seq([2])])  # b's row reused (cleared), one past the capacity
+    assert len(t) == 3 and len(t.table) == 4
+    np.testing.assert_array_equal(t.table[rows], [[9, 9, 9, 0, 0, 0], [1, 0, 0, 0, 0, 0],
+                                                  [2, 0, 0, 0, 0, 0]])

@@ -511,6 +511,7 @@ class LLMEngine:
     def _retire(self, seq: Sequence) -> None:
         self.stats.finished[seq.finish_reason] = self.stats.finished.get(seq.finish_reason, 0) + 1
         seq.matcher = None  # its parser state freed now, whoever still holds the Sequence
+        self.runner.page_tables.release(seq)
         self._detok.pop(seq.request_id, None)
         self.requests.pop(seq.request_id, None)
 

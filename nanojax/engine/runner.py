@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import itertools
 import sys
 import threading
 import time
@@ -22,6 +21,7 @@ import numpy as np
 
 from nanojax.config import EngineConfig, ModelConfig
 from nanojax.engine.forward import Forward, default_forward
+from nanojax.engine.page_tables import PageTables
 from nanojax.engine.sampling import (Penalties, any_logprobs, any_sampling, penalty_inputs,
                                      sample, token_logprobs, with_pending)
 from nanojax.engine.scheduler import MAX_SCORED_TOKENS, ScheduledBatch
@@ -45,13 +45,21 @@ def bucket(n: int, minimum: int, maximum: int | None = None, step: int | None = 
 def engine_rows(max_num_seqs: int, min_row_bucket: int, one_shape: bool) -> int:
     """The row count (sequences: page table, sampling, LM head) of an engine allowed
     max_num_seqs sequences: every step's with one row shape (fixed shapes, the GPU
-    default), the largest one's otherwise. Where the row count varies it is padded to a
+    default; the B_dense step may also run half of it: ModelRunner.row_shapes), the largest
+    one's otherwise. Where the row count varies it is padded to a
     power of two (few shapes); one row count is only rounded to 64 (max_num_seqs 1,152
     runs 1,152 rows, not 2,048, each padding row costing its logits over the vocabulary
     and its sampling). The step benchmark pads its synthetic batches to it."""
     if one_shape:
         return max(min_row_bucket, -(-max_num_seqs // 64) * 64)
     return bucket(max_num_seqs, min_row_bucket)
+
+
+def _padding_batch(num_tokens: int) -> ScheduledBatch:
+    """A stand-in for a ScheduledBatch of num_tokens padding tokens and no rows (warmup's:
+    it compiles and runs a step shape, writing nothing to the cache)."""
+    return cast(ScheduledBatch, types.SimpleNamespace(entries=[], num_decodes=0,
+                                                      num_tokens=num_tokens))
 
 
 def _step_key(host_tokens, meta, logit_idx) -> tuple:
@@ -171,11 +179,17 @@ class ModelRunner:
         self.b_dense = config.b_dense
         self.constant_batch = config.constant_batch
         self.max_pages_per_seq = -(-max_model_len // config.page_size)
+        self.page_tables = PageTables(self.max_pages_per_seq)  # (engine releases rows)
         # one row count and page-table width: only the token count varies, so warmup()
         # can compile every shape the engine will launch (a serving start, not mid-run)
         self.fixed_shapes = bool(config.fixed_shapes)
         one_shape = self.fixed_shapes or self.constant_batch
         self.max_rows = engine_rows(max_rows, config.min_row_bucket, one_shape)
+        # fixed shapes: the B_dense step also at half the rows, where that is fewer
+        half = engine_rows(-(-self.max_rows // 2), config.min_row_bucket, True)
+        self._full_step_rows = sorted({self.max_rows} | (
+            {half} if self.fixed_shapes and not self.constant_batch
+            and config.full_step_row_shapes == 2 else set()))
         forward = forward or default_forward(cfg)
         self.forward = forward
         self.params = forward.prepare(params)
@@ -285,19 +299,29 @@ class ModelRunner:
 
         return scorer
 
-    def shapes_for(self, batch: ScheduledBatch) -> tuple[int, int, int]:
+    def shapes_for(self, batch: ScheduledBatch, rows: int | None = None
+                   ) -> tuple[int, int, int]:
+        """(tokens, rows, pages per row) of the step that runs batch; rows: of the fixed
+        shapes' row counts (row_shapes), the one to use (warmup's all-padding batches)."""
         if self.constant_batch and self.max_pages_per_seq:  # one shape: one compile
             return self.b_dense, self.max_rows, bucket(self.max_pages_per_seq, 4)
         n_tok = batch.num_tokens
         t = self.b_dense if self.constant_batch else self._token_bucket(n_tok)
         if self.fixed_shapes:
-            return t, self.max_rows, bucket(self.max_pages_per_seq, 4)
+            if rows is None:
+                rows = next(r for r in self.row_shapes(t) if r >= len(batch.entries))
+            return t, rows, bucket(self.max_pages_per_seq, 4)
         assert self.config.min_row_bucket is not None  # resolved (EngineConfig.resolve)
         r = bucket(len(batch.entries), self.config.min_row_bucket, self.max_rows)
         if self.max_pages_per_seq and self.forward.attention.width_free:
             return t, r, bucket(self.max_pages_per_seq, 4)  # one width: fewer compiles
         p = bucket(max(len(e.seq.pages) for e in batch.entries), 4)
         return t, r, p
+
+    def row_shapes(self, num_tokens: int) -> list[int]:
+        """With fixed shapes, the row counts a step of num_tokens (a bucket) is compiled
+        for, ascending: the B_dense step's (EngineConfig.full_step_row_shapes), else one."""
+        return self._full_step_rows if num_tokens == self.b_dense else [self.max_rows]
 
     def token_buckets(self) -> list[int]:
         """The token counts a step can be launched with."""
@@ -329,36 +353,40 @@ class ModelRunner:
             raise ValueError("warmup() needs fixed_shapes (one row count and page width)")
         from tqdm.auto import tqdm
         before = self.num_compiles
-        buckets = self.token_buckets()
-        bar = tqdm(total=len(buckets), desc="compiling step shapes", unit="shape",
+        # (tokens, rows) of every step shape, the B_dense one with the most rows last
+        shapes = [(t, r) for t in self.token_buckets() for r in self.row_shapes(t)]
+        bar = tqdm(total=len(shapes), desc="compiling step shapes", unit="shape",
                    disable=not progress, file=sys.stderr)
         threads = self.config.compile_threads if threads is None else threads
         assert threads is not None  # compile_threads: resolved (EngineConfig.resolve)
-        parallel = threads > 1 and self._cached_step is not None and len(buckets) > 2
+        parallel = threads > 1 and self._cached_step is not None and len(shapes) > 2
         if parallel:
-            self._prepare_step(buckets[-1])
+            self._prepare_step(*shapes[-1])
             bar.update()
             with concurrent.futures.ThreadPoolExecutor(threads) as pool:
                 for done in concurrent.futures.as_completed(
-                        [pool.submit(self._prepare_step, t) for t in buckets[:-1]]):
+                        [pool.submit(self._prepare_step, *s) for s in shapes[:-1]]):
                     done.result()
                     bar.update()
-        for t in buckets:  # with parallel: prepared executables, run once each
-            # no entries, t padding tokens: a stand-in for a ScheduledBatch
-            empty = cast(ScheduledBatch, types.SimpleNamespace(entries=[], num_decodes=0,
-                                                               num_tokens=t))
-            jax.block_until_ready(self.launch(empty).tokens)
+        for t, r in shapes:  # with parallel: prepared executables, run once each
+            jax.block_until_ready(self.launch(_padding_batch(t), rows=r).tokens)
             bar.update(0 if parallel else 1)
         bar.close()
-        self._warm_samplers(empty, masked and self.broadcast is None)
+        self._warm_samplers(_padding_batch(self.token_buckets()[-1]),
+                            masked and self.broadcast is None)
         return self.num_compiles - before
 
     def _warm_samplers(self, empty, masked: bool) -> None:
         """The sampler's other variants (one row shape): a padding row at temperature 1
         and / or asking for logprobs, each also under all-allowing grammar masks of each
         size when masked (the mask changes the program, not its values); it samples a
-        token nobody reads. The unmasked greedy one ran with the step shapes."""
-        num_rows = len(self._host_inputs(empty, *self.shapes_for(empty)).temperature)
+        token nobody reads. The unmasked greedy one ran with the step shapes. Each of
+        the step's row counts has its own."""
+        for rows in self.row_shapes(empty.num_tokens):
+            self._warm_sampler_rows(empty, rows, masked)
+
+    def _warm_sampler_rows(self, empty, rows: int, masked: bool) -> None:
+        num_rows = len(self._host_inputs(empty, *self.shapes_for(empty, rows)).temperature)
         variants: list[tuple[float, bool, int | None]] = [
             (t, lp, None) for t, lp in ((1.0, False), (0.0, True), (1.0, True))]
         if masked:  # every size a step's masks come in (structured.mask_sizes)
@@ -367,7 +395,7 @@ class ModelRunner:
         words = -(-self.cfg.vocab_size // 32)  # the packed mask's width
         self.wait_dispatched()
         for temperature, logprobs, mask_size in variants:
-            inputs = self._host_inputs(empty, *self.shapes_for(empty))
+            inputs = self._host_inputs(empty, *self.shapes_for(empty, rows))
             inputs.temperature[0], inputs.wants_logprobs[0] = temperature, logprobs
             if self.broadcast is not None:
                 self.broadcast.send(inputs)
@@ -390,15 +418,16 @@ class ModelRunner:
         with self._lock:
             self.kv = fn(self.kv)
 
-    def launch(self, batch: ScheduledBatch, masked: bool = False
+    def launch(self, batch: ScheduledBatch, masked: bool = False, rows: int | None = None
                ) -> "StepOutput | DispatchedStep | MaskedStep":
         """Builds the step's inputs on the host and dispatches it (with async_dispatch
         from the dispatch thread, whose StepOutput comes when it is dispatched); does not
         block. masked (some row under a grammar): only the forward is dispatched; the
-        returned MaskedStep's complete() dispatches the sampler with the rows' masks."""
+        returned MaskedStep's complete() dispatches the sampler with the rows' masks.
+        rows: the fixed shapes' row count to run at (shapes_for)."""
         t = time.perf_counter()
         with jax.profiler.TraceAnnotation("nanojax.inputs"):
-            inputs = self._host_inputs(batch, *self.shapes_for(batch))
+            inputs = self._host_inputs(batch, *self.shapes_for(batch, rows))
         self.last_inputs_s = time.perf_counter() - t  # CPU work, for the engine's records
         if self.broadcast is not None:
             if masked:  # followers would need the mask sent after it
@@ -452,11 +481,10 @@ class ModelRunner:
         if self.broadcast is not None:
             self.broadcast.stop()
 
-    def _prepare_step(self, num_tokens: int) -> None:
+    def _prepare_step(self, num_tokens: int, rows: int) -> None:
         """Loads or compiles the step for an all-padding batch of num_tokens, unrun."""
-        empty = cast(ScheduledBatch, types.SimpleNamespace(  # a stand-in, as in warmup()
-            entries=[], num_decodes=0, num_tokens=num_tokens))
-        x = self._place(self._host_inputs(empty, *self.shapes_for(empty)))
+        empty = _padding_batch(num_tokens)
+        x = self._place(self._host_inputs(empty, *self.shapes_for(empty, rows)))
         assert self._cached_step is not None  # warmup() prepares only with a step cache
         self._cached_step.prepare(_step_key(x.host_tokens, x.meta, x.logit_idx), self.params,
                                   self.kv, self._prev, x.host_tokens, x.token_src, x.meta,
@@ -563,11 +591,10 @@ class ModelRunner:
                 scored.append((i, seq.scored_positions(start, n), seq))
             i += n
         if rows:
-            tables = [e.seq.pages for e in entries]
-            lens = np.fromiter(map(len, tables), np.int64, rows)
-            flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(lens.sum()))
-            first = np.repeat(np.cumsum(lens) - lens, lens)
-            page_table[np.repeat(np.arange(rows), lens), np.arange(len(flat)) - first] = flat
+            tables = self.page_tables
+            at = tables.rows([e.seq for e in entries])  # (before .table: it may grow)
+            w = min(p, tables.width)
+            page_table[:rows, :w] = tables.table[at, :w]
             (temperature[:rows], top_p[:rows], top_k[:rows], min_p[:rows], seeds[:rows],
              wants_logprobs[:rows], processes) = zip(*[e.seq.sampling_row for e in entries])
             steps[:rows] = [len(e.seq.output_ids) + e.seq.pending - e.samples
