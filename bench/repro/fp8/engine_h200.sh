@@ -6,7 +6,7 @@
 # fits; limit_s (default LIMIT, 240) bounds the row's process.
 # Each row runs in its own process; they share XLA's per-fusion autotuning cache (the FP8
 # GEMMs' autotuning took most of a cold start, §68), so only the first row pays for it.
-# Usage: OUT=dir [ROWS="128/128/4096 1000/1000/2048"] [BF16=1] [LIMIT=s] bash bench/repro/fp8/engine_h200.sh
+# Usage: OUT=dir [ROWS="128/128/4096 1000/1000/2048"] [BF16=1] [LIMIT=s] [AB="flags"] bash bench/repro/fp8/engine_h200.sh
 # TensorRT-LLM's four rows at ~2-3x what fits with FP8 KV on the H200 (~88,000 pages):
 #   ROWS="1000/1000/2048/330 128/128/4096/230 500/2000/1400 2048/2048/860"
 # A row with a new max_model_len compiles its fixed shapes first (~100 s on a warm
@@ -27,9 +27,12 @@ for row in ${ROWS:-128/128/4096 1000/1000/2048}; do
   len=$((inp + outp))
   variants="fp8"
   [ "${BF16:-1}" = 1 ] && [ "$inp" = 128 ] && variants="fp8 bf16"
+  [ -n "${AB:-}" ] && variants="$variants fp8ab"
   for v in $variants; do
     q=(--quantization fp8 --kv-cache-dtype fp8)
     [ "$v" = bf16 ] && q=()
+    # AB="flags": the FP8 row again with them, in the same call (e.g. AB="--full-step-row-shapes 1")
+    [ "$v" = fp8ab ] && read -r -a ab <<< "$AB" && q+=("${ab[@]}")
     tl=()  # TIMELINE_AT=N: a profile of 6 iterations from the N-th (in the steady window)
     [ -n "${TIMELINE_AT:-}" ] && tl=(--timeline "$OUT/engine_${v}_${inp}_${outp}.events.json"
                                      --timeline-at "$TIMELINE_AT")
