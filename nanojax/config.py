@@ -528,8 +528,9 @@ class EngineConfig:
         "GPU: the share of the card's memory this process takes, as vLLM's flag: weights, "
         "XLA's work buffers (a tenth of the share) and the KV cache, which gets the rest. "
         "The CLI sizes jax's allocator to it (jax's own default, 0.75, left a fifth of the "
-        "cache unused); XLA_CLIENT_MEM_FRACTION, where set, wins. In Python jax has "
-        "started before the engine: set that variable first", flag="gpu-memory-utilization"))
+        "cache unused) unless XLA_CLIENT_MEM_FRACTION is set (in Python jax starts before "
+        "the engine: set that variable first); the cache keeps to this share within the "
+        "allocator's", flag="gpu-memory-utilization"))
     max_num_seqs: int | None = dataclasses.field(default=None, metadata=_opt(
         "most requests running at once (default: from KV capacity)"))
     max_model_len: int = dataclasses.field(default=2048, metadata=_opt(
@@ -612,6 +613,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ConfigError(f"{name} must be positive, got {v}")
+        if self.full_step_row_shapes not in (1, 2):
+            raise ConfigError(f"full_step_row_shapes must be 1 or 2, got "
+                              f"{self.full_step_row_shapes}")
         if not 0 < self.memory_utilization <= 1:
             raise ConfigError("memory_utilization must be in (0, 1], got "
                               f"{self.memory_utilization}")

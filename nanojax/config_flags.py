@@ -50,15 +50,16 @@ def apply_gpu_memory_utilization(args: argparse.Namespace) -> float | None:
     chosen = getattr(args, "memory_utilization", EngineConfig.memory_utilization)
     if not 0 < chosen <= 1:  # (NaN too) before jax reads it
         raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {chosen}")
-    for env in MEM_FRACTION_ENV:
-        if os.environ.get(env):
-            return float(os.environ[env])
     from jax._src import xla_bridge
     if xla_bridge.backends_are_initialized():  # (main() called again in one process)
         import logging
         logging.getLogger("nanojax").warning(
-            "jax's backend has started: --gpu-memory-utilization %s is not applied", chosen)
+            "jax's backend has started: --gpu-memory-utilization %s is not applied to its "
+            "allocator", chosen)
         return None
+    from nanojax.engine.kv_cache import pool_share
+    if any(os.environ.get(env) for env in MEM_FRACTION_ENV):
+        return pool_share()  # the user's (the KV cache still keeps to `chosen`)
     os.environ[MEM_FRACTION_ENV[0]] = str(chosen)
     return chosen
 
@@ -77,13 +78,6 @@ def integer(s: str) -> int:
 
 def number(s: str) -> float:
     return _parsed(float, s, "a number")
-
-
-def fraction(s: str) -> float:
-    v = _parsed(float, s, "a number in (0, 1]")
-    if not 0 < v <= 1:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {s!r}")
-    return v
 
 
 def positive_int(s: str) -> int:

@@ -98,3 +98,29 @@ def test_gpu_memory_utilization_sizes_jax_pool(monkeypatch):
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
     assert apply_gpu_memory_utilization(parse(["serve"])) is None  # too late: not applied
     assert "XLA_CLIENT_MEM_FRACTION" not in os.environ
+
+
+def test_kv_cache_keeps_to_the_memory_share_within_jax_pool(monkeypatch):
+    """The KV cache's bytes: 0.9 of the engine's share of the card, within jax's pool
+    (whose share the variable gives, or jax's 0.75), less what is in use; so
+    memory_utilization holds in Python too, where the CLI did not size the pool."""
+    import types
+    from nanojax.engine import kv_cache
+    from nanojax.errors import ConfigError
+    card = 100 << 30
+    for env in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        monkeypatch.delenv(env, raising=False)
+
+    def pool(share):
+        dev = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": int(card * share),
+                                                          "bytes_in_use": 10 << 30})
+        monkeypatch.setattr(kv_cache.jax, "devices", lambda: [dev])
+    pool(0.75)  # jax's default pool
+    assert kv_cache.free_device_bytes(0.9) == int(0.75 * card * 0.9) - (10 << 30)
+    assert kv_cache.free_device_bytes(0.5) == int(0.5 * card * 0.9) - (10 << 30)
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.9")
+    pool(0.9)  # the CLI's pool
+    assert kv_cache.free_device_bytes(0.9) == int(0.9 * card * 0.9) - (10 << 30)
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "lots")
+    with pytest.raises(ConfigError, match="not a number"):
+        kv_cache.free_device_bytes(0.9)

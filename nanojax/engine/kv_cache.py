@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -201,17 +202,37 @@ class CacheSizing:
     max_model_len: int
 
 
-def free_device_bytes(utilization: float = 0.9) -> int | None:
-    """Bytes the KV cache may take on the first device, or None where unknown (CPU): a
-    share of jax's pool (EngineConfig.memory_utilization sized the pool; the rest of it
-    is XLA's work buffers), less what is in use (the weights)."""
+KV_SHARE = 0.9  # of the memory the process takes, what the KV cache may have with the
+#                weights (the rest: XLA's work buffers)
+JAX_POOL_SHARE = 0.75  # jax's allocator's share of the card where no variable sets it
+
+
+def pool_share() -> float:
+    """The card's share jax's allocator was given (XLA_CLIENT_MEM_FRACTION or its older
+    name, which the CLI sets from --gpu-memory-utilization; jax's default otherwise)."""
+    for env in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        value = os.environ.get(env)
+        if value:
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(f"{env}={value!r} is not a number") from None
+    return JAX_POOL_SHARE
+
+
+def free_device_bytes(memory_utilization: float = 0.9) -> int | None:
+    """Bytes the KV cache may take on the first device, or None where unknown (CPU):
+    KV_SHARE of the memory_utilization share of the card (EngineConfig's; at most jax's
+    pool, which the CLI sizes to it), less what is in use (the weights)."""
     try:
         stats = jax.devices()[0].memory_stats()
     except Exception:
         return None
     if not stats or "bytes_limit" not in stats:
         return None
-    return int(stats["bytes_limit"] * utilization) - int(stats.get("bytes_in_use", 0))
+    pool = stats["bytes_limit"]
+    usable = pool * min(1.0, memory_utilization / pool_share())
+    return int(usable * KV_SHARE) - int(stats.get("bytes_in_use", 0))
 
 
 def max_addressable_pages(cfg: ModelConfig, page_size: int) -> int:

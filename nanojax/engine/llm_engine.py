@@ -8,6 +8,7 @@ when i is read, one iteration late; its token from i+1 is discarded.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import threading
 import time
@@ -106,7 +107,7 @@ class LLMEngine:
         num_pages, free = cfg.num_pages, None
         if num_pages is None:
             from nanojax.engine.kv_cache import free_device_bytes
-            free = free_device_bytes()
+            free = free_device_bytes(cfg.memory_utilization)
             free = free if free is None or broadcast is None else agree(free)
             if free is None:  # CPU: enough for a modest batch of full-length requests
                 num_pages = max(64, 8 * self.max_model_len // cfg.page_size)
@@ -161,6 +162,10 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None
         # some request had allowed_token_ids or bad_words: steps look for masks
         self._masked = False
+        # a client's bad words are tokenized once (each word twice: up to 512 encodes)
+        self._bad_words_ids = functools.lru_cache(maxsize=64)(
+            lambda words: bad_words_token_ids(self.tokenizer, list(words),
+                                              self.model_config.vocab_size))
         # the server's threads check constraints while the engine's thread makes matchers:
         # one compiler (its tokenizer takes a while to build), not one per thread
         self._grammars_lock = threading.Lock()
@@ -237,8 +242,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise RequestError("bad_words need the model's tokenizer")
             try:
-                seq.bad_words_ids = bad_words_token_ids(self.tokenizer, params.bad_words,
-                                                        self.model_config.vocab_size)
+                seq.bad_words_ids = self._bad_words_ids(tuple(params.bad_words))
             except ValueError as e:
                 raise RequestError(str(e)) from None
             self._masked = True
@@ -399,6 +403,8 @@ class LLMEngine:
         fixed = [(s.allowed_mask, r) for s, r in zip(seqs, rows) if s.allowed_mask is not None]
         bans = [(without_tokens(b, vocab), r) for s, r in zip(seqs, rows) if s.bad_words_ids
                 and (b := banned_tokens(s.bad_words_ids, s.output_ids))]
+        if not matchers and not fixed and not bans:  # bad words, none banned now
+            return lambda num_rows: None
         if not matchers:  # (no tokenizer needed)
             return lambda num_rows: fixed_bitmask(fixed, num_rows, vocab, bans)
         grammars = self.grammars

@@ -40,7 +40,7 @@ class PageTables:
                 table = self.table  # (it may have grown)
             pages = seq.pages
             n = len(pages)
-            if pages is not lists[row]:  # a new list: the whole row
+            if pages is not lists[row] or n < filled[row]:  # a new list: the whole row
                 table[row, :n] = pages
                 if filled[row] > n:
                     table[row, n:filled[row]] = 0

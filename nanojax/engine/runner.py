@@ -309,7 +309,10 @@ class ModelRunner:
         t = self.b_dense if self.constant_batch else self._token_bucket(n_tok)
         if self.fixed_shapes:
             if rows is None:
-                rows = next(r for r in self.row_shapes(t) if r >= len(batch.entries))
+                rows = next((r for r in self.row_shapes(t) if r >= len(batch.entries)), None)
+                if rows is None:
+                    raise ValueError(f"a batch of {len(batch.entries)} sequences is more than "
+                                     f"the {self.max_rows} rows its step shapes have")
             return t, rows, bucket(self.max_pages_per_seq, 4)
         assert self.config.min_row_bucket is not None  # resolved (EngineConfig.resolve)
         r = bucket(len(batch.entries), self.config.min_row_bucket, self.max_rows)

@@ -70,7 +70,10 @@ timeout "${LIMIT_STEP:-180}" python3 -m nanojax bench step --model "$MODEL" --pl
 
 left=$(( ${TOTAL_LIMIT:-560} - ($(date +%s) - start) - 15 ))
 echo "engine: $left s left of the call"
+# the engine's share of the card as the pool's (its KV cache keeps to
+# --gpu-memory-utilization, default 0.9, within jax's pool)
 timeout "$left" python3 -m nanojax bench --model "$MODEL" --quiet "${kernel[@]}" "${kv[@]}" \
+  --gpu-memory-utilization "${MEM_FRACTION:-0.95}" \
   "${engine_plan[@]}" --b-dense "$B_DENSE" --admission predicted --fixed-shapes \
   --min-token-bucket "${MIN_TOKEN_BUCKET:-128}" --max-num-seqs "${MAX_NUM_SEQS:-1152}" \
   --page-size "${PAGE_SIZE:-16}" "${pages[@]}" --num-prompts "${NUM_PROMPTS:-3072}" \

@@ -46,6 +46,7 @@ step)
 engine)
   n=${NUM_PROMPTS:-128}
   timeout "${LIMIT1:-570}" python3 -m nanojax bench --model random:mixtral-8x7b --quiet \
+    --gpu-memory-utilization "${MEM_FRACTION:-0.95}" \
     --b-dense 2048 --admission predicted --fixed-shapes --num-prompts "$n" \
     --input-len 512 --output-len 512 --max-model-len 1024 --max-num-seqs "$n" \
     --peer --peer-timeout "${PEER_LIMIT:-240}" ${QUANT:+--quantization "$QUANT"} \
@@ -57,6 +58,7 @@ decode)
     "$OUT/moe_grouped_gemm_probe_decode_h200.json" 2>&1 | quiet 30
   n=${NUM_PROMPTS:-128}
   timeout "${LIMIT2:-360}" python3 -m nanojax bench --model random:mixtral-8x7b --quiet \
+    --gpu-memory-utilization "${MEM_FRACTION:-0.95}" \
     --b-dense 2048 --admission predicted --fixed-shapes --num-prompts "$n" \
     --input-len 512 --output-len 512 --max-model-len 1024 --max-num-seqs "$n" \
     --timeline "$OUT/engine_timeline_mixtral-8x7b.json" --timeline-at 300 \

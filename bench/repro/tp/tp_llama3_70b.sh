@@ -68,7 +68,7 @@ case "$1" in
     step "step_${MODEL}_tp${TP}_1024" --b-dense 1024 --workloads 512/512 ;;
   engine)
     timeout "$(left)" python3 -m nanojax bench throughput --model "random:$MODEL" \
-      --tensor-parallel-size "$TP" --plan "$PLAN" --modes non-overlap,overlap \
+      --gpu-memory-utilization "${MEM_FRACTION:-0.95}" --tensor-parallel-size "$TP" --plan "$PLAN" --modes non-overlap,overlap \
       --num-prompts "${NUM_PROMPTS:-384}" --input-len 512 --output-len 512 --b-dense 2048 \
       --constant-batch --fixed-shapes --admission predicted --quiet \
       --json "$OUT/engine_${MODEL}_tp${TP}_512_512.json" 2>&1 | grep -v "^[WI]1" | tail -n 8 ;;
@@ -83,7 +83,7 @@ case "$1" in
     done
     for tp in 1 2; do
       timeout "$(left)" python3 -m nanojax bench throughput --model random:llama3-8b \
-        --tensor-parallel-size $tp --num-prompts 256 --input-len 512 --output-len 512 \
+        --gpu-memory-utilization "${MEM_FRACTION:-0.95}" --tensor-parallel-size $tp --num-prompts 256 --input-len 512 --output-len 512 \
         --b-dense 2048 --constant-batch --fixed-shapes --quiet \
         --json "$OUT/engine_llama3-8b_tp${tp}_512_512.json" 2>&1 | grep -v "^[WI]1" | tail -n 3
     done ;;
