@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from nanojax.bench.steady import steady_state
 from nanojax.bench.workload import BenchRequest, StructuredWorkload
-from nanojax.engine.gc_freeze import GcPauses
+from nanojax.engine.gc_freeze import GcPauses, frozen_startup_objects
 from nanojax.engine.llm_engine import LLMEngine
 from nanojax.engine.sampling import SamplingParams
 
@@ -145,8 +145,12 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
     ids = [engine.add_request(r.prompt_ids, params)
            for r, params in zip(requests, _params(requests, structured))]
     t0 = time.perf_counter()
+    # the freeze held across the whole run: run_with_window steps the engine in pieces
+    # (to the timeline's window, through it, to the end), and each run_to_completion
+    # releases its own hold: without this, every startup object was unfrozen around the
+    # profiler's window (the likely source of a 794 ms full collection, fp8.md §87)
     with (tqdm(total=len(ids), desc="requests", unit="req", disable=not progress) as bar,
-          GcPauses() as gc_pauses):
+          frozen_startup_objects(engine.config.gc_freeze), GcPauses() as gc_pauses):
         done, timeline_report = _run(engine, bar, timeline)
     wall = time.perf_counter() - t0
     trace, engine.stats.trace = engine.stats.trace, None
