@@ -127,9 +127,14 @@ def test_steady_window_is_between_ramp_up_and_drain():
     recs = _records(fills, waiting)
     for r in recs[5:]:        # iteration 5 took 3 s: one stall of 2 s over 5 iterations
         r.done_t += 2.0
-    spread = steady_state(recs, 10, mean_stay=3.2)["iteration_ms"]
+    stalled = steady_state(recs, 10, mean_stay=3.2)
+    spread = stalled["iteration_ms"]
     assert spread["max"] == 3000 and spread["stalls"] == 1
     assert spread["stall_ms_per_iteration"] == pytest.approx(2000 / 5)
+    # the stall cut to the median: the window's rate as without it
+    assert stalled["tokens_per_s"] == pytest.approx(36 / 7)
+    assert stalled["tokens_per_s_without_stalls"] == pytest.approx(36 / 5)
+    assert st["tokens_per_s_without_stalls"] == pytest.approx(st["tokens_per_s"])
     none = steady_state(_records([1.0] * 4, [2, 0, 0, 0]), 10, mean_stay=3)
     assert none["window"] is None and "never saturated" in none["why_no_window"]
 

@@ -75,6 +75,11 @@ def steady_state(records: list, b_dense: int, mean_stay: float) -> dict:
             "device_wait_share": sum(r.wait_s for r in win) / secs,
             "iteration_ms": _intervals([records[ramp - 1].done_t] + [r.done_t for r in win]),
         })
+        # the window's rate with each stall cut to the median iteration: a profiler's start
+        # or a collector's pause inside the window costs what this gap says, no more
+        stalled = out["iteration_ms"].get("stall_ms_per_iteration", 0.0) * len(win) / 1e3
+        if stalled < secs:
+            out["tokens_per_s_without_stalls"] = tokens / (secs - stalled)
     return out
 
 

@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 
 STEADY_KEYS = ("window", "window_iterations", "mean_fill", "full_iteration_share",
-               "tokens_per_s", "tokens_per_s_at_full_fill", "s_per_iteration",
+               "tokens_per_s", "tokens_per_s_at_full_fill", "tokens_per_s_without_stalls",
+               "s_per_iteration",
                "host_ms_per_iteration", "launch_ms_per_iteration", "inputs_ms_per_iteration",
                "device_wait_share", "preemptions", "mean_decodes", "iteration_ms",
                "mean_running", "max_running", "ramp_iterations", "ramp_mean_fill",
@@ -50,6 +51,8 @@ def merge(step: dict, engine: dict) -> dict:
         return out
     speed = s["step_s"] / st["s_per_iteration"]
     out["ratio"] = st["tokens_per_s"] / s["tokens_per_s"]
+    if "tokens_per_s_without_stalls" in st:  # each stall cut to the median iteration
+        out["ratio_without_stalls"] = st["tokens_per_s_without_stalls"] / s["tokens_per_s"]
     out["where_the_rest_goes"] = {
         # ratio = fill x iteration speed (exact where the step's batch is B_dense tokens)
         "fill": st["mean_fill"],
