@@ -54,9 +54,10 @@ def run_with_window(engine: LLMEngine, advance, window: TimelineWindow | None) -
     if window.host:
         return _host_profile(engine, advance, window, first)
     raw = str(Path(window.path).with_suffix(".trace.json.gz"))
-    events = (timeline.capture(lambda: advance(window.iterations), keep_trace=raw)
-              if not engine.is_idle else [])
+    trace = (timeline.capture_raw(lambda: advance(window.iterations), keep_trace=raw)
+             if not engine.is_idle else None)
     advance(None)
+    events = timeline.parse_trace(trace) if trace else []  # after the run: no stall in it
     Path(window.path).parent.mkdir(parents=True, exist_ok=True)
     Path(window.path).write_text(json.dumps({"engine": events}))
     return {"path": window.path, "raw_trace": raw, "first_iteration": first,

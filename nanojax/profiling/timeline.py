@@ -80,6 +80,12 @@ def capture(fn, log_dir: str | None = None, keep_trace: str | None = None) -> li
     """Runs fn() (which must block on its result) under the profiler; its kernel events.
     keep_trace: a path to copy the raw trace.json.gz to (host threads included: the
     engine's phases are TraceAnnotations, on the device events' clock)."""
+    return parse_trace(capture_raw(fn, log_dir, keep_trace))
+
+
+def capture_raw(fn, log_dir: str | None = None, keep_trace: str | None = None) -> str:
+    """capture() without parsing: the raw trace's path, to parse_trace later (a running
+    engine's profile: the parse would stall the loop it measures)."""
     log_dir = log_dir or tempfile.mkdtemp(prefix="nanojax-trace-")
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0  # a traced Python call costs the host several times it
@@ -93,7 +99,7 @@ def capture(fn, log_dir: str | None = None, keep_trace: str | None = None) -> li
     if keep_trace:  # (its folder made, as write_json makes the result's)
         Path(keep_trace).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(newest, keep_trace)
-    return parse_trace(newest)
+    return newest
 
 
 def _union(intervals):
