@@ -37,9 +37,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     compile_cache.add_args(p)
 
 
-MEM_FRACTION_ENV = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
-
-
 def apply_gpu_memory_utilization(args: argparse.Namespace) -> float | None:
     """--gpu-memory-utilization (EngineConfig.memory_utilization) as jax's allocator reads
     it: its pool is sized when the backend starts, so this runs first. Returns the share in
@@ -57,7 +54,7 @@ def apply_gpu_memory_utilization(args: argparse.Namespace) -> float | None:
             "jax's backend has started: --gpu-memory-utilization %s is not applied to its "
             "allocator", chosen)
         return None
-    from nanojax.engine.kv_cache import pool_share
+    from nanojax.engine.kv_cache import MEM_FRACTION_ENV, pool_share
     if any(os.environ.get(env) for env in MEM_FRACTION_ENV):
         return pool_share()  # the user's (the KV cache still keeps to `chosen`)
     os.environ[MEM_FRACTION_ENV[0]] = str(chosen)

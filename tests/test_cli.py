@@ -77,7 +77,8 @@ def test_gpu_memory_utilization_sizes_jax_pool(monkeypatch):
     wins; a bad share is refused before jax reads it; commands without a model are left
     alone."""
     from nanojax.cli import build_parser
-    from nanojax.config_flags import MEM_FRACTION_ENV, apply_gpu_memory_utilization
+    from nanojax.config_flags import apply_gpu_memory_utilization
+    from nanojax.engine.kv_cache import MEM_FRACTION_ENV
     from nanojax.errors import ConfigError
     from jax._src import xla_bridge
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)

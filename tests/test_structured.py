@@ -345,6 +345,10 @@ def test_bad_words_tokens_and_bans():
     assert bad_words_token_ids(Tok(), ["ab", " c"], 200) == [(1, 2), (3,)]
     with pytest.raises(ValueError, match="outside the vocabulary"):
         bad_words_token_ids(Tok(), ["z"], 20)
+    from nanojax.engine.sampling import SamplingError
+    for words in (["\ud800"], [""], [" "], [1], ["x"] * 257):
+        with pytest.raises(SamplingError, match="bad_words"):
+            SamplingParams(bad_words=words)
     ids = [(7,), (1, 2), (1, 2, 3)]
     assert banned_tokens(ids, []) == [7]
     assert banned_tokens(ids, [5, 1]) == [7, 2]

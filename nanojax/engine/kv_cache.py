@@ -205,12 +205,14 @@ class CacheSizing:
 KV_SHARE = 0.9  # of the memory the process takes, what the KV cache may have with the
 #                weights (the rest: XLA's work buffers)
 JAX_POOL_SHARE = 0.75  # jax's allocator's share of the card where no variable sets it
+# the variables that set it (the older name still read; jax refuses both at once)
+MEM_FRACTION_ENV = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 
 
 def pool_share() -> float:
     """The card's share jax's allocator was given (XLA_CLIENT_MEM_FRACTION or its older
     name, which the CLI sets from --gpu-memory-utilization; jax's default otherwise)."""
-    for env in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+    for env in MEM_FRACTION_ENV:
         value = os.environ.get(env)
         if value:
             try:

@@ -138,9 +138,10 @@ class SamplingParams:
             bad("allowed_token_ids", "must be a non-empty list of token ids")
         if self.bad_words is not None and (
                 not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS
-                or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+                or any(not isinstance(w, str) or not w.strip() or not _utf8(w)
+                       for w in self.bad_words)):
             bad("bad_words", f"must be a list of at most {MAX_BAD_WORDS} words "
-                             "(non-blank strings)")
+                             "(non-blank strings of valid Unicode)")
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", f"must be one of {OUTPUT_KINDS}")
         if self.structured_outputs is not None and not isinstance(
@@ -166,6 +167,15 @@ class SamplingParams:
         """Whether this request needs the penalty / logit-bias pass on its logits."""
         return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0 or self.logit_bias)
+
+
+def _utf8(text: str) -> bool:
+    """Whether text is valid Unicode (a lone surrogate is not: no tokenizer takes it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class Penalties(NamedTuple):

@@ -12,14 +12,15 @@ from pathlib import Path
 
 def environment() -> dict:
     import jax
+    from nanojax.engine.kv_cache import MEM_FRACTION_ENV
     dev = jax.devices()[0]
     return {"jax": jax.__version__, "backend": jax.default_backend(),
             "device": getattr(dev, "device_kind", str(dev)), "num_devices": jax.device_count(),
             "python": platform.python_version(), "host": platform.node(),
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             # the allocator's share of the card (--gpu-memory-utilization; unset: jax's 0.75)
-            "mem_fraction": (os.environ.get("XLA_CLIENT_MEM_FRACTION")
-                             or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")),
+            "mem_fraction": next((os.environ[e] for e in MEM_FRACTION_ENV
+                                  if os.environ.get(e)), None),
             "memory_limit_bytes": _memory_limit(dev)}
 
 
