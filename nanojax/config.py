@@ -545,15 +545,15 @@ class EngineConfig:
         "greedy: as soon as a prompt's pages are free; default: predicted on a GPU, greedy "
         "on the CPU", choices=ADMISSION))
     fixed_shapes: bool | None = dataclasses.field(default=None, metadata=_opt(
-        "one row count (the B_dense step also at half of it: full_step_row_shapes) and "
+        "one row count (the B_dense step also at 5/8 of it: full_step_row_shapes) and "
         "page-table width, so every step shape (one per token bucket) compiles before "
         "serving; default: on a GPU (off on the CPU, where fixed rows cost logits for "
         "every row)"))
     full_step_row_shapes: int = dataclasses.field(default=2, metadata=_opt(
         "with fixed shapes: row counts compiled for the B_dense step, 1 (the one row "
-        "count) or 2 (also half of it, rounded up to 64: a steady state of half decodes "
-        "and half prefill, ~1,040 rows of 2,048 at 128/128, runs its LM head and sampler "
-        "on half the rows; one more shape compiled at start)", choices=(1, 2)))
+        "count) or 2 (also 5/8 of it, rounded up to 64: a steady state of half decodes "
+        "and half prefill, ~1,030 rows of 2,048 at 128/128, runs its LM head and sampler "
+        "on 1,280 rows; one more shape compiled at start)", choices=(1, 2)))
     min_token_bucket: int | None = dataclasses.field(default=None, metadata=_opt(
         "smallest token count a step is padded to (token buckets are powers of two up to "
         "B_dense); default: 16 on a GPU or with fixed shapes, else 1 (the CPU, where every "

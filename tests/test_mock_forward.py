@@ -174,23 +174,23 @@ def test_fixed_shapes_and_constant_batch_compile_only_at_warmup():
 
 
 @pytest.mark.parametrize("row_shapes", [1, 2])
-def test_fixed_shapes_compile_the_full_step_at_half_the_rows_too(row_shapes):
-    """With fixed shapes the B_dense step is also compiled at half the rows (its LM head
-    and sampler then run on half): warmup compiles it, steps of few rows run it, nothing
-    compiles mid-run, and the tokens are the mock's either way."""
-    eng = _engine(fixed_shapes=True, b_dense=256, max_num_seqs=128, num_pages=2048,
+def test_fixed_shapes_compile_the_full_step_at_fewer_rows_too(row_shapes):
+    """With fixed shapes the B_dense step is also compiled at 5/8 of the rows (its LM
+    head and sampler then run on those): warmup compiles it, steps of few rows run it,
+    nothing compiles mid-run, and the tokens are the mock's either way."""
+    eng = _engine(fixed_shapes=True, b_dense=256, max_num_seqs=256, num_pages=2048,
                   full_step_row_shapes=row_shapes)
     runner = eng.runner
-    assert runner.row_shapes(256) == ([64, 128] if row_shapes == 2 else [128])
-    assert runner.row_shapes(128) == [128]
+    assert runner.row_shapes(256) == ([192, 256] if row_shapes == 2 else [256])
+    assert runner.row_shapes(128) == [256]
     assert runner.warmup() == len(runner.token_buckets()) + row_shapes - 1
     compiled, used = runner.num_compiles, []
     shapes_for = runner.shapes_for
     runner.shapes_for = lambda b, rows=None: used.append(shapes_for(b, rows)) or used[-1]
-    _run(eng, _workload(5, 200), check_kv=True)
+    _run(eng, _workload(5, 400, max_prompt=20, max_out=60), check_kv=True)
     assert runner.num_compiles == compiled, "a step shape compiled while serving"
     full = {r for t, r, _ in used if t == 256}
-    assert full == ({64, 128} if row_shapes == 2 else {128}), used
+    assert full == ({192, 256} if row_shapes == 2 else {256}), used
     _assert_no_leaks(eng)
 
 

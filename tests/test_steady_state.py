@@ -43,6 +43,12 @@ def test_saturated_tiny_engine_keeps_the_batch_full(tiny_bundle):
     assert 0 < st["launch_ms_per_iteration"] <= st["host_ms_per_iteration"]
     assert st["max_running"] <= r["max_num_seqs"]
     assert r["kv_pages"] == 480
+    # per step shape: every window iteration under the shape its tokens pad to
+    shapes = st["by_shape"]
+    assert sum(g["iterations"] for g in shapes.values()) == st["window_iterations"]
+    for shape, g in shapes.items():
+        assert int(shape) == eng.runner.step_tokens(round(g["mean_tokens"]))
+        assert 0 < g["p50_ms"] and 0 < g["mean_ms"] and g["mean_decodes"] <= g["mean_tokens"]
 
 
 def test_scheduler_keeps_the_batch_full_where_the_cache_fits_the_steady_state():
@@ -206,3 +212,39 @@ def test_engine_timeline_window_profiles_iterations_mid_run(tiny_bundle, tmp_pat
     names = [e["name"] for e in raw if e.get("ph") == "X"]
     assert names.count("nanojax.launch") == 2 and names.count("nanojax.to_host") == 2
     assert not any(n.startswith("$") for n in names)
+
+
+def test_a_stopped_run_reports_what_it_measured(tiny_bundle):
+    """SIGTERM (a `timeout` around the benchmark) mid-run: the run stops between
+    iterations and still reports, marked incomplete, counting the unfinished requests'
+    tokens; the process lives on (the handler is the benchmark's, then restored)."""
+    import os
+    import signal
+
+    from nanojax.bench.offline import run_offline
+    from nanojax.bench.workload import make_requests
+    eng = LLMEngine(tiny_bundle, EngineConfig(b_dense=32, page_size=4, num_pages=256,
+                                              max_model_len=48, fixed_shapes=True))
+    reqs = make_requests(24, tiny_bundle.config.vocab_size, 16, 24, seed=3)
+    step, calls = eng.step, []
+
+    def step_then_term():
+        calls.append(1)
+        if len(calls) == 12:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step()
+
+    eng.step = step_then_term
+    before = signal.getsignal(signal.SIGTERM)
+    r = run_offline(eng, reqs, progress=False)
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert r["complete"] is False and r["iterations"] in (12, 13)
+    assert r["finished_requests"] < r["requests"] == 24
+    produced = sum(len(s.output_ids) for s in eng.requests.values())
+    assert r["output_tokens"] >= produced > 0
+    assert r["output_tokens_per_s"] == pytest.approx(r["output_tokens"] / r["wall_s"])
+    done = run_offline(LLMEngine(tiny_bundle, EngineConfig(
+        b_dense=32, page_size=4, num_pages=256, max_model_len=48, fixed_shapes=True)),
+        reqs, progress=False, time_limit=600)
+    assert done["complete"] is True and done["finished_requests"] == 24
+    assert done["output_tokens"] == 24 * 24

@@ -62,7 +62,8 @@ def _run_modes(args, bundle, reqs, config, modes: list[str], partial: dict,
             from nanojax.bench.offline import timeline_window
             results[mode] = run_offline(eng, reqs, progress=not args.quiet,
                                         timeline=timeline_window(args, mode, modes),
-                                        structured=structured_workload(args))
+                                        structured=structured_workload(args),
+                                        time_limit=args.time_limit)
             eng.runner.stop_followers()
         except Exception as e:  # record the failure of one mode, measure the others
             if not args.plan:
@@ -78,7 +79,9 @@ def _run_modes(args, bundle, reqs, config, modes: list[str], partial: dict,
         print(f"{mode:>5}: {r['requests']} requests, {r['prompt_tokens']} prompt + "
               f"{r['output_tokens']} output tokens in {r['wall_s']:.2f}s -> "
               f"{r['total_tokens_per_s']:.1f} tok/s total, {r['output_tokens_per_s']:.1f} "
-              f"output tok/s, {r['iterations']} iterations", file=sys.stderr)
+              f"output tok/s, {r['iterations']} iterations"
+              + ("" if r["complete"] else f" (stopped: {r['finished_requests']} finished)"),
+              file=sys.stderr)
         print(f"{mode:>5}: steady state: {_steady_line(r['steady_state'])}", file=sys.stderr)
     return results
 
@@ -406,6 +409,9 @@ def register(sub) -> None:
                    help="start the timeline at the run's N-th iteration (default: 600, "
                         "inside the steady window of 512/512)")
     t.add_argument("--timeline-iterations", type=int, default=6, metavar="N")
+    t.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="stop the timed run after S seconds (as on SIGTERM) and report what "
+                        "it measured, marked complete: false (the steady window holds)")
     t.add_argument("--host-profile", default=None, metavar="PATH",
                    help="instead of --timeline: Python's cProfile of the engine thread over "
                         "the same iterations (stats here, the top functions in PATH.txt)")

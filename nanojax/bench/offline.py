@@ -1,9 +1,12 @@
 """Offline throughput: push a whole workload through the engine, count what came out."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -64,11 +67,32 @@ def run_with_window(engine: LLMEngine, advance, window: TimelineWindow | None) -
             "iterations": window.iterations, **timeline.summarize(events)}
 
 
-def _run(engine: LLMEngine, bar, window: TimelineWindow | None) -> tuple[dict, dict | None]:
+def _run(engine: LLMEngine, bar, window: TimelineWindow | None,
+         stop: threading.Event) -> tuple[dict, dict | None]:
     done = {}
     report = run_with_window(
-        engine, lambda n: engine.run_to_completion(bar, n, done), window)
+        engine, lambda n: engine.run_to_completion(bar, n, done, stop), window)
     return done, report
+
+
+@contextlib.contextmanager
+def stop_when(time_limit: float | None):
+    """An event set after time_limit seconds, or on SIGTERM (a `timeout` around the
+    benchmark): the run stops between iterations and still reports what it measured."""
+    stop = threading.Event()
+    timer = threading.Timer(time_limit, stop.set) if time_limit else None
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set()) if main else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+    try:
+        yield stop
+    finally:
+        if timer is not None:
+            timer.cancel()
+        if main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _host_profile(engine: LLMEngine, advance, window: TimelineWindow, first: int) -> dict:
@@ -115,17 +139,26 @@ def _structured_report(structured: StructuredWorkload, outs: list) -> dict:
             "requests": sum(rows), "finish_reasons": reasons}
 
 
+def _device_memory() -> dict | None:
+    import jax
+    stats = jax.local_devices()[0].memory_stats() or {}
+    keys = ("peak_bytes_in_use", "bytes_in_use", "bytes_limit")
+    return {k: stats[k] for k in keys if k in stats} or None
+
+
 def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool = True,
                 warmup: bool = True, timeline: TimelineWindow | None = None,
                 structured: StructuredWorkload | None = None,
-                keep_outputs: bool = False) -> dict:
+                keep_outputs: bool = False, time_limit: float | None = None) -> dict:
     """Tokens are counted from the outputs actually produced, not from the request list.
     The result's "steady_state" is the report of bench/steady.py: fill, tokens/s, host time
     and preemptions in the window where the engine was saturated; with a timeline window,
     "timeline" summarizes the profiled iterations (their events go to its path).
     structured: which requests are under a JSON schema ("structured" in the result: the
     fraction, the schema and how they ended). keep_outputs: each request's output token
-    ids as "outputs" (tests)."""
+    ids as "outputs" (tests). time_limit: seconds after which the timed run stops (so
+    does SIGTERM): "complete" is then false, and the tokens counted are every one
+    produced, the unfinished requests' included."""
     t_warmup = time.perf_counter()
     if warmup and engine.offloader is not None:  # the KV offload's page copies
         engine.offloader.warmup()
@@ -151,16 +184,25 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
     # releases its own hold: without this, every startup object was unfrozen around the
     # profiler's window (the likely source of a 794 ms full collection, fp8.md §87)
     with (tqdm(total=len(ids), desc="requests", unit="req", disable=not progress) as bar,
-          frozen_startup_objects(engine.config.gc_freeze), GcPauses() as gc_pauses):
-        done, timeline_report = _run(engine, bar, timeline)
+          frozen_startup_objects(engine.config.gc_freeze), GcPauses() as gc_pauses,
+          stop_when(time_limit) as stop):
+        done, timeline_report = _run(engine, bar, timeline, stop)
     wall = time.perf_counter() - t0
     trace, engine.stats.trace = engine.stats.trace, None
     iterations = max(1, engine.stats.steps - steps_before)
-    digests = [hashlib.sha1(str(done[i].token_ids).encode()).hexdigest()[:12] for i in ids]
-    prompt_tokens = sum(len(done[i].prompt_token_ids) for i in ids)
-    output_tokens = sum(len(done[i].token_ids) for i in ids)
+    digests = [hashlib.sha1(str(done[i].token_ids).encode()).hexdigest()[:12]
+               if i in done else None for i in ids]
+    # a stopped run: the unfinished requests' tokens so far count too (prefilled ones)
+    running = [engine.requests[i] for i in ids if i not in done and i in engine.requests]
+    prompt_tokens = (sum(len(done[i].prompt_token_ids) for i in done)
+                     + sum(len(s.prompt_ids) for s in running if s.output_ids))
+    output_tokens = (sum(len(done[i].token_ids) for i in done)
+                     + sum(len(s.output_ids) for s in running))
     return {
+        "complete": len(done) == len(ids),  # false: stopped by time_limit or SIGTERM
+        "time_limit_s": time_limit,
         "requests": len(ids),
+        "finished_requests": len(done),
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
         "wall_s": wall,
@@ -186,12 +228,18 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
         # buckets, dispatch thread ...): what "no tuning flags" ran
         "engine_config": engine.config.to_dict(),
         "kv_pages": engine.sizing.num_pages,
+        # the allocator's peak over the process (weights, cache, the steps' activations):
+        # how much of jax's pool the KV cache's share left unused (None on the CPU)
+        "device_memory": _device_memory(),
         "max_num_seqs": engine.scheduler.max_num_seqs,
-        "steady_state": steady_state(trace, engine.config.b_dense,
-                                     output_tokens / max(1, len(ids)) + 1),
+        "steady_state": steady_state(trace, engine.config.b_dense, 1 + (
+            output_tokens / len(ids) if len(done) == len(ids)
+            else sum(r.output_len for r in requests) / max(1, len(requests))),
+            engine.runner.step_tokens),
         "output_digests": digests,  # per request, to compare modes' tokens
         **({"timeline": timeline_report} if timeline_report else {}),
         **({"structured": _structured_report(structured, [done[i] for i in ids])}
            if structured else {}),
-        **({"outputs": [done[i].token_ids for i in ids]} if keep_outputs else {}),
+        **({"outputs": [done[i].token_ids if i in done else None for i in ids]}
+           if keep_outputs else {}),
     }

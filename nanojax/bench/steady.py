@@ -15,16 +15,22 @@ and decode inputs), as the step benchmark counts a dense batch.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 STEADY_WINDOW = (
     "iterations from the end of the ramp-up (the first W iterations, W = a request's mean "
     "stay: its mean output tokens + 1) to the last iteration that left requests waiting "
     "(the drain follows); tokens are every token of the launched batches")
 
 
-def steady_state(records: list, b_dense: int, mean_stay: float) -> dict:
+def steady_state(records: list, b_dense: int, mean_stay: float,
+                 shape_of: Callable[[int], int] | None = None) -> dict:
     """records: one IterationRecord per launched iteration, in order (done_t: when its
     tokens were read; None in a simulation without a clock, which leaves out the times).
-    mean_stay: a request's mean stay in iterations (mean output tokens + 1)."""
+    mean_stay: a request's mean stay in iterations (mean output tokens + 1). shape_of:
+    the token count a step of n tokens is padded to (the engine's bucket): the window's
+    iteration times are then also given per shape ("by_shape"), and a stall is an
+    iteration slower than its own shape's median, not a long shape among short ones."""
     n = len(records)
     ramp = min(n, max(1, round(mean_stay)))
     waiting = [i for i, r in enumerate(records) if r.waiting > 0]
@@ -73,8 +79,11 @@ def steady_state(records: list, b_dense: int, mean_stay: float) -> dict:
             # tokens_per_s is the fill's, the gap to the step benchmark the iteration's
             "tokens_per_s_at_full_fill": b_dense * len(win) / secs,
             "device_wait_share": sum(r.wait_s for r in win) / secs,
-            "iteration_ms": _intervals([records[ramp - 1].done_t] + [r.done_t for r in win]),
+            "iteration_ms": _intervals([records[ramp - 1].done_t] + [r.done_t for r in win],
+                                       [shape_of(r.tokens) for r in win] if shape_of else None),
         })
+        if shape_of is not None:
+            out["by_shape"] = _by_shape(records[ramp - 1:end + 1], shape_of)
         # the window's rate with each stall cut to the median iteration: a profiler's start
         # or a collector's pause inside the window costs what this gap says, no more
         stalled = out["iteration_ms"].get("stall_ms_per_iteration", 0.0) * len(win) / 1e3
@@ -83,18 +92,41 @@ def steady_state(records: list, b_dense: int, mean_stay: float) -> dict:
     return out
 
 
-def _intervals(done: list) -> dict:
+def _intervals(done: list, shapes: list | None = None) -> dict:
     """The spread of the window's iteration times (between successive token reads): does
     the window lose its time evenly, or in a few stalls? stall_ms_per_iteration: the time
-    above 1.25x the median, summed and spread over the window."""
-    ms = sorted(1e3 * (b - a) for a, b in zip(done, done[1:]))
+    above 1.25x the median (of the iteration's own shape, where shapes are given), summed
+    and spread over the window."""
+    ms = [1e3 * (b - a) for a, b in zip(done, done[1:])]
     if not ms:
         return {}
-    med = ms[len(ms) // 2]
+    shapes = shapes or [0] * len(ms)
+    median = {k: _median([x for x, s in zip(ms, shapes) if s == k]) for k in set(shapes)}
+    over = [x - median[s] for x, s in zip(ms, shapes) if x > 1.25 * median[s]]
+    ms = sorted(ms)
     pick = lambda q: ms[min(len(ms) - 1, int(q * len(ms)))]  # noqa: E731
-    return {"p50": med, "p90": pick(0.9), "p99": pick(0.99), "max": ms[-1],
-            "stalls": sum(x > 1.25 * med for x in ms),
-            "stall_ms_per_iteration": sum(x - med for x in ms if x > 1.25 * med) / len(ms)}
+    return {"p50": _median(ms), "p90": pick(0.9), "p99": pick(0.99), "max": ms[-1],
+            "stalls": len(over), "stall_ms_per_iteration": sum(over) / len(ms)}
+
+
+def _by_shape(records: list, shape_of: Callable[[int], int]) -> dict:
+    """Per step shape (padded token count) of records[1:] (records[0]: the one before
+    the window, for its end time): iterations, their mean real tokens and decodes, and
+    the median and mean time between token reads: what a shape costs, padding included."""
+    groups: dict[int, list] = {}
+    for before, r in zip(records, records[1:]):
+        groups.setdefault(shape_of(r.tokens), []).append((r, 1e3 * (r.done_t - before.done_t)))
+    return {str(shape): {"iterations": len(g),
+                         "mean_tokens": sum(r.tokens for r, _ in g) / len(g),
+                         "mean_decodes": sum(r.decodes for r, _ in g) / len(g),
+                         "p50_ms": _median([ms for _, ms in g]),
+                         "mean_ms": sum(ms for _, ms in g) / len(g)}
+            for shape, g in sorted(groups.items())}
+
+
+def _median(xs: list) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
 
 
 def _fill(records: list, b_dense: int) -> float | None:

@@ -551,11 +551,14 @@ class LLMEngine:
 
     # ---- offline helper ------------------------------------------------------------------
     def run_to_completion(self, progress=None, max_steps: int | None = None,
-                          done: dict | None = None) -> dict[str, RequestOutput]:
-        """Steps until idle (or max_steps steps); finished outputs added to done."""
+                          done: dict | None = None, stop: threading.Event | None = None
+                          ) -> dict[str, RequestOutput]:
+        """Steps until idle (or max_steps steps, or stop is set: a benchmark's time limit);
+        finished outputs added to done."""
         done = {} if done is None else done
         with frozen_startup_objects(self.config.gc_freeze):
-            while not self.is_idle and (max_steps is None or max_steps > 0):
+            while not self.is_idle and (max_steps is None or max_steps > 0) and not (
+                    stop is not None and stop.is_set()):
                 for out in self.step():
                     if out.finished:
                         done[out.request_id] = out

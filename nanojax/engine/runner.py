@@ -45,7 +45,7 @@ def bucket(n: int, minimum: int, maximum: int | None = None, step: int | None = 
 def engine_rows(max_num_seqs: int, min_row_bucket: int, one_shape: bool) -> int:
     """The row count (sequences: page table, sampling, LM head) of an engine allowed
     max_num_seqs sequences: every step's with one row shape (fixed shapes, the GPU
-    default; the B_dense step may also run half of it: ModelRunner.row_shapes), the largest
+    default; the B_dense step may also run 5/8 of it: ModelRunner.row_shapes), the largest
     one's otherwise. Where the row count varies it is padded to a
     power of two (few shapes); one row count is only rounded to 64 (max_num_seqs 1,152
     runs 1,152 rows, not 2,048, each padding row costing its logits over the vocabulary
@@ -185,10 +185,12 @@ class ModelRunner:
         self.fixed_shapes = bool(config.fixed_shapes)
         one_shape = self.fixed_shapes or self.constant_batch
         self.max_rows = engine_rows(max_rows, config.min_row_bucket, one_shape)
-        # fixed shapes: the B_dense step also at half the rows, where that is fewer
-        half = engine_rows(-(-self.max_rows // 2), config.min_row_bucket, True)
+        # fixed shapes: the B_dense step also at 5/8 of the rows, where that is fewer: a
+        # steady state of half decodes and half prefill has a little over half (~1,030
+        # of 2,048 at 128/128 and 1000/1000), the KV-bound long rows fewer still
+        small = engine_rows(-(-self.max_rows * 5 // 8), config.min_row_bucket, True)
         self._full_step_rows = sorted({self.max_rows} | (
-            {half} if self.fixed_shapes and not self.constant_batch
+            {small} if self.fixed_shapes and not self.constant_batch
             and config.full_step_row_shapes == 2 else set()))
         forward = forward or default_forward(cfg)
         self.forward = forward
@@ -305,8 +307,7 @@ class ModelRunner:
         shapes' row counts (row_shapes), the one to use (warmup's all-padding batches)."""
         if self.constant_batch and self.max_pages_per_seq:  # one shape: one compile
             return self.b_dense, self.max_rows, bucket(self.max_pages_per_seq, 4)
-        n_tok = batch.num_tokens
-        t = self.b_dense if self.constant_batch else self._token_bucket(n_tok)
+        t = self.step_tokens(batch.num_tokens)
         if self.fixed_shapes:
             if rows is None:
                 rows = next((r for r in self.row_shapes(t) if r >= len(batch.entries)), None)
@@ -334,6 +335,10 @@ class ModelRunner:
         while out[-1] < self.b_dense:
             out.append(self._token_bucket(out[-1] + 1))
         return out
+
+    def step_tokens(self, n: int) -> int:
+        """The token count a step of n tokens is launched with (padded to)."""
+        return self.b_dense if self.constant_batch else self._token_bucket(n)
 
     def _token_bucket(self, n: int) -> int:
         assert self.config.min_token_bucket is not None  # resolved (EngineConfig.resolve)

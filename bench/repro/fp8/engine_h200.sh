@@ -6,7 +6,11 @@
 # fits; limit_s (default LIMIT, 240) bounds the row's process.
 # Each row runs in its own process; they share XLA's per-fusion autotuning cache (the FP8
 # GEMMs' autotuning took most of a cold start, §68), so only the first row pays for it.
-# Usage: OUT=dir [ROWS="128/128/4096 1000/1000/2048"] [BF16=1] [LIMIT=s] [AB="flags"] bash bench/repro/fp8/engine_h200.sh
+# Usage: OUT=dir [ROWS="128/128/4096 1000/1000/2048"] [BF16=1] [LIMIT=s] [AB="flags"] [MAX_LEN=n] [RUN_S=s] bash bench/repro/fp8/engine_h200.sh
+# A row stopped by its limit (SIGTERM from timeout) or by RUN_S (the bench's --time-limit on
+# the timed run) still writes its JSON, marked "complete": false, with its steady window.
+# MAX_LEN: one --max-model-len for every row (the same step shapes: later rows load them
+# from the step cache instead of compiling; default: each row's in + out).
 # TensorRT-LLM's four rows at ~2-3x what fits with FP8 KV on the H200 (~88,000 pages):
 #   ROWS="1000/1000/2048/330 128/128/4096/230 500/2000/1400 2048/2048/860"
 # A row with a new max_model_len compiles its fixed shapes first (~100 s on a warm
@@ -28,6 +32,7 @@ for row in ${ROWS:-128/128/4096 1000/1000/2048}; do
   variants="fp8"
   [ "${BF16:-1}" = 1 ] && [ "$inp" = 128 ] && variants="fp8 bf16"
   [ -n "${AB:-}" ] && variants="$variants fp8ab"
+  variants=${VARIANTS:-$variants}  # e.g. VARIANTS=fp8ab: the A/B row alone (its own limit)
   for v in $variants; do
     q=(--quantization fp8 --kv-cache-dtype fp8)
     [ "$v" = bf16 ] && q=()
@@ -37,7 +42,8 @@ for row in ${ROWS:-128/128/4096 1000/1000/2048}; do
     [ -n "${TIMELINE_AT:-}" ] && tl=(--timeline "$OUT/engine_${v}_${inp}_${outp}.events.json"
                                      --timeline-at "$TIMELINE_AT")
     timeout "${limit:-${LIMIT:-240}}" python3 -m nanojax bench throughput "${tuned[@]}" "${q[@]}" \
-      --num-prompts "$n" --input-len "$inp" --output-len "$outp" --max-model-len "$len" "${tl[@]}" \
+      --num-prompts "$n" --input-len "$inp" --output-len "$outp" --max-model-len "${MAX_LEN:-$len}" \
+      ${RUN_S:+--time-limit "$RUN_S"} "${tl[@]}" \
       --json "$OUT/engine_${v}_${inp}_${outp}.json" 2>&1 | grep -v "^[WI]1" | tail -n 6
     echo "row $row $v done at $SECONDS s"
   done
