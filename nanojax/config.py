@@ -549,6 +549,11 @@ class EngineConfig:
         "page-table width, so every step shape (one per token bucket) compiles before "
         "serving; default: on a GPU (off on the CPU, where fixed rows cost logits for "
         "every row)"))
+    fit_step_shapes: bool = dataclasses.field(default=True, metadata=_opt(
+        "let a step's prefill tail wait one step where that launches it at the next "
+        "smaller token count (fewer tokens wait than the larger count would pad, no more "
+        "than go now): less padding where the batch is not full, as when the KV cache "
+        "bounds it"))
     full_step_row_shapes: int = dataclasses.field(default=2, metadata=_opt(
         "with fixed shapes: row counts compiled for the B_dense step, 1 (the one row "
         "count) or 2 (also 5/8 of it, rounded up to 64: a steady state of half decodes "

@@ -41,14 +41,15 @@ def _retire(sched: Scheduler, batch, rng) -> int:
                        stop=lambda seq: seq.can_stop and rng.random() < 0.02)
 
 
-@pytest.mark.parametrize("admission,prefix,pages", [
-    ("greedy", False, 60),      # small caches: preemptions (tens)
-    ("predicted", False, 90),
-    ("greedy", True, 60),       # shared prefixes: cached pages, evictions, preemptions
-    ("predicted", True, 260),
+@pytest.mark.parametrize("admission,prefix,pages,shapes", [
+    ("greedy", False, 60, ()),      # small caches: preemptions (tens)
+    ("predicted", False, 90, ()),
+    ("greedy", True, 60, ()),       # shared prefixes: cached pages, evictions, preemptions
+    ("predicted", True, 260, ()),
+    ("predicted", True, 260, (8, 16, 32, 48)),  # prefill tails wait for a smaller shape
 ])
 def test_columns_match_the_sequences_through_random_traffic(admission, prefix, pages,
-                                                           monkeypatch):
+                                                           shapes, monkeypatch):
     room = scheduler._Room.__init__
 
     def checked_room(self, sched):  # mid-iteration too: admission reads the columns
@@ -61,6 +62,8 @@ def test_columns_match_the_sequences_through_random_traffic(admission, prefix, p
     sched = Scheduler(alloc, ps, b_dense=48, max_num_seqs=24, max_model_len=96,
                       chunk_cuts=(16, 32), admission=admission, max_prefill_seqs=4,
                       prefix_cache=PrefixCache(alloc, ps, b"root") if prefix else None)
+    sched.step_shapes = shapes
+    fitted = 0
     stems = [rng.integers(0, 8, 40).tolist() for _ in range(3)]
     n, left, in_flight, aborted = 0, 0, None, 0
     for it in range(600):
@@ -74,6 +77,8 @@ def test_columns_match_the_sequences_through_random_traffic(admission, prefix, p
         batch = sched.schedule(in_flight)
         _assert_rows_match(sched)
         assert batch.num_tokens == sum(e.num_tokens for e in batch.entries)
+        assert all(e.num_tokens > 0 for e in batch.entries)
+        fitted += batch.num_tokens in shapes
         if in_flight is not None:  # a decode's input on the device: its row there
             rows = {id(e.seq): row for row, e in enumerate(in_flight.entries)}
             for e in batch.entries[:batch.num_decodes]:
@@ -104,6 +109,45 @@ def test_columns_match_the_sequences_through_random_traffic(admission, prefix, p
     if prefix:
         assert sched.prefix_cache is not None and sched.prefix_cache.stats.hits > 0
     assert aborted > 0
+    if shapes:
+        assert fitted > 50
+
+
+def test_a_prefill_tail_waits_where_the_step_then_runs_a_smaller_shape():
+    """12 decodes and a 30-token prompt: 42 tokens would run at 64 (22 padding); 10 of
+    the prompt wait a step, which runs at 32, the next at 32 too (12 decodes + 10). Not
+    where as many would wait as the larger shape pads, nor more than go now."""
+    def first_steps(prompt_len: int, decodes: int = 12):
+        """The decodes' prompts (2 tokens each: no smaller shape fits), then, with that
+        step in flight (as the engine's), the decodes and the prompt."""
+        sched = Scheduler(PageAllocator(256), 4, 64, 32, 128)
+        sched.step_shapes = (8, 16, 32, 64)
+        for i in range(decodes):
+            sched.add(Sequence(f"d{i}", [1, 2], SamplingParams(max_tokens=50,
+                                                               ignore_eos=True)))
+        first = sched.schedule()
+        assert first.num_tokens == 2 * decodes
+        sched.add(Sequence("p", list(range(prompt_len)), SamplingParams(max_tokens=5)))
+        return sched, first, sched.schedule(first)
+    sched, first, batch = first_steps(30)
+    assert batch.num_decodes == 12 and batch.num_tokens == 32
+    tail = batch.entries[-1]
+    assert (tail.seq.request_id, tail.start, tail.num_tokens, tail.samples) == ("p", 0, 20,
+                                                                               False)
+    _retire(sched, first, np.random.default_rng(0))
+    after = sched.schedule(batch)
+    assert after.num_decodes == 12 and after.num_tokens == 22
+    tail = after.entries[-1]
+    assert (tail.seq.request_id, tail.start, tail.num_tokens, tail.samples) == ("p", 20, 10,
+                                                                               True)
+    # 12 + 44 = 56: 24 would wait, 8 padding at 64: it runs whole
+    assert first_steps(44)[2].num_tokens == 56
+    # 12 + 22 = 34: 2 wait (30 padding at 64), 20 go
+    assert first_steps(22)[2].num_tokens == 32
+    # 28 + 8 = 36: 4 wait, 4 go: allowed
+    assert first_steps(8, decodes=28)[2].num_tokens == 32
+    # 28 + 10 = 38: 6 would wait, 4 go: it runs whole, at 64
+    assert first_steps(10, decodes=28)[2].num_tokens == 38
 
 
 def test_schedule_takes_the_batch_in_flight_or_its_rows():

@@ -143,6 +143,8 @@ class LLMEngine:
                                   max_model_len=self.max_model_len,
                                   kv_cache_dtype=self.kv_dtype, broadcast=broadcast,
                                   step_cache=step_cache)
+        if cfg.fit_step_shapes and not cfg.constant_batch:
+            self.scheduler.step_shapes = tuple(self.runner.token_buckets())
         self.prefix_cache: PrefixCache | None = None
         self.offloader: KVOffloader | None = None
         if cfg.enable_prefix_caching:

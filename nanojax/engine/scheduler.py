@@ -34,6 +34,13 @@ they finish together, and until their replacements have prefilled the batch is d
 only, about half full for 512/512, again each time that cohort comes round. A burst that
 fits at once has no replacements to wait for and goes in as fast as prefill allows.
 
+Where the batch is not full (the KV cache bounds the decodes, as at 1000/1000 on one
+card), a step runs at the compiled token count above its tokens, padding included: ~440
+decodes and a 1,000-token prompt launch 2,048. With the engine's shapes given
+(`step_shapes`, EngineConfig.fit_step_shapes), the prompt's tail waits a step where that
+launches this one at the next smaller shape, fewer tokens waiting than the larger shape
+would pad and no more than go now (`_fit_to_shape`).
+
 An iteration's host cost follows what changed, not what runs (issue 43): the running
 requests' numbers are columns of arrays (`_Rows`), written where a request joins or leaves,
 gains a page or a prefill chunk; the decodes, the pages they need, the room, the predicted
@@ -197,6 +204,9 @@ class Scheduler:
         self._loads: list = []  # staged tier pages to copy in before this step
         self._credit = 1.0  # predicted admission: requests its pace lets in now
         self._scored_left = MAX_SCORED_TOKENS  # this step's room for prompt_logprobs
+        # the token counts a step is launched with, ascending (the engine's compiled
+        # shapes); set: a step's prefill tail may wait to save padding (_fit_to_shape)
+        self.step_shapes: tuple[int, ...] = ()
 
     # ---- queue management ------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -322,7 +332,35 @@ class Scheduler:
         num_decodes = len(entries)
         budget = self._prefills(prefilling, entries, self.b_dense - num_decodes)
         self._admit(entries, budget, num_decodes)
+        if self.step_shapes:
+            self._fit_to_shape(entries, num_decodes)
         return self._advance(entries, decode_keys)
+
+    def _fit_to_shape(self, entries: list[BatchEntry], num_decodes: int) -> None:
+        """4. the prefill's tail waits a step where that launches this one at the next
+        smaller shape: when fewer tokens wait than the larger shape would pad, and no
+        more wait than go now (a prompt is never held to a trickle). A KV-bound 1000/1000
+        step of ~440 decodes and a 1,000-token prompt runs 1,024 tokens, then the rest
+        with the next decodes, not 2,048 (~600 of them padding) and then 512."""
+        total = sum(e.num_tokens for e in entries)
+        lower = [s for s in self.step_shapes if s < total]
+        upper = next((s for s in self.step_shapes if s >= total), None)
+        if not lower or upper is None:
+            return
+        wait = total - lower[-1]
+        if wait >= upper - total or 2 * wait > total - num_decodes:
+            return
+        while wait:  # from the newest chunks (the decodes come first: never reached)
+            e = entries[-1]
+            cut = min(wait, e.num_tokens)
+            e.num_tokens -= cut
+            wait -= cut
+            if not e.num_tokens:  # it stays running, and prefills next step
+                entries.pop()
+                self._sync(e.seq)  # (its pages grew for the chunk)
+            else:
+                e.samples = (e.start + e.num_tokens == e.seq.num_known
+                             and e.seq.pending == 0)
 
     def _register_full_pages(self, prefix_cache: PrefixCache) -> None:
         """Pages completed by the steps launched so far go into the prefix cache (not
