@@ -6,7 +6,7 @@
 # fits; limit_s (default LIMIT, 240) bounds the row's process.
 # Each row runs in its own process; they share XLA's per-fusion autotuning cache (the FP8
 # GEMMs' autotuning took most of a cold start, §68), so only the first row pays for it.
-# Usage: OUT=dir [ROWS="128/128/4096 1000/1000/2048"] [BF16=1] [LIMIT=s] [AB="flags"] [MAX_LEN=n] [RUN_S=s] bash bench/repro/fp8/engine_h200.sh
+# Usage: OUT=dir [ROWS="128/128/4096 1000/1000/2048"] [BF16=1] [LIMIT=s] [AB="flags"] [MAX_LEN=n] [RUN_S=s] [EXTRA="flags"] bash bench/repro/fp8/engine_h200.sh
 # A row stopped by its limit (SIGTERM from timeout) or by RUN_S (the bench's --time-limit on
 # the timed run) still writes its JSON, marked "complete": false, with its steady window.
 # MAX_LEN: one --max-model-len for every row (the same step shapes: later rows load them
@@ -41,7 +41,8 @@ for row in ${ROWS:-128/128/4096 1000/1000/2048}; do
     tl=()  # TIMELINE_AT=N: a profile of 6 iterations from the N-th (in the steady window)
     [ -n "${TIMELINE_AT:-}" ] && tl=(--timeline "$OUT/engine_${v}_${inp}_${outp}.events.json"
                                      --timeline-at "$TIMELINE_AT")
-    timeout "${limit:-${LIMIT:-240}}" python3 -m nanojax bench throughput "${tuned[@]}" "${q[@]}" \
+    read -r -a extra <<< "${EXTRA:-}"  # EXTRA="flags": every variant (e.g. --num-layers 8)
+    timeout "${limit:-${LIMIT:-240}}" python3 -m nanojax bench throughput "${tuned[@]}" "${q[@]}" "${extra[@]}" \
       --num-prompts "$n" --input-len "$inp" --output-len "$outp" --max-model-len "${MAX_LEN:-$len}" \
       ${RUN_S:+--time-limit "$RUN_S"} "${tl[@]}" \
       --json "$OUT/engine_${v}_${inp}_${outp}.json" 2>&1 | grep -v "^[WI]1" | tail -n 6
