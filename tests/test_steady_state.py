@@ -222,7 +222,7 @@ def test_a_stopped_run_reports_what_it_measured(tiny_bundle):
     import signal
 
     from nanojax.bench.offline import run_offline
-    from nanojax.bench.workload import make_requests
+    from nanojax.bench.workload import StructuredWorkload, make_requests
     eng = LLMEngine(tiny_bundle, EngineConfig(b_dense=32, page_size=4, num_pages=256,
                                               max_model_len=48, fixed_shapes=True))
     reqs = make_requests(24, tiny_bundle.config.vocab_size, 16, 24, seed=3)
@@ -236,13 +236,16 @@ def test_a_stopped_run_reports_what_it_measured(tiny_bundle):
 
     eng.step = step_then_term
     before = signal.getsignal(signal.SIGTERM)
-    r = run_offline(eng, reqs, progress=False)
+    # (the CLI always passes a structured workload, constraining none by default)
+    r = run_offline(eng, reqs, progress=False, structured=StructuredWorkload(0.0))
     assert signal.getsignal(signal.SIGTERM) == before
     assert r["complete"] is False and r["iterations"] in (12, 13)
     assert r["finished_requests"] < r["requests"] == 24
     produced = sum(len(s.output_ids) for s in eng.requests.values())
     assert r["output_tokens"] >= produced > 0
     assert r["output_tokens_per_s"] == pytest.approx(r["output_tokens"] / r["wall_s"])
+    ended = r["structured"]["finish_reasons"]["unconstrained"]
+    assert ended["unfinished"] == 24 - r["finished_requests"] > 0
     done = run_offline(LLMEngine(tiny_bundle, EngineConfig(
         b_dense=32, page_size=4, num_pages=256, max_model_len=48, fixed_shapes=True)),
         reqs, progress=False, time_limit=600)

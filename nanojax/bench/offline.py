@@ -129,12 +129,14 @@ def _params(requests: list[BenchRequest], structured: StructuredWorkload | None,
 
 
 def _structured_report(structured: StructuredWorkload, outs: list) -> dict:
-    """How the constrained and the other requests ended ("stop": the grammar completed)."""
+    """How the constrained and the other requests ended ("stop": the grammar completed;
+    "unfinished": a stopped run's, None in outs)."""
     rows = structured.rows(len(outs))
     reasons = {"constrained": {}, "unconstrained": {}}
     for row, out in zip(rows, outs):
         counts = reasons["constrained" if row else "unconstrained"]
-        counts[out.finish_reason] = counts.get(out.finish_reason, 0) + 1
+        reason = out.finish_reason if out is not None else "unfinished"
+        counts[reason] = counts.get(reason, 0) + 1
     return {"fraction": structured.fraction, "schema": structured.schema,
             "requests": sum(rows), "finish_reasons": reasons}
 
@@ -238,7 +240,7 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
             engine.runner.step_tokens),
         "output_digests": digests,  # per request, to compare modes' tokens
         **({"timeline": timeline_report} if timeline_report else {}),
-        **({"structured": _structured_report(structured, [done[i] for i in ids])}
+        **({"structured": _structured_report(structured, [done.get(i) for i in ids])}
            if structured else {}),
         **({"outputs": [done[i].token_ids if i in done else None for i in ids]}
            if keep_outputs else {}),
