@@ -91,6 +91,13 @@ def non_negative_float(s: str) -> float:
     return v
 
 
+def positive_seconds(s: str) -> float:
+    v = _parsed(float, s, "a number of seconds > 0")
+    if not 0 < v < 1e9:  # NaN and infinity fail too (a timer takes neither)
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {s!r}")
+    return v
+
+
 def token_ids_list(s: str) -> list[int]:
     ids = _parsed(lambda t: [int(x) for x in t.split(",")], s,
                   "comma-separated token ids such as 1,2,3")

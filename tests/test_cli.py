@@ -49,6 +49,9 @@ def test_cli_errors_name_the_problem(tmp_path):
     assert not (tmp_path / "out").exists()
     res = run("generate", "hi", "--max-tokens", "0")
     assert res.returncode == 2 and "positive integer" in res.stderr
+    for bad in ("nan", "-1", "inf", "1e400", "0"):
+        res = run("bench", "throughput", "--time-limit", bad)
+        assert res.returncode == 2 and "seconds > 0" in res.stderr, (bad, res.stderr)
 
 
 def test_compile_cache_is_on_by_default_and_can_be_moved_or_turned_off(tmp_path):

@@ -409,7 +409,8 @@ def register(sub) -> None:
                    help="start the timeline at the run's N-th iteration (default: 600, "
                         "inside the steady window of 512/512)")
     t.add_argument("--timeline-iterations", type=int, default=6, metavar="N")
-    t.add_argument("--time-limit", type=float, default=None, metavar="S",
+    from nanojax.config_flags import positive_seconds
+    t.add_argument("--time-limit", type=positive_seconds, default=None, metavar="S",
                    help="stop the timed run after S seconds (as on SIGTERM) and report what "
                         "it measured, marked complete: false (the steady window holds)")
     t.add_argument("--host-profile", default=None, metavar="PATH",

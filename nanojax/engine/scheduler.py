@@ -331,18 +331,17 @@ class Scheduler:
         self._scored_left = MAX_SCORED_TOKENS
         num_decodes = len(entries)
         budget = self._prefills(prefilling, entries, self.b_dense - num_decodes)
-        self._admit(entries, budget, num_decodes)
-        if self.step_shapes:
-            self._fit_to_shape(entries, num_decodes)
+        budget = self._admit(entries, budget, num_decodes)
+        if self.step_shapes:  # (entries only grow above: b_dense - budget tokens)
+            self._fit_to_shape(entries, num_decodes, self.b_dense - budget)
         return self._advance(entries, decode_keys)
 
-    def _fit_to_shape(self, entries: list[BatchEntry], num_decodes: int) -> None:
+    def _fit_to_shape(self, entries: list[BatchEntry], num_decodes: int, total: int) -> None:
         """4. the prefill's tail waits a step where that launches this one at the next
         smaller shape: when fewer tokens wait than the larger shape would pad, and no
         more wait than go now (a prompt is never held to a trickle). A KV-bound 1000/1000
         step of ~440 decodes and a 1,000-token prompt runs 1,024 tokens, then the rest
         with the next decodes, not 2,048 (~600 of them padding) and then 512."""
-        total = sum(e.num_tokens for e in entries)
         lower = [s for s in self.step_shapes if s < total]
         upper = next((s for s in self.step_shapes if s >= total), None)
         if not lower or upper is None:
@@ -461,9 +460,9 @@ class Scheduler:
             budget -= chunk
         return budget
 
-    def _admit(self, entries: list[BatchEntry], budget: int, num_decodes: int) -> None:
+    def _admit(self, entries: list[BatchEntry], budget: int, num_decodes: int) -> int:
         """3. admit from the queue, first come first served; predicted admission at its
-        pace (`_Room.pace`)."""
+        pace (`_Room.pace`); returns the budget left."""
         room = None  # what running requests hold and owe; built when first needed
         if self.admission == "predicted":
             if not self.waiting:  # nothing saved up while idle; one arrival goes straight in
@@ -506,6 +505,7 @@ class Scheduler:
             room.add(self, seq)
             entries.append(self._prefill_entry(seq, chunk))
             budget -= chunk
+        return budget
 
     def _advance(self, entries: list[BatchEntry], decode_keys: np.ndarray) -> ScheduledBatch:
         """The launched tokens count as computed (and a sampled one as pending), in the
