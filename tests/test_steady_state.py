@@ -119,6 +119,21 @@ def _records(fills, waiting, b_dense=10):
             for i, (f, w) in enumerate(zip(fills, waiting))]
 
 
+def test_a_stopped_runs_window_is_timed_to_its_last_read_iteration():
+    """A run stopped by --time-limit ends with the queue still full, its last launched
+    iterations never read (done_t None): the window is still timed, to the last one
+    read (the H100 A/B's stopped rows had no rate, fp8.md §91)."""
+    fills, waiting = [1.0] * 8, [5] * 8
+    recs = _records(fills, waiting)
+    for r in recs[6:]:
+        r.done_t = None
+    st = steady_state(recs, 10, mean_stay=3.0, shape_of=lambda n: 16)
+    assert st["window"] == [3, 7] and st["window_tokens"] == 50  # every launched one
+    assert st["window_s"] == pytest.approx(6.0 - 3.0)  # iterations 3-5, read at 4, 5, 6
+    assert st["tokens_per_s"] == pytest.approx(30 / 3.0)
+    assert st["by_shape"]["16"]["iterations"] == 3
+
+
 def test_steady_window_is_between_ramp_up_and_drain():
     fills = [1.0] * 3 + [0.5, 1.0, 0.8, 1.0] + [0.3] * 3
     waiting = [5] * 6 + [0] + [3] + [0] * 2  # the queue last had requests at iteration 7

@@ -69,7 +69,14 @@ def steady_state(records: list, b_dense: int, mean_stay: float,
         "process_ms_per_iteration": 1e3 * sum(r.process_s for r in win) / len(win),
     })
     before = records[ramp - 1].done_t
-    if before is not None and win[-1].done_t is not None:
+    # a stopped run's last launched iterations were never read: time the window to the
+    # last one that was
+    timed = len(win)
+    while timed and win[timed - 1].done_t is None:
+        timed -= 1
+    if before is not None and timed:
+        win = win[:timed]
+        tokens = sum(r.tokens for r in win)
         secs = win[-1].done_t - before
         out.update({
             "window_s": secs,
@@ -83,7 +90,7 @@ def steady_state(records: list, b_dense: int, mean_stay: float,
                                        [shape_of(r.tokens) for r in win] if shape_of else None),
         })
         if shape_of is not None:
-            out["by_shape"] = _by_shape(records[ramp - 1:end + 1], shape_of)
+            out["by_shape"] = _by_shape(records[ramp - 1:ramp + timed], shape_of)
         # the window's rate with each stall cut to the median iteration: a profiler's start
         # or a collector's pause inside the window costs what this gap says, no more
         stalled = out["iteration_ms"].get("stall_ms_per_iteration", 0.0) * len(win) / 1e3

@@ -286,6 +286,17 @@ def any_logprobs(wants) -> bool:
     return bool(np.any(np.asarray(wants)))
 
 
+SAMPLER_BLOCK_BYTES = 128 << 20  # one [rows, vocab] f32 buffer of a sampling block
+
+
+def sampler_block_rows(rows: int, vocab: int, block_bytes: int | None = None) -> int:
+    """Rows of a block of the sampling path: as few equal blocks as keep each [rows, vocab]
+    f32 buffer within block_bytes (SAMPLER_BLOCK_BYTES; one row at least)."""
+    per_block = max(1, (block_bytes or SAMPLER_BLOCK_BYTES) // (4 * vocab))
+    n = -(-rows // per_block)
+    return -(-rows // n)
+
+
 def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties | None = None,
            top_logprobs=None, sampling: bool = True, logprobs: bool = True,
            bitmask: GrammarMasks | None = None, min_p=None):
@@ -302,7 +313,8 @@ def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties
     host (any_logprobs): False when no row asks, so the step skips the log-softmax and the
     top-20 (on a GPU a radix sort of every row's vocabulary, a sizeable share of the
     iteration: bench/results/log/engine_host.md) and returns zeros and [R, 0] tops. With
-    sampling, each row that asks for top-k or top-p is masked from one descending sort;
+    sampling, in blocks of rows (sampler_block_rows: its buffers' memory is a block's, not
+    the batch's), each row that asks for top-k or top-p is masked from one descending sort;
     the others are not touched, so a row's draw never depends on the rest of the batch.
     min_p applies first, to the tempered distribution, as vLLM's sampler: top-p's mass is
     then counted over what min_p kept.
@@ -316,10 +328,8 @@ def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties
     if bitmask is not None:
         logits = apply_bitmask(logits, bitmask.mask, bitmask.rows)
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    safe_t = jnp.where(temperature > 0, temperature, 1.0)
-    scaled = logits / safe_t[:, None]
 
-    def filtered(scaled):
+    def filtered(scaled, top_k, top_p):
         """top-k and top-p masks from one descending sort."""
         sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
         vocab = logits.shape[-1]
@@ -336,17 +346,38 @@ def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties
         key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
         return jax.random.categorical(key, row)
 
+    def drawn_rows(x, t, k, p, m, seed, step, greedy):
+        """The draw of a block of rows (their logits x and parameters): every op is per
+        row, so a row's token is the same whichever block it is drawn in."""
+        x = x / jnp.where(t > 0, t, 1.0)[:, None]
+        if m is not None:  # p >= min_p * p_max, i.e. a logit >= the top one + log(min_p)
+            # the top logit is the greedy token's: a gather, not another pass over the vocab
+            top = jnp.take_along_axis(x, greedy[:, None], axis=-1)[:, 0]
+            floor = top + jnp.log(jnp.where(m > 0, m, 1.0))
+            x = jnp.where((m[:, None] > 0) & (x < floor[:, None]), -jnp.inf, x)
+        wants_filter = (k > 0) | (p < 1.0)
+        x = jnp.where(wants_filter[:, None], filtered(x, k, p), x)
+        return jax.vmap(draw)(seed, step, x).astype(jnp.int32)
+
     tokens = greedy_tok
     if sampling:
-        if min_p is not None:  # p >= min_p * p_max, i.e. a logit >= the top one + log(min_p)
-            # the top logit is the greedy token's: a gather, not another pass over the vocab
-            top = jnp.take_along_axis(scaled, greedy_tok[:, None], axis=-1)[:, 0]
-            floor = top + jnp.log(jnp.where(min_p > 0, min_p, 1.0))
-            scaled = jnp.where((min_p[:, None] > 0) & (scaled < floor[:, None]), -jnp.inf,
-                               scaled)
-        wants_filter = (top_k > 0) | (top_p < 1.0)
-        masked = jnp.where(wants_filter[:, None], filtered(scaled), scaled)
-        drawn = jax.vmap(draw)(seeds, steps, masked).astype(jnp.int32)
+        # in blocks of rows, one after another (lax.map: a loop of known trip count, which
+        # XLA runs without asking the host): the sort, its softmax and cumsum and the
+        # noise are each a [rows, vocab] f32 buffer, 6.85 GiB together at 2,048 rows x
+        # 128k (an H100 out of memory, bench/results/log/fp8.md §91); a block's are small
+        per_row = (logits, temperature, top_k, top_p, min_p, seeds, steps, greedy_tok)
+        rows, size = logits.shape[0], sampler_block_rows(*logits.shape)
+        full = rows // size * size
+        parts = []
+        if full == size:
+            parts.append(drawn_rows(*[a if a is None else a[:size] for a in per_row]))
+        elif full:
+            blocks = [a if a is None else a[:full].reshape(full // size, size, *a.shape[1:])
+                      for a in per_row]
+            parts.append(jax.lax.map(lambda b: drawn_rows(*b), blocks).reshape(full))
+        if full < rows:
+            parts.append(drawn_rows(*[a if a is None else a[full:] for a in per_row]))
+        drawn = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
         tokens = jnp.where(temperature > 0, drawn, greedy_tok)
     if not want_logprobs:
         rows = tokens.shape[0]

@@ -10,7 +10,9 @@
 # A row stopped by its limit (SIGTERM from timeout) or by RUN_S (the bench's --time-limit on
 # the timed run) still writes its JSON, marked "complete": false, with its steady window.
 # MAX_LEN: one --max-model-len for every row (the same step shapes: later rows load them
-# from the step cache instead of compiling; default: each row's in + out).
+# from the step cache instead of compiling; default: each row's in + out). For rows of like
+# lengths only: the decode batch is sized from the KV cache at half of it (MAX_LEN=4096
+# held 128/128 to 445 sequences on an H100, bench/results/log/fp8.md §91).
 # TensorRT-LLM's four rows at ~2-3x what fits with FP8 KV on the H200 (~88,000 pages):
 #   ROWS="1000/1000/2048/330 128/128/4096/230 500/2000/1400 2048/2048/860"
 # A row with a new max_model_len compiles its fixed shapes first (~100 s on a warm
