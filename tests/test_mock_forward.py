@@ -5,6 +5,7 @@ whatever a request is batched with, so every request's tokens are checked exactl
 mock writes each token into its KV slot, so the cache's pages are checked too."""
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -192,6 +193,30 @@ def test_fixed_shapes_compile_the_full_step_at_fewer_rows_too(row_shapes):
     full = {r for t, r, _ in used if t == 256}
     assert full == ({192, 256} if row_shapes == 2 else {256}), used
     _assert_no_leaks(eng)
+
+
+def test_running_out_of_device_memory_in_the_warm_up_is_a_clear_error():
+    """An H100 ran out of memory in the warm-up's sampler at 2,048 rows (fp8.md §91) and
+    the CLI printed XLA's traceback: it is now a ConfigError naming the cache's size and
+    the flags that help. Other runtime errors pass through unchanged."""
+    from nanojax.errors import ConfigError
+    eng = _engine(fixed_shapes=True, b_dense=64, max_num_seqs=16, num_pages=256)
+    runner = eng.runner
+
+    def out_of_memory(*a, **k):
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 6.85GiB with "
+            "allocator GPU_0_bfc on device 0.\nmore detail")
+    runner.launch = out_of_memory
+    with pytest.raises(ConfigError, match=r"out of memory .*6\.85GiB.*KV cache's .* GB"
+                                          r".*64 tokens.*--num-pages"):
+        runner.warmup()
+
+    def other(*a, **k):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+    runner.launch = other
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        runner.warmup()
 
 
 def test_abort_frees_pages_and_spares_the_others():

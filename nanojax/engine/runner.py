@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nanojax.config import EngineConfig, ModelConfig
+from nanojax.errors import ConfigError
 from nanojax.engine.forward import Forward, default_forward
 from nanojax.engine.page_tables import PageTables
 from nanojax.engine.sampling import (Penalties, any_logprobs, any_sampling, penalty_inputs,
@@ -347,6 +348,23 @@ class ModelRunner:
 
     def warmup(self, progress: bool = False, threads: int | None = None,
                masked: bool = True) -> int:
+        """_warmup, with the device running out of memory in it said as a ConfigError: the
+        KV cache took what the largest step's buffers need (fp8.md §91's H100)."""
+        try:
+            return self._warmup(progress, threads, masked)
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            kv_gb = sum(x.nbytes for x in jax.tree.leaves(self.kv)) / 1e9
+            raise ConfigError(
+                f"the device ran out of memory warming up the step shapes "
+                f"({str(e).splitlines()[0][:160]}): the KV cache's {kv_gb:.1f} GB leave too "
+                f"little for the largest step ({self.b_dense} tokens, {self.max_rows} rows) "
+                f"and its sampler. Give fewer --num-pages, or a smaller --b-dense or "
+                f"--max-num-seqs") from e
+
+    def _warmup(self, progress: bool = False, threads: int | None = None,
+                masked: bool = True) -> int:
         """With fixed_shapes: compiles the step for every token bucket by launching an
         all-padding batch of each size (nothing is written to the cache: padding tokens
         have no slot). progress: a bar, shape k of n, on stderr. threads > 1 (with a step

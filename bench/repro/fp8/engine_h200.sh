@@ -4,9 +4,14 @@
 # row, the same requests with bf16 weights and KV in the same call for the ratio.
 # ROWS: "in/out/requests[/limit_s]" items; each row's requests should be several times what
 # fits; limit_s (default LIMIT, 240) bounds the row's process.
-# Each row runs in its own process; they share XLA's per-fusion autotuning cache (the FP8
-# GEMMs' autotuning took most of a cold start, §68), so only the first row pays for it.
-# Usage: OUT=dir [ROWS="128/128/4096 1000/1000/2048"] [BF16=1] [LIMIT=s] [AB="flags"] [MAX_LEN=n] [RUN_S=s] [EXTRA="flags"] bash bench/repro/fp8/engine_h200.sh
+# Each row runs in its own process; they share jax's compilation cache (NANOJAX_COMPILE_CACHE,
+# default here /tmp/nanojax_compile), which also holds XLA's per-fusion autotuning results
+# (jax puts them in its xla_gpu_per_fusion_autotune_cache_dir: an XLA_FLAGS value for that
+# is overridden), so only the first row pays for the FP8 GEMMs' autotuning (§68).
+# AUTOTUNE_SAVE=1 leaves those results in $OUT/autotune.tgz (small: the executables, 100 MB,
+# stay); AUTOTUNE_SEED=file.tgz puts saved ones in place first (a carried path on a fresh
+# machine of the same card; a cold H100 start spent 228 s in its warm-up, fp8.md §91).
+# Usage: OUT=dir [ROWS="128/128/4096 1000/1000/2048"] [BF16=1] [LIMIT=s] [AB="flags"] [MAX_LEN=n] [RUN_S=s] [EXTRA="flags"] [AUTOTUNE_SAVE=1] [AUTOTUNE_SEED=f] bash bench/repro/fp8/engine_h200.sh
 # A row stopped by its limit (SIGTERM from timeout) or by RUN_S (the bench's --time-limit on
 # the timed run) still writes its JSON, marked "complete": false, with its steady window.
 # MAX_LEN: one --max-model-len for every row (the same step shapes: later rows load them
@@ -21,12 +26,11 @@ set -u
 OUT=${OUT:?set OUT}
 mkdir -p "$OUT"  # (a missing OUT failed each run at its end, copying its profile there)
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-tune_flag=--xla_gpu_per_fusion_autotune_cache_dir=${AUTOTUNE_CACHE:-/tmp/nanojax_autotune}
-if XLA_FLAGS="$tune_flag" python3 -c "import jax.numpy as j; j.ones(1).block_until_ready()" \
-    >/dev/null 2>&1; then
-  export XLA_FLAGS="${XLA_FLAGS:-} $tune_flag"
+export NANOJAX_COMPILE_CACHE=${NANOJAX_COMPILE_CACHE:-/tmp/nanojax_compile}
+tune_dir=$NANOJAX_COMPILE_CACHE/xla_gpu_per_fusion_autotune_cache_dir
+if [ -n "${AUTOTUNE_SEED:-}" ]; then
+  mkdir -p "$tune_dir" && tar xzf "$AUTOTUNE_SEED" -C "$tune_dir" && echo "autotune seeded: $(ls "$tune_dir" | wc -l) entries"
 fi
-echo "XLA_FLAGS=${XLA_FLAGS:-}"
 tuned=(--model random:llama3-8b --b-dense 2048 --admission predicted --fixed-shapes --quiet)
 for row in ${ROWS:-128/128/4096 1000/1000/2048}; do
   IFS=/ read -r inp outp n limit <<< "$row"
@@ -51,4 +55,7 @@ for row in ${ROWS:-128/128/4096 1000/1000/2048}; do
     echo "row $row $v done at $SECONDS s"
   done
 done
+if [ "${AUTOTUNE_SAVE:-0}" = 1 ] && [ -d "$tune_dir" ]; then
+  tar czf "$OUT/autotune.tgz" -C "$tune_dir" . && echo "autotune saved: $(ls "$tune_dir" | wc -l) entries"
+fi
 ls -la "$OUT"
