@@ -1,0 +1,103 @@
+"""GPU: the fused FP8 activation-quantization kernels (pallas_kernels/act_quant.py) against
+their XLA references and the device's copy bandwidth, at a step's token counts, over their
+launch's warps per program, in one process.
+
+    python bench/repro/kernels/act_quant_kernels.py OUT.json          # one GPU: ~1 minute
+    python bench/repro/kernels/act_quant_kernels.py OUT.json --smoke  # CPU, interpret mode
+
+Why: in an H100 engine profile (bench/results/log/fp8.md §91) SiLU x up + quantize took
+44.6 us a layer at 1,024 tokens, 1.65 TB/s of the bytes it must move, about half the
+card's copy rate; RMSNorm + quantize 5.2 us. Each row: the kernel, tokens, width, warps,
+seconds, the bytes it must move (bf16 in, e4m3 and a scale a token out) over those seconds,
+and that rate as a fraction of a copy measured in the same run. The reference rows are
+the same computations as XLA fuses them (two passes: the absmax, then divide and convert).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kernels"))
+from bench_decode import copy_bandwidth  # noqa: E402  (shared with the decode sweeps)
+
+HIDDEN, INTERMEDIATE = 4096, 14336  # LLaMA-3-8B's
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes in interpret mode (checks that the script runs)")
+    ap.add_argument("--tokens", default="512,1024,2048")
+    ap.add_argument("--silu-warps", default="4,8,16")
+    ap.add_argument("--rms-warps", default="2,4,8")
+    args = ap.parse_args()
+    from pallas_kernels.act_quant import (rms_norm_quant, rms_norm_quant_reference,
+                                          silu_mul_quant, silu_mul_quant_reference)
+    from nanojax.profiling.timing import device_seconds
+
+    smoke = args.smoke
+    hidden, inter = (64, 128) if smoke else (HIDDEN, INTERMEDIATE)
+    tokens = [4] if smoke else [int(t) for t in args.tokens.split(",")]
+    timing = dict(iters=2, reps=1) if smoke else {}
+    copy = None if smoke else copy_bandwidth()
+    res = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+           "python": platform.python_version(), "copy_bytes_per_s": copy,
+           "command": " ".join(sys.argv), "rows": []}
+
+    def row(kernel, t, width, warps, fn, fn_args, nbytes, check=None):
+        r = {"kernel": kernel, "tokens": t, "width": width, "num_warps": warps}
+        try:
+            out = jax.block_until_ready(jax.jit(fn)(*fn_args))
+            if check is not None:  # e4m3 values within one rounding step, scales close
+                q, s = out
+                rq, rs = check
+                r["max_scale_rel_diff"] = float(jnp.max(jnp.abs(s - rs) / rs))
+                r["max_value_diff"] = float(jnp.max(jnp.abs(
+                    q.astype(jnp.float32) - rq.astype(jnp.float32))))
+            secs = device_seconds(fn, *fn_args, **timing)
+            r.update(seconds=secs, bytes=nbytes, bytes_per_s=nbytes / secs)
+            if copy:
+                r["of_copy"] = nbytes / secs / copy
+        except Exception as e:  # a launch variant that does not compile is a finding too
+            r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        res["rows"].append(r)
+        print(json.dumps(r), file=sys.stderr)
+
+    key = jax.random.PRNGKey(0)
+    for t in tokens:
+        gate = jax.random.normal(key, (t, inter), jnp.bfloat16)
+        up = jax.random.normal(jax.random.fold_in(key, 1), (t, inter), jnp.bfloat16)
+        scales = (jnp.full((t, 1), 0.02, jnp.float32),
+                  jnp.full((inter,), 0.5, jnp.float32), jnp.full((inter,), 0.7, jnp.float32))
+        moved = 2 * t * inter * 2 + t * inter + 4 * t  # bf16 in twice, e4m3 and a scale out
+        ref = jax.jit(silu_mul_quant_reference)(gate, up, scales)
+        row("silu_mul_quant_xla", t, inter, None, silu_mul_quant_reference,
+            (gate, up, scales), moved)
+        for w in [int(x) for x in args.silu_warps.split(",")]:
+            row("silu_mul_quant", t, inter, w,
+                lambda g, u, s, w=w: silu_mul_quant(g, u, s, num_warps=w, interpret=smoke),
+                (gate, up, scales), moved, check=ref)
+        x = jax.random.normal(key, (t, hidden), jnp.bfloat16)
+        weight = jnp.ones((hidden,), jnp.bfloat16)
+        moved = t * hidden * 2 + t * hidden + 4 * t
+        ref = jax.jit(rms_norm_quant_reference, static_argnums=2)(x, weight, 1e-5)
+        row("rms_norm_quant_xla", t, hidden, None,
+            lambda a, b: rms_norm_quant_reference(a, b, 1e-5), (x, weight), moved)
+        for w in [int(x) for x in args.rms_warps.split(",")]:
+            row("rms_norm_quant", t, hidden, w,
+                lambda a, b, w=w: rms_norm_quant(a, b, 1e-5, num_warps=w, interpret=smoke),
+                (x, weight), moved, check=ref)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
