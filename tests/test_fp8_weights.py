@@ -503,3 +503,23 @@ def test_convert_refuses_bad_calibration_before_loading(tmp_path, capsys):
         convert(tmp_path / "float", tmp_path / "out", quantization="fp8",
                 calibration=["some text"])
     assert not (tmp_path / "out").exists()
+
+
+def test_the_lm_head_writes_f32_logits_from_its_gemm():
+    """The untied LM head's GEMM writes the f32 logits itself (bf16 in, f32 accumulated
+    and out): no bf16 [rows, vocab] output and convert pass after it, which an H100
+    profile showed as a kernel of its own (fp8.md §91)."""
+    from nanojax.config import named_shape
+    from nanojax.models.llama import LlamaForCausalLM, init_params
+    cfg = named_shape("tiny", dtype="bfloat16")
+    assert not cfg.tie_word_embeddings
+    model, params = LlamaForCausalLM(cfg), init_params(cfg)
+    x = jnp.zeros((4, cfg.hidden_size), jnp.bfloat16)
+    eqns = jax.make_jaxpr(lambda p, x: model.apply(p, x, method=LlamaForCausalLM.logits))(
+        params, x).jaxpr.eqns
+    head = [e for e in eqns if e.primitive.name == "dot_general"
+            and e.outvars[0].aval.shape == (4, cfg.vocab_size)]
+    assert len(head) == 1 and head[0].outvars[0].aval.dtype == jnp.float32
+    assert head[0].invars[1].aval.dtype == jnp.bfloat16  # the weight read as bf16
+    assert not [e for e in eqns if e.primitive.name == "convert_element_type"
+                and e.invars[0].aval.shape == (4, cfg.vocab_size)]

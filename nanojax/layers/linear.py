@@ -41,6 +41,9 @@ class Linear(nn.Module):
     # block, the block-scaled GEMM
     quantization: str | None = None
     static_input_scale: bool = False  # fp8: the checkpoint's input_scale, not per token
+    # the GEMM's output dtype where not the model's (the LM head's f32 logits: written by
+    # the GEMM itself, not a bf16 output and a convert pass over [rows, vocab])
+    out_dtype: jnp.dtype | None = None
 
     @nn.compact
     def __call__(self, x, unscaled: bool = False):
@@ -62,6 +65,8 @@ class Linear(nn.Module):
             w: dict = {k: self.get_variable("quant", k) for k in ("q", "d", "m")
                  if self.has_variable("quant", k)}
             y = quantized_dot(x, w).astype(self.dtype)
+        elif self.out_dtype is not None:
+            y = jnp.dot(x.astype(self.dtype), kernel, preferred_element_type=self.out_dtype)
         else:
             y = (self.matmul or jnp.dot)(x.astype(self.dtype), kernel)
         return self._bias(y)

@@ -132,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
                                     act_quant=self.act_quant) for _ in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, dt)
         if not c.tie_word_embeddings:
-            self.lm_head = Linear(c.vocab_size, dt)
+            self.lm_head = Linear(c.vocab_size, dt, out_dtype=jnp.float32)
 
     @property
     def inv_freq(self) -> np.ndarray:
