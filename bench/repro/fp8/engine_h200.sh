@@ -8,10 +8,12 @@
 # default here /tmp/nanojax_compile), which also holds XLA's per-fusion autotuning results
 # (jax puts them in its xla_gpu_per_fusion_autotune_cache_dir: an XLA_FLAGS value for that
 # is overridden), so only the first row pays for the FP8 GEMMs' autotuning (§68).
-# AUTOTUNE_SAVE=1 leaves those results in $OUT/autotune.tgz (small: the executables, 100 MB,
-# stay); AUTOTUNE_SEED=file.tgz puts saved ones in place first (a carried path on a fresh
-# machine of the same card; a cold H100 start spent 228 s in its warm-up, fp8.md §91).
-# Usage: OUT=dir [ROWS="128/128/4096 1000/1000/2048"] [BF16=1] [LIMIT=s] [AB="flags"] [MAX_LEN=n] [RUN_S=s] [EXTRA="flags"] [AUTOTUNE_SAVE=1] [AUTOTUNE_SEED=f] bash bench/repro/fp8/engine_h200.sh
+# CACHE_SAVE=1 leaves in $OUT/compile_cache.tgz.* (15 MB parts) those results and the
+# cache's smaller programs (1 MiB or less: weight init, quantization, samplers; the step
+# executables, ~100 MB, stay); CACHE_SEED=dir puts such parts in place first (a carried
+# folder on a fresh machine of the same card: a cold H100 spent ~99 s before its warm-up
+# and 228 s in it, fp8.md §91). Reassemble nothing: the script reads the parts.
+# Usage: OUT=dir [ROWS="128/128/4096 1000/1000/2048"] [BF16=1] [LIMIT=s] [AB="flags"] [MAX_LEN=n] [RUN_S=s] [EXTRA="flags"] [CACHE_SAVE=1] [CACHE_SEED=dir] bash bench/repro/fp8/engine_h200.sh
 # A row stopped by its limit (SIGTERM from timeout) or by RUN_S (the bench's --time-limit on
 # the timed run) still writes its JSON, marked "complete": false, with its steady window.
 # MAX_LEN: one --max-model-len for every row (the same step shapes: later rows load them
@@ -27,9 +29,9 @@ OUT=${OUT:?set OUT}
 mkdir -p "$OUT"  # (a missing OUT failed each run at its end, copying its profile there)
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 export NANOJAX_COMPILE_CACHE=${NANOJAX_COMPILE_CACHE:-/tmp/nanojax_compile}
-tune_dir=$NANOJAX_COMPILE_CACHE/xla_gpu_per_fusion_autotune_cache_dir
-if [ -n "${AUTOTUNE_SEED:-}" ]; then
-  mkdir -p "$tune_dir" && tar xzf "$AUTOTUNE_SEED" -C "$tune_dir" && echo "autotune seeded: $(ls "$tune_dir" | wc -l) entries"
+if [ -n "${CACHE_SEED:-}" ]; then
+  mkdir -p "$NANOJAX_COMPILE_CACHE" && cat "$CACHE_SEED"/compile_cache.tgz.* | tar xzf - -C "$NANOJAX_COMPILE_CACHE" \
+    && echo "compile cache seeded: $(find "$NANOJAX_COMPILE_CACHE" -type f | wc -l) files"
 fi
 tuned=(--model random:llama3-8b --b-dense 2048 --admission predicted --fixed-shapes --quiet)
 for row in ${ROWS:-128/128/4096 1000/1000/2048}; do
@@ -55,7 +57,9 @@ for row in ${ROWS:-128/128/4096 1000/1000/2048}; do
     echo "row $row $v done at $SECONDS s"
   done
 done
-if [ "${AUTOTUNE_SAVE:-0}" = 1 ] && [ -d "$tune_dir" ]; then
-  tar czf "$OUT/autotune.tgz" -C "$tune_dir" . && echo "autotune saved: $(ls "$tune_dir" | wc -l) entries"
+if [ "${CACHE_SAVE:-0}" = 1 ] && [ -d "$NANOJAX_COMPILE_CACHE" ]; then
+  (cd "$NANOJAX_COMPILE_CACHE" && find . -type f -size -2M -print0 | tar czf - --null -T -) \
+    | split -b 15M - "$OUT/compile_cache.tgz."
+  echo "compile cache saved: $(du -ch "$OUT"/compile_cache.tgz.* | tail -1)"
 fi
 ls -la "$OUT"
