@@ -248,7 +248,7 @@ def test_sampling_runs_in_row_blocks_with_the_same_tokens_and_a_blocks_memory(mo
     import jax.numpy as jnp
     from nanojax.engine import sampling
     rng = np.random.default_rng(2)
-    r, v = 40, 512
+    r, v = 41, 512
     logits = jnp.asarray(rng.standard_normal((r, v)) * 3, jnp.float32)
     temperature = jnp.asarray(rng.uniform(0.0, 1.5, r), jnp.float32).at[::7].set(0.0)
     top_p = jnp.asarray(np.where(np.arange(r) % 3 == 0, 0.8, 1.0), jnp.float32)
@@ -257,12 +257,15 @@ def test_sampling_runs_in_row_blocks_with_the_same_tokens_and_a_blocks_memory(mo
     seeds, steps = jnp.arange(r, dtype=jnp.uint32), jnp.arange(r, dtype=jnp.int32)
     args = (logits, temperature, top_p, top_k, seeds, steps)
     one_block = sampling.sample(*args, logprobs=False, min_p=min_p)[0]
-    # 9 rows a block: four blocks through the loop and a remainder of 4
-    monkeypatch.setattr(sampling, "SAMPLER_BLOCK_BYTES", 9 * 4 * v)
-    assert sampling.sampler_block_rows(r, v) == 8  # 5 equal blocks of 8
-    monkeypatch.setattr(sampling, "SAMPLER_BLOCK_BYTES", 9 * 4 * v + 3)
-    blocked = sampling.sample(*args, logprobs=False, min_p=min_p)[0]
-    assert np.array_equal(np.asarray(blocked), np.asarray(one_block))
+    # at most 9 rows a block: 5 equal blocks of 9 (41 rows), four through the loop and a
+    # remainder of 5; at most 10: 5 blocks of 9 again; 41: one block (no loop)
+    assert sampling.sampler_block_rows(r, v, 9 * 4 * v) == 9
+    assert sampling.sampler_block_rows(r, v, 10 * 4 * v) == 9
+    assert sampling.sampler_block_rows(0, v) == 1  # (no rows: no division by zero)
+    for block_rows in (9, 4, 1):
+        monkeypatch.setattr(sampling, "SAMPLER_BLOCK_BYTES", block_rows * 4 * v)
+        blocked = sampling.sample(*args, logprobs=False, min_p=min_p)[0]
+        assert np.array_equal(np.asarray(blocked), np.asarray(one_block)), block_rows
     jaxpr = str(jax.make_jaxpr(lambda *a: sampling.sample(*a, logprobs=False))(*args))
     assert "cond[" not in jaxpr  # the loop has a known trip count: no predicate read back
 

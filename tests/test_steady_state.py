@@ -130,7 +130,7 @@ def test_a_stopped_runs_window_is_timed_to_its_last_read_iteration():
     st = steady_state(recs, 10, mean_stay=3.0, shape_of=lambda n: 16)
     assert st["window"] == [3, 7] and st["window_tokens"] == 50  # every launched one
     assert st["window_s"] == pytest.approx(6.0 - 3.0)  # iterations 3-5, read at 4, 5, 6
-    assert st["tokens_per_s"] == pytest.approx(30 / 3.0)
+    assert st["tokens_per_s"] == pytest.approx(30 / 3.0) and st["timed_iterations"] == 3
     assert st["by_shape"]["16"]["iterations"] == 3
 
 

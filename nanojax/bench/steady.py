@@ -79,6 +79,7 @@ def steady_state(records: list, b_dense: int, mean_stay: float,
         tokens = sum(r.tokens for r in win)
         secs = win[-1].done_t - before
         out.update({
+            "timed_iterations": timed,  # of window_iterations (a stopped run's are fewer)
             "window_s": secs,
             "tokens_per_s": tokens / secs,
             "s_per_iteration": secs / len(win),

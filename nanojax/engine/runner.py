@@ -355,7 +355,9 @@ class ModelRunner:
         except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
-            kv_gb = sum(x.nbytes for x in jax.tree.leaves(self.kv)) / 1e9
+            # one device's share (a tensor-parallel cache is sharded over its devices)
+            kv_gb = sum(x.addressable_shards[0].data.nbytes
+                        for x in jax.tree.leaves(self.kv)) / 1e9
             raise ConfigError(
                 f"the device ran out of memory warming up the step shapes "
                 f"({str(e).splitlines()[0][:160]}): the KV cache's {kv_gb:.1f} GB leave too "

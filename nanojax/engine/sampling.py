@@ -293,8 +293,8 @@ def sampler_block_rows(rows: int, vocab: int, block_bytes: int | None = None) ->
     """Rows of a block of the sampling path: as few equal blocks as keep each [rows, vocab]
     f32 buffer within block_bytes (SAMPLER_BLOCK_BYTES; one row at least)."""
     per_block = max(1, (block_bytes or SAMPLER_BLOCK_BYTES) // (4 * vocab))
-    n = -(-rows // per_block)
-    return -(-rows // n)
+    n = max(1, -(-rows // per_block))
+    return max(1, -(-rows // n))
 
 
 def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties | None = None,

@@ -66,6 +66,7 @@ class Linear(nn.Module):
                  if self.has_variable("quant", k)}
             y = quantized_dot(x, w).astype(self.dtype)
         elif self.out_dtype is not None:
+            assert self.matmul is None, "out_dtype is the plain GEMM's"
             y = jnp.dot(x.astype(self.dtype), kernel, preferred_element_type=self.out_dtype)
         else:
             y = (self.matmul or jnp.dot)(x.astype(self.dtype), kernel)

@@ -29,6 +29,9 @@ OUT=${OUT:?set OUT}
 mkdir -p "$OUT"  # (a missing OUT failed each run at its end, copying its profile there)
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 export NANOJAX_COMPILE_CACHE=${NANOJAX_COMPILE_CACHE:-/tmp/nanojax_compile}
+if [ -n "${CACHE_SEED:-}" ] && ! compgen -G "$CACHE_SEED/compile_cache.tgz.*" >/dev/null; then
+  echo "CACHE_SEED=$CACHE_SEED holds no compile_cache.tgz.* parts" >&2; exit 2
+fi
 if [ -n "${CACHE_SEED:-}" ]; then
   mkdir -p "$NANOJAX_COMPILE_CACHE" && cat "$CACHE_SEED"/compile_cache.tgz.* | tar xzf - -C "$NANOJAX_COMPILE_CACHE" \
     && echo "compile cache seeded: $(find "$NANOJAX_COMPILE_CACHE" -type f | wc -l) files"
@@ -58,6 +61,7 @@ for row in ${ROWS:-128/128/4096 1000/1000/2048}; do
   done
 done
 if [ "${CACHE_SAVE:-0}" = 1 ] && [ -d "$NANOJAX_COMPILE_CACHE" ]; then
+  rm -f "$OUT"/compile_cache.tgz.*  # (an earlier save's parts would be joined on)
   (cd "$NANOJAX_COMPILE_CACHE" && find . -type f -size -2M -print0 | tar czf - --null -T -) \
     | split -b 15M - "$OUT/compile_cache.tgz."
   echo "compile cache saved: $(du -ch "$OUT"/compile_cache.tgz.* | tail -1)"
