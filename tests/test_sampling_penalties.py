@@ -280,3 +280,39 @@ def test_sampling_runs_in_row_blocks_with_the_same_tokens_and_a_blocks_memory(mo
     batch = 512 * 32768 * 4
     whole, blocks = scratch(1 << 40), scratch(batch // 8)
     assert whole > 3 * batch and blocks < batch, (whole, blocks)
+
+
+def test_logprobs_run_in_row_blocks_with_the_same_values_and_a_blocks_memory(monkeypatch):
+    """The logprobs path (a log-softmax of every row and a top-20 sort) is in row blocks
+    too: at 2,048 rows x 128k its buffers were several GB beside the logits. Values, ids
+    and ranks are the same in any blocking, and the scratch is a block's."""
+    import jax.numpy as jnp
+    from nanojax.engine import sampling
+    rng = np.random.default_rng(3)
+    r, v = 41, 512
+    logits = jnp.asarray(rng.standard_normal((r, v)) * 3, jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, v, r), jnp.int32)
+    whole = sampling.token_logprobs(logits, tokens, rank=True)
+    for block_rows in (9, 4, 1):
+        monkeypatch.setattr(sampling, "SAMPLER_BLOCK_BYTES", block_rows * 4 * v)
+        blocked = sampling.token_logprobs(logits, tokens, rank=True)
+        # ids and ranks exactly; values to float32's rounding (XLA's loops over a block's
+        # vocabulary may sum in another order than over the batch's)
+        for i, (a, b) in enumerate(zip(whole, blocked)):
+            if i in (1, 2):
+                assert np.array_equal(np.asarray(a), np.asarray(b)), block_rows
+            else:
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+    ref = jax.nn.log_softmax(logits, axis=-1)  # an independent check of the values
+    np.testing.assert_allclose(np.asarray(whole[0]),
+                               np.asarray(ref[jnp.arange(r), tokens]), rtol=1e-6)
+
+    def scratch(block_bytes, rows=512, vocab=32768):
+        monkeypatch.setattr(sampling, "SAMPLER_BLOCK_BYTES", block_bytes)
+        shapes = [jax.ShapeDtypeStruct((rows, vocab), jnp.float32),
+                  jax.ShapeDtypeStruct((rows,), jnp.int32)]
+        compiled = jax.jit(lambda *a: sampling.token_logprobs(*a)).lower(*shapes).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+    batch = 512 * 32768 * 4
+    full, blocks = scratch(1 << 40), scratch(batch // 8)
+    assert full >= batch and blocks < batch / 2, (full, blocks)

@@ -297,6 +297,35 @@ def sampler_block_rows(rows: int, vocab: int, block_bytes: int | None = None) ->
     return max(1, -(-rows // n))
 
 
+def in_row_blocks(fn, args, block_rows: int | None = None):
+    """fn(*args) computed block of rows by block of rows, one block after another: args
+    are per-row arrays [R, ...] (None passes through), fn's outputs per-row arrays (a
+    pytree). Each [rows, vocab] f32 buffer fn makes is then a block's (block_rows: default
+    sampler_block_rows of the first arg, the logits), not the batch's. The loop is
+    lax.map's, of a known trip count, which XLA's GPU runtime runs without reading a
+    predicate back to the host (a cond would make the host wait for the step). fn must
+    treat each row on its own: a row's result is then the same in any block."""
+    rows = args[0].shape[0]
+    size = block_rows or sampler_block_rows(*args[0].shape)
+    if rows <= size:  # one block (or no rows): no loop, no slicing
+        return fn(*args)
+    full = rows // size * size
+    part = lambda lo, hi: [a if a is None else a[lo:hi] for a in args]
+    parts = []
+    if full == size:
+        parts.append(fn(*part(0, size)))
+    elif full:
+        blocks = [a if a is None else a[:full].reshape(full // size, size, *a.shape[1:])
+                  for a in args]
+        looped = jax.lax.map(lambda b: fn(*b), blocks)
+        parts.append(jax.tree.map(lambda o: o.reshape(full, *o.shape[2:]), looped))
+    if full < rows:
+        parts.append(fn(*part(full, rows)))
+    if len(parts) == 1:
+        return parts[0]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+
+
 def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties | None = None,
            top_logprobs=None, sampling: bool = True, logprobs: bool = True,
            bitmask: GrammarMasks | None = None, min_p=None):
@@ -361,23 +390,11 @@ def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties
 
     tokens = greedy_tok
     if sampling:
-        # in blocks of rows, one after another (lax.map: a loop of known trip count, which
-        # XLA runs without asking the host): the sort, its softmax and cumsum and the
+        # in blocks of rows (in_row_blocks): the sort, its softmax and cumsum and the
         # noise are each a [rows, vocab] f32 buffer, 6.85 GiB together at 2,048 rows x
         # 128k (an H100 out of memory, bench/results/log/fp8.md §91); a block's are small
-        per_row = (logits, temperature, top_k, top_p, min_p, seeds, steps, greedy_tok)
-        rows, size = logits.shape[0], sampler_block_rows(*logits.shape)
-        full = rows // size * size
-        parts = []
-        if full == size:
-            parts.append(drawn_rows(*[a if a is None else a[:size] for a in per_row]))
-        elif full:
-            blocks = [a if a is None else a[:full].reshape(full // size, size, *a.shape[1:])
-                      for a in per_row]
-            parts.append(jax.lax.map(lambda b: drawn_rows(*b), blocks).reshape(full))
-        if full < rows:
-            parts.append(drawn_rows(*[a if a is None else a[full:] for a in per_row]))
-        drawn = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+        drawn = in_row_blocks(drawn_rows, (logits, temperature, top_k, top_p, min_p, seeds,
+                                           steps, greedy_tok))
         tokens = jnp.where(temperature > 0, drawn, greedy_tok)
     if not want_logprobs:
         rows = tokens.shape[0]
@@ -391,7 +408,14 @@ def token_logprobs(logits, tokens, top_logprobs=None, rank: bool = False):
     """The model's log-probabilities of logits [R, V] (before any processing): each row's
     token's [R], with its rank (1: the likeliest; zeros unless rank) [R], and the top
     MAX_LOGPROBS ids [R, K] and values [R, K]. top_logprobs: as sample()'s; with it the
-    token's value is a masked sum, which reduces per vocabulary shard."""
+    token's value is a masked sum, which reduces per vocabulary shard. In blocks of rows
+    (in_row_blocks): the log-softmax and the top-k's sort of 2,048 rows x 128k are
+    several GB together."""
+    return in_row_blocks(lambda lg, tok: _token_logprobs_rows(lg, tok, top_logprobs, rank),
+                         (logits, tokens))
+
+
+def _token_logprobs_rows(logits, tokens, top_logprobs, rank: bool):
     all_lp = jax.nn.log_softmax(logits, axis=-1)
     if top_logprobs is not None:
         hit = jnp.arange(logits.shape[-1], dtype=jnp.int32)[None, :] == tokens[:, None]

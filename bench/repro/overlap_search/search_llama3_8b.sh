@@ -16,6 +16,7 @@
 # call of its own (LIMIT_PROFILE near the call's 600 s) and run the steps with PLAN= after.
 set -u
 OUT=${OUT:?set OUT}
+mkdir -p "$OUT"  # (with PLAN= no profile makes it)
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 quiet() { grep -v "^[WI]1" | tail -n "$1"; }
 if [ -z "${PLAN:-}" ]; then
