@@ -219,6 +219,37 @@ def test_running_out_of_device_memory_in_the_warm_up_is_a_clear_error():
         runner.warmup()
 
 
+def test_the_warm_up_records_the_memory_peak_after_each_phase(monkeypatch):
+    """The warm-up's peak (7.4 GB at 2,048 rows on an H100, fp8.md §92) is read after the
+    step shapes and again after the sampler variants, so a run's JSON says which phase
+    set it; on a backend without memory counts (the CPU) nothing is recorded."""
+    from nanojax.engine import runner as runner_mod
+    eng = _engine(fixed_shapes=True, b_dense=64, max_num_seqs=16, num_pages=256)
+    runner = eng.runner
+    runner.warmup()
+    assert runner.warmup_memory is None  # (the CPU keeps no count)
+    phases = []
+    real_samplers = runner._warm_samplers
+
+    def samplers(*a, **k):
+        phases.append("samplers")
+        return real_samplers(*a, **k)
+
+    def fake_memory():
+        phases.append("read")
+        peak = 100 * len(phases)
+        return {"peak_bytes_in_use": peak, "bytes_in_use": 50, "bytes_limit": 10 ** 6}
+    monkeypatch.setattr(runner_mod, "device_memory", fake_memory)
+    monkeypatch.setattr(runner, "_warm_samplers", samplers)
+    runner.warmup()
+    assert phases == ["read", "samplers", "read"]
+    assert runner.warmup_memory == {
+        "after_step_shapes": {"peak_bytes_in_use": 100, "bytes_in_use": 50,
+                              "bytes_limit": 10 ** 6},
+        "after_samplers": {"peak_bytes_in_use": 300, "bytes_in_use": 50,
+                           "bytes_limit": 10 ** 6}}
+
+
 def test_abort_frees_pages_and_spares_the_others():
     eng = _engine(enable_prefix_caching=False, max_num_seqs=3)
     rng = np.random.default_rng(5)

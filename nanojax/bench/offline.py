@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from nanojax.bench.steady import steady_state
 from nanojax.bench.workload import BenchRequest, StructuredWorkload
 from nanojax.engine.gc_freeze import GcPauses, frozen_startup_objects
+from nanojax.engine.kv_cache import device_memory
 from nanojax.engine.llm_engine import LLMEngine
 from nanojax.engine.sampling import SamplingParams
 
@@ -141,13 +142,6 @@ def _structured_report(structured: StructuredWorkload, outs: list) -> dict:
             "requests": sum(rows), "finish_reasons": reasons}
 
 
-def _device_memory() -> dict | None:
-    import jax
-    stats = jax.local_devices()[0].memory_stats() or {}
-    keys = ("peak_bytes_in_use", "bytes_in_use", "bytes_limit")
-    return {k: stats[k] for k in keys if k in stats} or None
-
-
 def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool = True,
                 warmup: bool = True, timeline: TimelineWindow | None = None,
                 structured: StructuredWorkload | None = None,
@@ -232,7 +226,9 @@ def run_offline(engine: LLMEngine, requests: list[BenchRequest], progress: bool 
         "kv_pages": engine.sizing.num_pages,
         # the allocator's peak over the process (weights, cache, the steps' activations):
         # how much of jax's pool the KV cache's share left unused (None on the CPU)
-        "device_memory": _device_memory(),
+        "device_memory": device_memory(),
+        # the peak as the warm-up went: after the step shapes, after the samplers
+        "warmup_memory": engine.runner.warmup_memory,
         "max_num_seqs": engine.scheduler.max_num_seqs,
         "steady_state": steady_state(trace, engine.config.b_dense, 1 + (
             output_tokens / len(ids) if len(done) == len(ids)

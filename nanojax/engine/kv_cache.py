@@ -222,6 +222,19 @@ def pool_share() -> float:
     return JAX_POOL_SHARE
 
 
+MEMORY_KEYS = ("peak_bytes_in_use", "bytes_in_use", "bytes_limit")
+
+
+def device_memory() -> dict | None:
+    """The first device's allocator: peak and current bytes in use and its pool's size;
+    None where the backend keeps no such count (CPU)."""
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:
+        return None
+    return {k: stats[k] for k in MEMORY_KEYS if k in stats} or None
+
+
 def free_device_bytes(memory_utilization: float = 0.9) -> int | None:
     """Bytes the KV cache may take on the first device, or None where unknown (CPU):
     KV_SHARE of the memory_utilization share of the card (EngineConfig's; at most jax's

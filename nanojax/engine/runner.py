@@ -22,6 +22,7 @@ import numpy as np
 from nanojax.config import EngineConfig, ModelConfig
 from nanojax.errors import ConfigError
 from nanojax.engine.forward import Forward, default_forward
+from nanojax.engine.kv_cache import device_memory
 from nanojax.engine.page_tables import PageTables
 from nanojax.engine.sampling import (Penalties, any_logprobs, any_sampling, penalty_inputs,
                                      sample, token_logprobs, with_pending)
@@ -200,6 +201,8 @@ class ModelRunner:
         self._traces = 0
         self._trace_lock = threading.Lock()
         self.num_sampler_compiles = 0
+        # the device's memory after each phase of the warm-up (None: not run, or CPU)
+        self.warmup_memory: dict | None = None
         self.last_inputs_s = 0.0
         self.mask_s = 0.0   # filling grammar masks, summed (MaskedStep.complete)
         self.num_masks = 0
@@ -400,8 +403,12 @@ class ModelRunner:
             jax.block_until_ready(self.launch(_padding_batch(t), rows=r).tokens)
             bar.update(0 if parallel else 1)
         bar.close()
+        after_steps = device_memory()
         self._warm_samplers(_padding_batch(self.token_buckets()[-1]),
                             masked and self.broadcast is None)
+        if after_steps is not None:  # (the peak only rises: each phase's own is its rise)
+            self.warmup_memory = {"after_step_shapes": after_steps,
+                                  "after_samplers": device_memory()}
         return self.num_compiles - before
 
     def _warm_samplers(self, empty, masked: bool) -> None:
