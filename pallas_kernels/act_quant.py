@@ -100,20 +100,39 @@ def _rms_norm_quant_kernel(x_ref, w_ref, q_ref, s_ref, *, chunk, eps):
     _store_quantized(pieces, q_ref, s_ref, row, chunk)
 
 
-def _silu_mul_quant_kernel(g_ref, u_ref, *refs, chunk, scaled):
+def _silu_mul_quant_kernel(g_ref, u_ref, *refs, chunk, scaled, two_pass):
     *scale_refs, q_ref, s_ref = refs  # scaled: the row scales [T], gate's and up's [I]
     row = pl.program_id(0)
-    pieces = []
-    for c in range(g_ref.shape[1] // chunk):
-        cols = pl.ds(c * chunk, chunk)
+
+    def columns(c):  # c: a Python int (unrolled) or a loop index
+        start = c * chunk if isinstance(c, int) else pl.multiple_of(c * chunk, chunk)
+        return pl.ds(start, chunk)
+
+    def piece(c):
+        cols = columns(c)
         g = g_ref[row, cols].astype(jnp.float32)
         u = u_ref[row, cols].astype(jnp.float32)
         if scaled:
             rows_ref, g_cols_ref, u_cols_ref = scale_refs
             r = rows_ref[row]
             g, u = g * (r * g_cols_ref[cols]), u * (r * u_cols_ref[cols])
-        pieces.append(g * jax.nn.sigmoid(g) * u)
-    _store_quantized(pieces, q_ref, s_ref, row, chunk)
+        return g * jax.nn.sigmoid(g) * u
+
+    n = g_ref.shape[1] // chunk
+    if not two_pass:  # the row held in registers, read once
+        _store_quantized([piece(c) for c in range(n)], q_ref, s_ref, row, chunk)
+        return
+    # two loops over the row: its absmax, then the values again (re-read, from L2 where
+    # the program's rows still are), so a program holds one piece: more programs per SM
+    amax = jax.lax.fori_loop(0, n, lambda c, m: jnp.maximum(m, jnp.max(jnp.abs(piece(c)))),
+                             jnp.float32(0.0))
+    scale = jnp.maximum(amax, MIN_SCALE) / FP8_MAX
+
+    def store(c, carry):
+        q_ref[row, columns(c)] = jnp.clip(piece(c) / scale, -FP8_MAX, FP8_MAX).astype(q_ref.dtype)
+        return carry
+    jax.lax.fori_loop(0, n, store, 0)
+    s_ref[row] = scale
 
 
 def _call(kernel, rows: int, width: int, args, *, num_warps: int, interpret: bool, name: str):
@@ -137,9 +156,12 @@ def rms_norm_quant(x, weight, eps: float, *, num_warps: int = 4, interpret: bool
                  num_warps=num_warps, interpret=interpret, name="rms_norm_quant")
 
 
-def silu_mul_quant(gate, up, scales=None, *, num_warps: int = 8, interpret: bool = False):
+def silu_mul_quant(gate, up, scales=None, *, num_warps: int = 8, two_pass: bool = False,
+                   interpret: bool = False):
     """Fused silu_mul_quant_reference: gate, up [T, I] (and its scales) -> (e4m3 [T, I],
-    scale [T, 1])."""
+    scale [T, 1]). two_pass: the row read twice (absmax, then values) instead of held
+    whole: the same result, fewer registers a program (an untimed variant: at one pass
+    the H200 ran this kernel at about half its copy rate, bench/results/log/fp8.md)."""
     if (why := unsupported(gate.shape[1])) is not None:
         raise ValueError(why)
     t, width = gate.shape
@@ -148,6 +170,6 @@ def silu_mul_quant(gate, up, scales=None, *, num_warps: int = 8, interpret: bool
         row, gate_cols, up_cols = (jnp.asarray(x, jnp.float32) for x in scales)
         args += (jnp.broadcast_to(row.reshape(-1), (t,)), gate_cols, up_cols)
     kern = functools.partial(_silu_mul_quant_kernel, chunk=chunk_of(width),
-                             scaled=scales is not None)
+                             scaled=scales is not None, two_pass=two_pass)
     return _call(kern, t, width, args, num_warps=num_warps, interpret=interpret,
                  name="silu_mul_quant")

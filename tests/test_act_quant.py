@@ -50,6 +50,23 @@ def test_silu_mul_quant_dequantizes_its_inputs_interpret(t, width):
     _close_fp8(got, silu_mul_quant_reference(g, u))
 
 
+@pytest.mark.parametrize("t, width", [(8, 64), (5, 14336)])
+def test_silu_mul_quant_two_pass_gives_the_one_pass_bits_interpret(t, width):
+    """two_pass re-reads the row instead of holding it: the same values in the same
+    order, so the same bits, with and without the inputs' scales."""
+    kg, ku = jax.random.split(jax.random.PRNGKey(width + 3))
+    gate = (3 * jax.random.normal(kg, (t, width))).astype(jnp.bfloat16)
+    up = jax.random.normal(ku, (t, width)).astype(jnp.bfloat16).at[1, 7].set(-50.0)
+    scales = (jnp.linspace(0.01, 0.03, t)[:, None], jnp.full((width,), 0.5),
+              jnp.linspace(0.2, 0.9, width))
+    for sc in (None, scales):
+        one = silu_mul_quant(gate, up, sc, interpret=True)
+        two = silu_mul_quant(gate, up, sc, two_pass=True, interpret=True)
+        assert np.array_equal(np.asarray(one[0], np.float32), np.asarray(two[0], np.float32))
+        assert np.array_equal(np.asarray(one[1]), np.asarray(two[1]))
+    _close_fp8(two, silu_mul_quant_reference(gate, up, scales))
+
+
 @pytest.mark.parametrize("t, width, dtype", [(8, 64, jnp.float32), (4, 4096, jnp.bfloat16)])
 def test_rms_norm_quant_matches_reference_interpret(t, width, dtype):
     kx, kw = jax.random.split(jax.random.PRNGKey(width + 1))
@@ -69,7 +86,7 @@ def test_widths_the_kernels_cannot_take_are_refused():
 
 
 @pytest.mark.parametrize("which, width", [("silu", 14336), ("silu", 7168), ("rms", 4096),
-                                          ("scaled", 14336)])
+                                          ("scaled", 14336), ("two_pass", 14336)])
 def test_kernels_lower_for_cuda(which, width):
     """The Triton lowering of both kernels at the 8B's widths (and the intermediate
     size's half under TP 2; silu_mul_quant with its inputs' scales too), on the CPU."""
@@ -78,6 +95,10 @@ def test_kernels_lower_for_cuda(which, width):
     x = sd((2048, width), jnp.bfloat16)
     if which == "silu":
         f, args = jax.jit(silu_mul_quant), (x, x)
+    elif which == "two_pass":
+        f = jax.jit(lambda g, u, r, gc, uc: silu_mul_quant(g, u, (r, gc, uc), two_pass=True))
+        args = (x, x, sd((2048, 1), jnp.float32), sd((width,), jnp.float32),
+                sd((width,), jnp.float32))
     elif which == "scaled":
         f = jax.jit(lambda g, u, r, gc, uc: silu_mul_quant(g, u, (r, gc, uc)))
         args = (x, x, sd((2048, 1), jnp.float32), sd((width,), jnp.float32),

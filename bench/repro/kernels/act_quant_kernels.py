@@ -1,6 +1,6 @@
 """GPU: the fused FP8 activation-quantization kernels (pallas_kernels/act_quant.py) against
 their XLA references and the device's copy bandwidth, at a step's token counts, over their
-launch's warps per program, in one process.
+launch's warps per program (and SiLU x up's one or two passes over a row), in one process.
 
     python bench/repro/kernels/act_quant_kernels.py OUT.json          # one GPU: ~1 minute
     python bench/repro/kernels/act_quant_kernels.py OUT.json --smoke  # CPU, interpret mode
@@ -37,6 +37,9 @@ def main() -> int:
     ap.add_argument("--tokens", default="512,1024,2048")
     ap.add_argument("--silu-warps", default="4,8,16")
     ap.add_argument("--rms-warps", default="2,4,8")
+    ap.add_argument("--silu-passes", default="1,2",
+                    help="SiLU x up's passes over a row: 1 holds it in registers, 2 reads it "
+                         "twice (silu_mul_quant's two_pass)")
     args = ap.parse_args()
     from pallas_kernels.act_quant import (rms_norm_quant, rms_norm_quant_reference,
                                           silu_mul_quant, silu_mul_quant_reference)
@@ -51,8 +54,8 @@ def main() -> int:
            "python": platform.python_version(), "copy_bytes_per_s": copy,
            "command": " ".join(sys.argv), "rows": []}
 
-    def row(kernel, t, width, warps, fn, fn_args, nbytes, check=None):
-        r = {"kernel": kernel, "tokens": t, "width": width, "num_warps": warps}
+    def row(kernel, t, width, warps, fn, fn_args, nbytes, check=None, **extra):
+        r = {"kernel": kernel, "tokens": t, "width": width, "num_warps": warps, **extra}
         try:
             out = jax.block_until_ready(jax.jit(fn)(*fn_args))
             if check is not None:  # e4m3 values within one rounding step, scales close
@@ -80,10 +83,12 @@ def main() -> int:
         ref = jax.jit(silu_mul_quant_reference)(gate, up, scales)
         row("silu_mul_quant_xla", t, inter, None, silu_mul_quant_reference,
             (gate, up, scales), moved)
-        for w in [int(x) for x in args.silu_warps.split(",")]:
-            row("silu_mul_quant", t, inter, w,
-                lambda g, u, s, w=w: silu_mul_quant(g, u, s, num_warps=w, interpret=smoke),
-                (gate, up, scales), moved, check=ref)
+        for passes in [int(x) for x in args.silu_passes.split(",")]:
+            for w in [int(x) for x in args.silu_warps.split(",")]:
+                row("silu_mul_quant", t, inter, w,
+                    lambda g, u, s, w=w, two=passes == 2: silu_mul_quant(
+                        g, u, s, num_warps=w, two_pass=two, interpret=smoke),
+                    (gate, up, scales), moved, check=ref, passes=passes)
         x = jax.random.normal(key, (t, hidden), jnp.bfloat16)
         weight = jnp.ones((hidden,), jnp.bfloat16)
         moved = t * hidden * 2 + t * hidden + 4 * t
