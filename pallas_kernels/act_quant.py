@@ -22,7 +22,8 @@ default); the references are the same functions in XLA.
 
 Pallas' Triton lowering needs power-of-2 shapes: a row is taken in `chunk` columns at a
 time (the largest power of 2 dividing its width, at most MAX_CHUNK), unrolled, so a row
-of 14,336 is 7 chunks of 2,048.
+of 14,336 is 7 chunks of 2,048. silu_mul_quant's `two_pass` loops over the chunks twice
+instead (the absmax, then the values, re-read), holding one chunk rather than the row.
 """
 from __future__ import annotations
 

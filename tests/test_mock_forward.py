@@ -220,9 +220,10 @@ def test_running_out_of_device_memory_in_the_warm_up_is_a_clear_error():
 
 
 def test_the_warm_up_records_the_memory_peak_after_each_phase(monkeypatch):
-    """The warm-up's peak (7.4 GB at 2,048 rows on an H100, fp8.md §92) is read after the
-    step shapes and again after the sampler variants, so a run's JSON says which phase
-    set it; on a backend without memory counts (the CPU) nothing is recorded."""
+    """The device's memory (a 7.4 GB peak over what was in use at 2,048 rows on an H100,
+    fp8.md §92) is read after the step shapes and again after the sampler variants, so a
+    run's JSON says which phase raised the peak; on a backend without memory counts (the
+    CPU) nothing is recorded."""
     from nanojax.engine import runner as runner_mod
     eng = _engine(fixed_shapes=True, b_dense=64, max_num_seqs=16, num_pages=256)
     runner = eng.runner

@@ -60,9 +60,10 @@ def case_tiny():
     from nanojax.pipeline.executor import PipelineForward
     from nanojax.pipeline.plan import MODES
     from nanojax.engine import sampling
-    # sampling and logprobs row by row (sampling.in_row_blocks' loop) on the vocab-sharded
-    # logits, as in blocks at 2,048 rows x 128k on a GPU
-    sampling.SAMPLER_BLOCK_BYTES = 4 * load_model("random:tiny").config.vocab_size
+    # sampling and logprobs in blocks of at most 3 rows (sampling.in_row_blocks' loop, and
+    # a remainder for the scored prompts) on the vocab-sharded logits, as in blocks at
+    # 2,048 rows x 128k on a GPU
+    sampling.SAMPLER_BLOCK_BYTES = 3 * 4 * load_model("random:tiny").config.vocab_size
     greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)
     sampled = SamplingParams(max_tokens=8, temperature=0.8, top_k=20, top_p=0.9, seed=7)
     out = {"greedy": {}, "sampled": {}, "bytes": {}, "modes": {}, "top_logprobs": {}}

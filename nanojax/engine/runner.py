@@ -406,7 +406,9 @@ class ModelRunner:
         after_steps = device_memory()
         self._warm_samplers(_padding_batch(self.token_buckets()[-1]),
                             masked and self.broadcast is None)
-        if after_steps is not None:  # (the peak only rises: each phase's own is its rise)
+        # the peak is a high-water mark: these show which phase raised it, not a later
+        # phase's own peak below it (the step shapes' runs include the greedy sampler)
+        if after_steps is not None:
             self.warmup_memory = {"after_step_shapes": after_steps,
                                   "after_samplers": device_memory()}
         return self.num_compiles - before

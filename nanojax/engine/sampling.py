@@ -304,7 +304,8 @@ def in_row_blocks(fn, args, block_rows: int | None = None):
     sampler_block_rows of the first arg, the logits), not the batch's. The loop is
     lax.map's, of a known trip count, which XLA's GPU runtime runs without reading a
     predicate back to the host (a cond would make the host wait for the step). fn must
-    treat each row on its own: a row's result is then the same in any block."""
+    treat each row on its own: a row's tokens, ids and ranks are then the same in any
+    block (float values to rounding: XLA may sum a block's row in another order)."""
     rows = args[0].shape[0]
     size = block_rows or sampler_block_rows(*args[0].shape)
     if rows <= size:  # one block (or no rows): no loop, no slicing
