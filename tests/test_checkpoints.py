@@ -15,6 +15,14 @@ from nanojax.errors import CheckpointError, ConfigError, UnsupportedError
 from nanojax.models import init_params, param_shapes
 from tests.gguf_fixtures import write_llama_gguf
 
+# A restore of corrupt chunks (test_corrupt_orbax_params) fails while other tensorstore
+# reads are still in flight; they finish after orbax has closed its event loop, and
+# tensorstore's C++ threads then call that loop's call_soon_threadsafe: "Event loop is
+# closed", reported as unraisable, in that test or the next (third-party, after our
+# CheckpointError; nothing of ours leaks).
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:(?s)Exception ignored in.*Event loop is closed:pytest.PytestUnraisableExceptionWarning")
+
 
 def _count(tree) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))
