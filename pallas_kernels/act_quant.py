@@ -40,10 +40,19 @@ MAX_CHUNK = 2048     # columns per unrolled piece of a row
 MAX_CHUNKS = 16      # pieces a row may take (the registers a program holds)
 
 
+def _scale_of(amax):
+    """A row's scale from its absmax (an all-zero row: MIN_SCALE)."""
+    return jnp.maximum(amax, MIN_SCALE) / FP8_MAX
+
+
+def _e4m3(piece, scale, dtype):
+    return jnp.clip(piece / scale, -FP8_MAX, FP8_MAX).astype(dtype)
+
+
 def _quantize_rows(y):
     """y [..., N] f32 -> (e4m3, scale [..., 1] f32): each row's absmax maps to 448."""
-    scale = jnp.maximum(jnp.max(jnp.abs(y), axis=-1, keepdims=True), MIN_SCALE) / FP8_MAX
-    return jnp.clip(y / scale, -FP8_MAX, FP8_MAX).astype(FP8), scale
+    scale = _scale_of(jnp.max(jnp.abs(y), axis=-1, keepdims=True))
+    return _e4m3(y, scale, FP8), scale
 
 
 def rms_norm_quant_reference(x, weight, eps: float):
@@ -83,10 +92,9 @@ def unsupported(width: int) -> str | None:
 
 def _store_quantized(pieces, q_ref, s_ref, row, chunk):
     amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(p)) for p in pieces])
-    scale = jnp.maximum(amax, MIN_SCALE) / FP8_MAX
+    scale = _scale_of(amax)
     for c, p in enumerate(pieces):
-        q_ref[row, pl.ds(c * chunk, chunk)] = jnp.clip(p / scale, -FP8_MAX,
-                                                       FP8_MAX).astype(q_ref.dtype)
+        q_ref[row, pl.ds(c * chunk, chunk)] = _e4m3(p, scale, q_ref.dtype)
     s_ref[row] = scale
 
 
@@ -127,10 +135,10 @@ def _silu_mul_quant_kernel(g_ref, u_ref, *refs, chunk, scaled, two_pass):
     # the program's rows still are), so a program holds one piece: more programs per SM
     amax = jax.lax.fori_loop(0, n, lambda c, m: jnp.maximum(m, jnp.max(jnp.abs(piece(c)))),
                              jnp.float32(0.0))
-    scale = jnp.maximum(amax, MIN_SCALE) / FP8_MAX
+    scale = _scale_of(amax)
 
     def store(c, carry):
-        q_ref[row, columns(c)] = jnp.clip(piece(c) / scale, -FP8_MAX, FP8_MAX).astype(q_ref.dtype)
+        q_ref[row, columns(c)] = _e4m3(piece(c), scale, q_ref.dtype)
         return carry
     jax.lax.fori_loop(0, n, store, 0)
     s_ref[row] = scale

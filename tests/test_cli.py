@@ -118,7 +118,7 @@ def test_kv_cache_keeps_to_the_memory_share_within_jax_pool(monkeypatch):
     def pool(share):
         dev = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": int(card * share),
                                                           "bytes_in_use": 10 << 30})
-        monkeypatch.setattr(kv_cache.jax, "devices", lambda: [dev])
+        monkeypatch.setattr(kv_cache.jax, "local_devices", lambda: [dev])
     pool(0.75)  # jax's default pool
     assert kv_cache.free_device_bytes(0.9) == int(0.75 * card * 0.9) - (10 << 30)
     assert kv_cache.free_device_bytes(0.5) == int(0.5 * card * 0.9) - (10 << 30)

@@ -239,10 +239,7 @@ def free_device_bytes(memory_utilization: float = 0.9) -> int | None:
     """Bytes the KV cache may take on the first device, or None where unknown (CPU):
     KV_SHARE of the memory_utilization share of the card (EngineConfig's; at most jax's
     pool, which the CLI sizes to it), less what is in use (the weights)."""
-    try:
-        stats = jax.devices()[0].memory_stats()
-    except Exception:
-        return None
+    stats = device_memory()
     if not stats or "bytes_limit" not in stats:
         return None
     pool = stats["bytes_limit"]
