@@ -15,6 +15,8 @@ Two producers, those of the FP8 projections' inputs in a LLaMA layer:
   per output channel), applied here: XLA would otherwise give each its own pass in and
   out of memory, as a kernel's input is not fused into it (on the H200, 2 x 117 MB a
   layer at 2,048 tokens).
+`quantize_rows` takes an input with no producer kernel (the attention output, o's input)
+in one pass.
 
 Both compute in float32 from the producer's inputs to the quantization, with no rounding
 to the model dtype in between (as XLA's GPU fusions do, excess precision being allowed by
@@ -63,6 +65,12 @@ def rms_norm_quant_reference(x, weight, eps: float):
     return _quantize_rows(weight.astype(jnp.float32) * y)
 
 
+def quantize_rows_reference(x):
+    """x [T, N] -> (e4m3 [T, N], scale [T, 1] f32): per-token quantization alone (an
+    input with no producer kernel to fuse into: the attention output, o_proj's input)."""
+    return _quantize_rows(x.astype(jnp.float32))
+
+
 def silu_mul_quant_reference(gate, up, scales=None):
     """gate, up [T, I] -> (e4m3 [T, I], scale [T, 1] f32): SiLU(gate) x up then per-token
     quantization, in f32. scales: None, or (row [T, 1], gate's columns [I], up's [I]) that
@@ -107,6 +115,12 @@ def _rms_norm_quant_kernel(x_ref, w_ref, q_ref, s_ref, *, chunk, eps):
     pieces = [w_ref[pl.ds(c * chunk, chunk)].astype(jnp.float32) * (p * inv)
               for c, p in enumerate(xs)]
     _store_quantized(pieces, q_ref, s_ref, row, chunk)
+
+
+def _quantize_rows_kernel(x_ref, q_ref, s_ref, *, chunk):
+    row = pl.program_id(0)
+    _store_quantized([x_ref[row, pl.ds(c * chunk, chunk)].astype(jnp.float32)
+                      for c in range(x_ref.shape[1] // chunk)], q_ref, s_ref, row, chunk)
 
 
 def _silu_mul_quant_kernel(g_ref, u_ref, *refs, chunk, scaled, two_pass):
@@ -165,12 +179,23 @@ def rms_norm_quant(x, weight, eps: float, *, num_warps: int = 4, interpret: bool
                  num_warps=num_warps, interpret=interpret, name="rms_norm_quant")
 
 
-def silu_mul_quant(gate, up, scales=None, *, num_warps: int = 8, two_pass: bool = False,
+def quantize_rows(x, *, num_warps: int = 8, interpret: bool = False):
+    """quantize_rows_reference in one pass: x [T, N] -> (e4m3 [T, N], scale [T, 1]). XLA
+    takes two (the row absmax, then the divide and convert), each reading x: at 2,048 x
+    4,096 on the H100 this kernel took half XLA's time (bench/results/log/fp8.md §93)."""
+    if (why := unsupported(x.shape[1])) is not None:
+        raise ValueError(why)
+    kern = functools.partial(_quantize_rows_kernel, chunk=chunk_of(x.shape[1]))
+    return _call(kern, x.shape[0], x.shape[1], (x,), num_warps=num_warps,
+                 interpret=interpret, name="quantize_rows")
+
+
+def silu_mul_quant(gate, up, scales=None, *, num_warps: int = 16, two_pass: bool = False,
                    interpret: bool = False):
     """Fused silu_mul_quant_reference: gate, up [T, I] (and its scales) -> (e4m3 [T, I],
-    scale [T, 1]). two_pass: the row read twice (absmax, then values) instead of held
-    whole: the same result, fewer registers a program (an untimed variant: at one pass
-    the H200 ran this kernel at about half its copy rate, bench/results/log/fp8.md)."""
+    scale [T, 1]). num_warps: 16 ran fastest of 4, 8, 16 and 32 at 512 to 2,048 tokens (H100,
+    bench/results/log/fp8.md §92-93). two_pass: the row read twice (absmax, then values) instead
+    of held whole: the same result, fewer registers a program, and slower on the H100."""
     if (why := unsupported(gate.shape[1])) is not None:
         raise ValueError(why)
     t, width = gate.shape

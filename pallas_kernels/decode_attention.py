@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt  # masked loads and stores
 
 from pallas_kernels.device import device_sms
 
@@ -64,20 +65,49 @@ def decode_attention_reference(q, k_pages, v_pages, page_table, context_lens, k_
 
 
 def _kernel(*refs, kvh, num_work, num_programs, pages_per_block, page_size, scale, prefetch,
-            scaled, fp8_compute):
+            scaled, fp8_compute, token_rows):
+    q_ref, k_ref, v_ref, pt_ref, len_ref, rowpos_ref, *refs = refs
+    if token_rows:  # units of consecutive tokens, read and written in place
+        blk_ref, *refs = refs
+        refs = refs[:-2] + refs[-1:]  # (the aliased input is the output)
     if scaled:  # FP8 pages: per-kv-head scales of k and v
-        q_ref, k_ref, v_ref, pt_ref, len_ref, rowpos_ref, ks_ref, vs_ref, o_ref = refs
+        ks_ref, vs_ref, o_ref = refs
     else:
-        q_ref, k_ref, v_ref, pt_ref, len_ref, rowpos_ref, o_ref = refs
+        (o_ref,) = refs
     # pages of another dtype are converted to the compute dtype in registers
     # (f32 queries, the CPU's, keep f32 arithmetic)
     cd = (jnp.dtype(fp8_compute) if scaled and jnp.dtype(q_ref.dtype).itemsize == 2
           else q_ref.dtype)
     convert = k_ref.dtype != cd
     pid = pl.program_id(0)
-    rows, d = q_ref.shape[2], q_ref.shape[3]
+    d = q_ref.shape[3]
+    rows = token_rows * q_ref.shape[2] if token_rows else q_ref.shape[2]
     block_k = pages_per_block * page_size
     n_units = (num_work - pid + num_programs - 1) // num_programs
+
+    def rows_of(b, h):
+        """Unit b's query rows for kv head h: q_ref[b, h], or with token_rows the tokens
+        of block b ([first, first + count) of q_ref [T, KVH, G, D]; masked past count:
+        the next block's or past T) as token-major rows, and their mask."""
+        if not token_rows:
+            return (b, h), None
+        first, count = blk_ref[b, 0], blk_ref[b, 1]
+        mask = (jnp.arange(token_rows) < count)[:, None, None]
+        return (pl.ds(first, token_rows), h, slice(None), slice(None)), mask
+
+    def load_q(b, h):
+        idx, mask = rows_of(b, h)
+        if mask is None:
+            return q_ref[idx]
+        return plt.load(q_ref.at[idx], mask=mask, other=0).reshape(rows, d)
+
+    def store_o(b, h, o):
+        idx, mask = rows_of(b, h)
+        if mask is None:
+            o_ref[idx] = o.astype(o_ref.dtype)
+        else:
+            plt.store(o_ref.at[idx], o.reshape(token_rows, rows // token_rows, d)
+                      .astype(o_ref.dtype), mask=mask)
 
     def unit(i, carry):
         w = pid + i * num_programs
@@ -85,9 +115,9 @@ def _kernel(*refs, kvh, num_work, num_programs, pages_per_block, page_size, scal
         ctx = len_ref[b]
         last = rowpos_ref[b]  # [rows]: the last key position each row may see
         if scaled:  # the k scale folded into the query: scores come out scaled
-            q = (q_ref[b, h].astype(jnp.float32) * (scale * ks_ref[h])).astype(cd)
+            q = (load_q(b, h).astype(jnp.float32) * (scale * ks_ref[h])).astype(cd)
         else:
-            q = q_ref[b, h] * scale  # [rows, D]
+            q = load_q(b, h) * scale  # [rows, D]
         n_blocks = (ctx + block_k - 1) // block_k
 
         def pages_of(j):  # clamped: a look-ahead past the last block rereads it (cached)
@@ -136,7 +166,7 @@ def _kernel(*refs, kvh, num_work, num_programs, pages_per_block, page_size, scal
             o, m, l = lax.fori_loop(0, n_blocks, block, init)
         if scaled:
             o = o * vs_ref[h]
-        o_ref[b, h] = (o / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
+        store_o(b, h, o / jnp.maximum(l, 1e-30)[:, None])
         return carry
 
     lax.fori_loop(0, n_units, unit, ())
@@ -175,15 +205,29 @@ def paged_attention_call(qg, k_pages, v_pages, page_table, context_lens, row_las
                          k_scale=None, v_scale=None, num_programs: int | None = None, pages_per_block: int | None = None,
                          num_warps: int | None = None, num_stages: int = 2,
                          prefetch: bool | None = None, interpret: bool = False,
-                         fp8_compute: str = "float16"):
+                         fp8_compute: str = "float16", token_blocks=None, out=None):
     """The kernel over units of (query group, kv head), shared by decode and prefill.
 
     qg [B, KVH, rows, D]: the query rows of unit b for kv head h; page_table [B, P];
     context_lens [B]: keys the unit reads; row_last [B, rows]: the last key position each
     row may see (causal masking; decode rows see the whole context); k_scale, v_scale
     [KVH]: FP8 pages' scales (both or neither). -> [B, KVH, rows, D]
+
+    In place (token_blocks [B, 2] and out): unit b is the tokens [first, first + count) of
+    token_blocks[b], at most R of them (rows = R x G, a power of 2); qg [T, KVH, G, D] is
+    the tokens' queries, read where they are, and their outputs are written into out
+    [T, KVH, G, D] (aliased), which is returned with its other rows as they were. No
+    gather of the queries into units and no scatter of the units' outputs back.
     """
-    b, kvh, rows, d = qg.shape
+    if token_blocks is None:
+        b, kvh, rows, d = qg.shape
+        token_rows = 0
+    else:
+        b = token_blocks.shape[0]
+        _, kvh, g, d = qg.shape
+        rows = row_last.shape[1]
+        token_rows = rows // g
+        assert token_rows * g == rows == padded_rows(rows) and out.shape == qg.shape
     n, _, ps, _ = k_pages.shape
     if (why := pool_too_large(k_pages)) is not None:
         raise ValueError(why)
@@ -201,21 +245,28 @@ def paged_attention_call(qg, k_pages, v_pages, page_table, context_lens, row_las
     kern = functools.partial(_kernel, kvh=kvh, num_work=num_work, num_programs=nprog,
                              pages_per_block=pages_per_block, page_size=ps,
                              scale=1.0 / math.sqrt(d), prefetch=prefetch,
-                             scaled=k_scale is not None, fp8_compute=fp8_compute)
-    scales = () if k_scale is None else (k_scale.astype(jnp.float32),
-                                         v_scale.astype(jnp.float32))
+                             scaled=k_scale is not None, fp8_compute=fp8_compute,
+                             token_rows=token_rows)
+    args = [qg, k_pages.reshape(n * kvh, ps, d), v_pages.reshape(n * kvh, ps, d),
+            page_table.astype(jnp.int32), context_lens.astype(jnp.int32),
+            row_last.astype(jnp.int32)]
+    if token_rows:
+        args.append(token_blocks.astype(jnp.int32))
+    if k_scale is not None:
+        args += [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
     params = {}
     if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-        params["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps,
-                                                         num_stages=num_stages)
+        params["compiler_params"] = plt.CompilerParams(num_warps=num_warps,
+                                                       num_stages=num_stages)
+    if token_rows:
+        params["input_output_aliases"] = {len(args): 0}
+        args.append(out)
+        out_shape = jax.ShapeDtypeStruct(out.shape, out.dtype)
+    else:
+        out_shape = jax.ShapeDtypeStruct((b, kvh, rows, d), qg.dtype)
     return pl.pallas_call(
         kern, grid=(nprog,), name="paged_decode_attention",  # named in profiles
-        out_shape=jax.ShapeDtypeStruct((b, kvh, rows, d), qg.dtype),
-        interpret=interpret, **params,
-    )(qg, k_pages.reshape(n * kvh, ps, d), v_pages.reshape(n * kvh, ps, d),
-      page_table.astype(jnp.int32), context_lens.astype(jnp.int32),
-      row_last.astype(jnp.int32), *scales)
+        out_shape=out_shape, interpret=interpret, **params)(*args)
 
 
 def decode_attention_impl(q, k_pages, v_pages, page_table, context_lens, *,

@@ -58,11 +58,25 @@ def query_blocks(seq_ids: np.ndarray, positions: np.ndarray, block_q: int,
     return blocks, slot
 
 
+def in_place_unsupported(heads: int, kv_heads: int, block_q: int) -> str | None:
+    """Why prefill_attention_impl cannot write into `out` for this shape (None: it can):
+    a unit's rows, block_q tokens x the query group, are loaded as they lie, so they must
+    be a power of 2 of at least 16 (Pallas' Triton lowering)."""
+    rows = block_q * (heads // kv_heads)
+    if rows != padded_rows(rows):
+        return (f"query blocks of {block_q} tokens x {heads // kv_heads} heads are {rows} "
+                f"rows, not a power of 2 of at least 16")
+    return None
+
+
 def prefill_attention_impl(q, k_pages, v_pages, page_table, positions, blocks, token_slot,
                            *, k_scale=None, v_scale=None, block_q: int = 16, num_programs: int | None = None,
                            pages_per_block: int | None = None, num_warps: int | None = None,
-                           num_stages: int = 2, interpret: bool = False):
-    """Same result as prefill_attention_reference, for tokens grouped by query_blocks."""
+                           num_stages: int = 2, interpret: bool = False, out=None):
+    """Same result as prefill_attention_reference, for tokens grouped by query_blocks.
+    out [T, H, D] (where in_place_unsupported says it can): the prefill tokens' rows are
+    written into it, the queries read where they are (no gather into blocks, no scatter
+    back); its other rows (the decodes') come back as they were."""
     t, h, d = q.shape
     kvh = k_pages.shape[1]
     g = h // kvh
@@ -70,10 +84,21 @@ def prefill_attention_impl(q, k_pages, v_pages, page_table, positions, blocks, t
     offs = jnp.arange(block_q, dtype=jnp.int32)
     valid = offs[None, :] < blocks[:, 1:2]                          # [NB, bq]
     tok = jnp.where(valid, blocks[:, 0:1] + offs[None, :], 0)       # [NB, bq]
-    qb = q[tok].reshape(nb, block_q, kvh, g, d).transpose(0, 2, 1, 3, 4)
-    qb = qb.reshape(nb, kvh, block_q * g, d)
+    kernel_args = dict(k_scale=k_scale, v_scale=v_scale, num_programs=num_programs,
+                       pages_per_block=pages_per_block, num_warps=num_warps,
+                       num_stages=num_stages, interpret=interpret)
     last = jnp.where(valid, positions[tok], -1)                      # [NB, bq]
     last = jnp.repeat(last, g, axis=1)                               # row = token * g + head
+    if out is not None:
+        if (why := in_place_unsupported(h, kvh, block_q)) is not None:
+            raise ValueError(why)
+        res = paged_attention_call(q.reshape(t, kvh, g, d), k_pages, v_pages,
+                                   page_table[blocks[:, 2]], last.max(axis=1) + 1, last,
+                                   token_blocks=blocks[:, :2],
+                                   out=out.reshape(t, kvh, g, d), **kernel_args)
+        return res.reshape(t, h, d)
+    qb = q[tok].reshape(nb, block_q, kvh, g, d).transpose(0, 2, 1, 3, 4)
+    qb = qb.reshape(nb, kvh, block_q * g, d)
     rows = padded_rows(block_q * g)
     if rows > block_q * g:
         pad = rows - block_q * g
@@ -82,9 +107,7 @@ def prefill_attention_impl(q, k_pages, v_pages, page_table, positions, blocks, t
         last = lax.pad(last, jnp.int32(-1), [(0, 0, 0), (0, pad, 0)])
     ctx = last.max(axis=1) + 1                                       # 0 for unused blocks
     out = paged_attention_call(qb, k_pages, v_pages, page_table[blocks[:, 2]], ctx, last,
-                               k_scale=k_scale, v_scale=v_scale, num_programs=num_programs, pages_per_block=pages_per_block,
-                               num_warps=num_warps, num_stages=num_stages,
-                               interpret=interpret)
+                               **kernel_args)
     out = out[:, :, :block_q * g].reshape(nb, kvh, block_q, g, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(nb * block_q, h, d)[token_slot]
 

@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.act_quant import (FP8, chunk_of, rms_norm_quant, rms_norm_quant_reference,
-                                      silu_mul_quant, silu_mul_quant_reference, unsupported)
+from pallas_kernels.act_quant import (FP8, chunk_of, quantize_rows, quantize_rows_reference,
+                                      rms_norm_quant, rms_norm_quant_reference, silu_mul_quant,
+                                      silu_mul_quant_reference, unsupported)
 
 
 def _close_fp8(got, want):
@@ -78,6 +79,15 @@ def test_rms_norm_quant_matches_reference_interpret(t, width, dtype):
     assert not np.asarray(got[0][1], np.float32).any()
 
 
+@pytest.mark.parametrize("t, width, dtype", [(8, 64, jnp.float32), (3, 4096, jnp.bfloat16)])
+def test_quantize_rows_matches_reference_interpret(t, width, dtype):
+    x = (5 * jax.random.normal(jax.random.PRNGKey(width + 2), (t, width))).astype(dtype)
+    x = x.at[0].set(0).at[1, 9].set(-70.0)  # an all-zero row, an outlier
+    got = quantize_rows(x, interpret=True)
+    _close_fp8(got, quantize_rows_reference(x))
+    assert not np.asarray(got[0][0], np.float32).any()
+
+
 def test_widths_the_kernels_cannot_take_are_refused():
     assert chunk_of(14336) == 2048 and chunk_of(4096) == 2048 and chunk_of(7168) == 1024
     assert unsupported(100) is not None and unsupported(2048 * 17) is not None
@@ -86,9 +96,10 @@ def test_widths_the_kernels_cannot_take_are_refused():
 
 
 @pytest.mark.parametrize("which, width", [("silu", 14336), ("silu", 7168), ("rms", 4096),
-                                          ("scaled", 14336), ("two_pass", 14336)])
+                                          ("scaled", 14336), ("two_pass", 14336),
+                                          ("quantize_rows", 4096)])
 def test_kernels_lower_for_cuda(which, width):
-    """The Triton lowering of both kernels at the 8B's widths (and the intermediate
+    """The Triton lowering of the kernels at the 8B's widths (and the intermediate
     size's half under TP 2; silu_mul_quant with its inputs' scales too), on the CPU."""
     from jax import export
     sd = jax.ShapeDtypeStruct
@@ -103,11 +114,14 @@ def test_kernels_lower_for_cuda(which, width):
         f = jax.jit(lambda g, u, r, gc, uc: silu_mul_quant(g, u, (r, gc, uc)))
         args = (x, x, sd((2048, 1), jnp.float32), sd((width,), jnp.float32),
                 sd((width,), jnp.float32))
+    elif which == "quantize_rows":
+        f, args = jax.jit(quantize_rows), (x,)
     else:
         f, args = jax.jit(lambda x, w: rms_norm_quant(x, w, 1e-5)), (x, sd((width,), jnp.bfloat16))
     exp = export.export(f, platforms=["cuda"], disabled_checks=[
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-    assert ("rms_norm_quant" if which == "rms" else "silu_mul_quant") in exp.mlir_module()
+    name = {"rms": "rms_norm_quant", "quantize_rows": "quantize_rows"}.get(which, "silu_mul_quant")
+    assert name in exp.mlir_module()
     assert exp.out_avals[0].dtype == FP8 and exp.out_avals[1].shape == (2048, 1)
 
 
@@ -144,7 +158,8 @@ def test_the_gpu_forward_runs_the_kernels_its_config_names(tiny_bundle, monkeypa
     from nanojax.models.bundle import quantize_bundle
     bundle = quantize_bundle(tiny_bundle, "fp8")
     calls = []
-    for name in ("silu_mul_quant", "rms_norm_quant"):
+    kernels = {"silu_mul_quant", "rms_norm_quant", "quantize_rows"}
+    for name in kernels:
         real = getattr(aq, name)
         monkeypatch.setattr(aq, name, lambda *a, _f=real, _n=name, **k: (
             calls.append(_n), _f(*a, **{**k, "interpret": True}))[1])
@@ -162,6 +177,6 @@ def test_the_gpu_forward_runs_the_kernels_its_config_names(tiny_bundle, monkeypa
                                                  ignore_eos=True)) for p in prompts]
         done = eng.run_to_completion()
         outs[mode] = [done[i].token_ids for i in ids]
-        assert (set(calls) == {"silu_mul_quant", "rms_norm_quant"}) == (mode == "pallas")
+        assert (set(calls) == kernels) == (mode == "pallas")
         assert calls or mode == "xla"
     assert outs["xla"] == outs["pallas"]

@@ -79,6 +79,48 @@ def test_kernel_matches_reference_interpret(kvh, group, d, ps, chunks, decodes, 
     assert _rel(out, ref) < REL_TOL_F32
 
 
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kvh=st.sampled_from([1, 2]), group=st.sampled_from([1, 2, 4]),
+       block_q=st.sampled_from([4, 8, 16]), fp8=st.booleans(),
+       chunks=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+       decodes=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_in_place_writes_the_prefill_rows_and_keeps_the_others(kvh, group, block_q, fp8,
+                                                               chunks, decodes, seed):
+    """out=: the queries read where they lie, the prefill rows written into out (the
+    decode kernel's output in the engine), every other row left as it was; blocks of the
+    engine's layout (prefill_metadata: after the decodes, spare blocks empty). FP8 pages
+    with their scales too."""
+    from nanojax.layers.attention.metadata import prefill_metadata
+    from pallas_kernels.prefill_attention import in_place_unsupported
+    if in_place_unsupported(kvh * group, kvh, block_q) is not None:
+        assert block_q * group < 16
+        return
+    rng = np.random.default_rng(seed)
+    q, k, v, pt, seq_ids, positions = _batch(rng, kvh, group, 16, 4, chunks, decodes,
+                                             jnp.float32)
+    k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)
+    scales = {}
+    if fp8:
+        scales = dict(k_scale=jnp.full((kvh,), 4.5 / 448, jnp.float32),
+                      v_scale=jnp.full((kvh,), 5.0 / 448, jnp.float32))
+        k = (k / scales["k_scale"][None, :, None, None]).astype(jnp.float8_e4m3fn)
+        v = (v / scales["v_scale"][None, :, None, None]).astype(jnp.float8_e4m3fn)
+    t = len(seq_ids) + 5  # and 5 padding tokens, neither decode nor prefill
+    seq_ids, positions = np.pad(seq_ids, (0, 5)), np.pad(positions, (0, 5))
+    q = jnp.pad(q, ((0, 5), (0, 0), (0, 0)))
+    blocks, slot = prefill_metadata(seq_ids, positions, decodes, t - 5, block_q, 3)
+    out = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+    with jax.default_matmul_precision("float32"):
+        res = prefill_attention(q, k, v, pt, jnp.asarray(positions), jnp.asarray(blocks),
+                                jnp.asarray(slot), block_q=block_q, interpret=True,
+                                out=out, **scales)
+        ref = prefill_attention_reference(q, k, v, pt, jnp.asarray(seq_ids),
+                                          jnp.asarray(positions), **scales)
+    kept = np.r_[0:decodes, t - 5:t]
+    np.testing.assert_array_equal(np.asarray(res)[kept], np.asarray(out)[kept])
+    assert _rel(res[decodes:t - 5], ref[decodes:t - 5]) < REL_TOL_F32
+
+
 @pytest.mark.parametrize("heads,kvh,d", [(32, 8, 128), (9, 3, 64), (14, 2, 64), (48, 2, 64)])
 def test_both_kernels_lower_for_cuda_with_any_query_group(heads, kvh, d):
     """Groups of 3 (SmolLM2), 7 (Qwen2-0.5B) and 24 heads: the query rows a program holds
@@ -97,6 +139,24 @@ def test_both_kernels_lower_for_cuda_with_any_query_group(heads, kvh, d):
         sd((t, heads, d), bf), pages, pages, sd((t, 8), jnp.int32), sd((t,), jnp.int32))
 
 
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_in_place_kernel_lowers_for_cuda(kv_dtype):
+    """The in-place prefill (LLaMA's 32 heads on 8: 16 tokens x 4 = 64 rows) lowered for
+    CUDA on the CPU: its masked 3-D loads and stores and the reshapes into rows."""
+    from jax import export
+    sd, t, nb, bf = jax.ShapeDtypeStruct, 64, 8, jnp.bfloat16
+    pages = sd((32, 8, 16, 128), kv_dtype)
+    scales = {}
+    if kv_dtype != jnp.bfloat16:
+        scales = dict(k_scale=jnp.ones((8,), jnp.float32), v_scale=jnp.ones((8,), jnp.float32))
+    text = export.export(jax.jit(lambda q, kp, vp, pt, pos, bl, sl, out: prefill_attention(
+        q, kp, vp, pt, pos, bl, sl, block_q=16, out=out, **scales)), platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        sd((t, 32, 128), bf), pages, pages, sd((4, 8), jnp.int32), sd((t,), jnp.int32),
+        sd((nb, 3), jnp.int32), sd((t,), jnp.int32), sd((t, 32, 128), bf)).mlir_module()
+    assert "xla.gpu.triton" in text
+
+
 @pytest.mark.gpu
 def test_kernel_on_gpu_bf16():
     rng = np.random.default_rng(1)
@@ -109,13 +169,22 @@ def test_kernel_on_gpu_bf16():
     ref = prefill_attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), pt,
                                       jnp.asarray(seq_ids), jnp.asarray(positions))
     assert _rel(out, ref) < REL_TOL_BF16
+    # in place, into a buffer whose first 64 rows (the decodes') stay
+    from nanojax.layers.attention.metadata import prefill_metadata
+    blocks, slot = prefill_metadata(seq_ids, positions, 64, len(seq_ids), 16, 3)
+    buf = jnp.full(q.shape, 3.0, q.dtype)
+    res = prefill_attention(q, k, v, pt, jnp.asarray(positions), jnp.asarray(blocks),
+                            jnp.asarray(slot), out=buf)
+    assert (np.asarray(res[:64], np.float32) == 3.0).all()
+    assert _rel(res[64:], ref[64:]) < REL_TOL_BF16
 
 
-@pytest.mark.parametrize("pipeline", [False, True])
-def test_engine_with_the_pallas_kernels_matches_pure_jax(tiny_bundle, pipeline):
+@pytest.mark.parametrize("pipeline,block_q", [(False, 4), (True, 4), (True, 8)])
+def test_engine_with_the_pallas_kernels_matches_pure_jax(tiny_bundle, pipeline, block_q):
     """The GPU attention path (decode, chunked-prefill and fused RoPE + append kernels, in
     interpret mode) inside the engine: chunked prefills, decodes, and the nano-batch
-    executor's slices."""
+    executor's slices. Query blocks of 4 tokens x 2 heads take the gather into blocks, of
+    8 the in-place prefill (16 rows)."""
     from nanojax.engine.forward import UnrolledForward
     from nanojax.config import EngineConfig, KernelConfig
     from nanojax.engine.llm_engine import LLMEngine
@@ -136,7 +205,7 @@ def test_engine_with_the_pallas_kernels_matches_pure_jax(tiny_bundle, pipeline):
     prompts = [rng.integers(1, cfg.vocab_size, size=int(n)).tolist() for n in (23, 5, 40)]
     outs = []
     for attention in (paged_attention, pallas_backend(KernelConfig(
-            prefill_kernel=True, prefill_block_q=4, prefill_max_seqs=1, fused_append=True,
+            prefill_kernel=True, prefill_block_q=block_q, prefill_max_seqs=1, fused_append=True,
             interpret=True))):  # one prefilling sequence an iteration: the cap binds
         fwd = (PipelineForward(cfg, plan, "overlap", attention=attention) if pipeline
                else UnrolledForward(cfg, attention))
@@ -150,7 +219,7 @@ def test_engine_with_the_pallas_kernels_matches_pure_jax(tiny_bundle, pipeline):
     assert outs[0] == outs[1]
 
 
-@pytest.mark.parametrize("shape", ["smollm2-135m", "qwen2-57b-a14b"])
+@pytest.mark.parametrize("shape", ["smollm2-135m", "qwen2-57b-a14b", "llama3-8b"])
 @pytest.mark.parametrize("decode_kernel,kv_dtype", [("mosaic", None), ("triton", None),
                                                      ("auto", jnp.float8_e4m3fn)])
 def test_the_gpu_step_lowers_for_cuda_for_odd_query_groups(shape, decode_kernel, kv_dtype):
@@ -158,7 +227,7 @@ def test_the_gpu_step_lowers_for_cuda_for_odd_query_groups(shape, decode_kernel,
     prefill, the fused append by default) lowered for CUDA on the CPU, for shapes whose
     query groups are not powers of 2 (SmolLM2: 3 kv heads of 3; Qwen2-MoE: 4 of 7): the
     Triton lowering's size rules surfaced only on the GPU before (bench/results/log/step.md).
-    bf16 and FP8 pages."""
+    bf16 and FP8 pages. LLaMA's group of 4 takes the in-place prefill."""
     from jax import export
     from nanojax.config import KernelConfig, named_shape
     from nanojax.engine.forward import UnrolledForward
@@ -178,6 +247,7 @@ def test_the_gpu_step_lowers_for_cuda_for_odd_query_groups(shape, decode_kernel,
     text = export.export(jax.jit(fwd.__call__), platforms=["cuda"], disabled_checks=[
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
         params, i32, kv, meta, sd((seqs,), jnp.int32)).mlir_module()
-    # the fused append where its kernel takes the heads: Qwen2-MoE's 4, not SmolLM2's 3
-    assert ("rope_kv_append" in text) == (cfg.num_kv_heads == 4)
+    # the fused append where its kernel takes the heads: Qwen2-MoE's 4 and LLaMA's 8,
+    # not SmolLM2's 3
+    assert ("rope_kv_append" in text) == (cfg.num_kv_heads in (4, 8))
     assert ("mosaic_gpu" in text) == (decode_kernel == "mosaic")  # FP8 pages: Triton

@@ -79,7 +79,12 @@ class DecoderLayer(nn.Module):
 
     def attn_out_partial(self, attn):
         """The output projection before the sum over TP shards."""
-        return self.o_proj(attn.reshape(attn.shape[0], -1))
+        x = attn.reshape(attn.shape[0], -1)
+        if self._fused_quant(x.shape[1]):  # no producer to fuse into: one pass, not XLA's two
+            from pallas_kernels.act_quant import quantize_rows
+            x = QuantizedActivation(*quantize_rows(
+                x, interpret=jax.default_backend() != "gpu"))
+        return self.o_proj(x)
 
     def mlp(self, x):
         return x + self._reduce(self.mlp_partial(x))

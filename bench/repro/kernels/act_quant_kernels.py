@@ -1,6 +1,7 @@
 """GPU: the fused FP8 activation-quantization kernels (pallas_kernels/act_quant.py) against
 their XLA references and the device's copy bandwidth, at a step's token counts, over their
-launch's warps per program (and SiLU x up's one or two passes over a row), in one process.
+launch's warps per program (and SiLU x up's one or two passes over a row), in one process;
+and the attention output's quantization (quantize_rows, o's input) against XLA's.
 
     python bench/repro/kernels/act_quant_kernels.py OUT.json          # one GPU: ~1 minute
     python bench/repro/kernels/act_quant_kernels.py OUT.json --smoke  # CPU, interpret mode
@@ -35,13 +36,16 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes in interpret mode (checks that the script runs)")
     ap.add_argument("--tokens", default="512,1024,2048")
-    ap.add_argument("--silu-warps", default="4,8,16")
+    ap.add_argument("--silu-warps", default="4,8,16,32")
     ap.add_argument("--rms-warps", default="2,4,8")
+    ap.add_argument("--quant-warps", default="2,4,8",
+                    help="quantize_rows (o's input, the attention output) over warps")
     ap.add_argument("--silu-passes", default="1,2",
                     help="SiLU x up's passes over a row: 1 holds it in registers, 2 reads it "
                          "twice (silu_mul_quant's two_pass)")
     args = ap.parse_args()
-    from pallas_kernels.act_quant import (rms_norm_quant, rms_norm_quant_reference,
+    from pallas_kernels.act_quant import (quantize_rows, quantize_rows_reference,
+                                          rms_norm_quant, rms_norm_quant_reference,
                                           silu_mul_quant, silu_mul_quant_reference)
     from nanojax.profiling.timing import device_seconds
 
@@ -99,6 +103,12 @@ def main() -> int:
             row("rms_norm_quant", t, hidden, w,
                 lambda a, b, w=w: rms_norm_quant(a, b, 1e-5, num_warps=w, interpret=smoke),
                 (x, weight), moved, check=ref)
+        ref = jax.jit(quantize_rows_reference)(x)
+        row("quantize_rows_xla", t, hidden, None, quantize_rows_reference, (x,), moved)
+        for w in [int(x) for x in args.quant_warps.split(",")]:
+            row("quantize_rows", t, hidden, w,
+                lambda a, w=w: quantize_rows(a, num_warps=w, interpret=smoke), (x,), moved,
+                check=ref)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

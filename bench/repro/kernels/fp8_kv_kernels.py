@@ -7,7 +7,8 @@
 
 Rows: the decode kernel (pallas_kernels/decode_attention.py) at batch x context 512 x 1024,
 16 x 4096 and 1024 x 4096 (32/8 heads, D 128, page 16) on its full grid and on bounded
-grids; the chunked-prefill kernel on 4 chunks of 512 tokens after 512-token prefixes; the
+grids; the chunked-prefill kernel on 4 chunks of 512 tokens after 512-token prefixes (its
+queries gathered into blocks, and `prefill_in_place`: read and written where they lie); the
 fused RoPE + append kernel on 2048 tokens. Each row: seconds, GB/s of the bytes actually
 read (FP8 pages are half), fraction of the device's copy bandwidth measured in the same
 run, and for FP8 the time relative to bf16 (what the iteration gains). FP8 decode rows
@@ -63,7 +64,7 @@ def main() -> int:
     ap.add_argument("--decode-only", action="store_true",
                     help="no chunked-prefill and append rows")
     ap.add_argument("--shapes", default="512x1024,16x4096,1024x4096",
-                    help="decode rows' batch x context, comma-separated")
+                    help="decode rows' batch x context, comma-separated ('': no decode rows)")
     ap.add_argument("--swapab-variants", default="",
                     help="comma-separated [wWsS][k128][q8]: swap-AB launch variants on the "
                          "full grid (workers, stages, 128-key blocks, FP8 query)")
@@ -77,7 +78,7 @@ def main() -> int:
     smoke = args.smoke
     interp = dict(interpret=True) if smoke else {}
     shapes = [(4, 64)] if smoke else [tuple(int(x) for x in s.split("x"))
-                                      for s in args.shapes.split(",")]
+                                      for s in filter(None, args.shapes.split(","))]
     kernels = args.decode_kernels.split(",")
     if set(kernels) - {"triton", "swapab"}:
         ap.error(f"unknown decode kernels in {args.decode_kernels!r}")
@@ -183,6 +184,14 @@ def main() -> int:
                                           k_scale=ks, v_scale=vs, **interp)
         row("prefill", "fp8" if fp8 else "bf16", fn, (qp, k, v, ks, vs), nbytes,
             tokens=chunks * c, chunk=c)
+
+        def in_place(out, q, k, v, ks, vs):  # written into an output buffer (the engine's)
+            out = prefill_attention_impl(q, k, v, pt, jnp.asarray(positions),
+                                         jnp.asarray(blocks), jnp.asarray(slot),
+                                         k_scale=ks, v_scale=vs, out=out, **interp)
+            return out, out[0, 0, 0]
+        row("prefill_in_place", "fp8" if fp8 else "bf16", in_place, (qp, k, v, ks, vs),
+            nbytes, state=jnp.zeros_like(qp), tokens=chunks * c, chunk=c)
 
     # fused RoPE + append of 2048 tokens into a pool of 16384 pages
     t = 64 if smoke else 2048
