@@ -98,11 +98,22 @@ def unsupported(width: int) -> str | None:
     return None
 
 
+def _spans(width: int, chunk: int) -> list[tuple[int, int]]:
+    """A row cut into (start, size) pieces of at most `chunk` columns, each a power of 2
+    (14,336 at 4,096: three of 4,096 and one of 2,048)."""
+    spans, start = [], 0
+    while start < width:
+        size = min(chunk, 1 << ((width - start).bit_length() - 1))
+        spans.append((start, size))
+        start += size
+    return spans
+
+
 def _store_quantized(pieces, q_ref, s_ref, row, chunk):
     amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(p)) for p in pieces])
     scale = _scale_of(amax)
-    for c, p in enumerate(pieces):
-        q_ref[row, pl.ds(c * chunk, chunk)] = _e4m3(p, scale, q_ref.dtype)
+    for (start, size), p in zip(_spans(q_ref.shape[1], chunk), pieces):
+        q_ref[row, pl.ds(start, size)] = _e4m3(p, scale, q_ref.dtype)
     s_ref[row] = scale
 
 
@@ -127,12 +138,11 @@ def _silu_mul_quant_kernel(g_ref, u_ref, *refs, chunk, scaled, two_pass):
     *scale_refs, q_ref, s_ref = refs  # scaled: the row scales [T], gate's and up's [I]
     row = pl.program_id(0)
 
-    def columns(c):  # c: a Python int (unrolled) or a loop index
-        start = c * chunk if isinstance(c, int) else pl.multiple_of(c * chunk, chunk)
-        return pl.ds(start, chunk)
+    def columns(c):  # c: a loop index
+        return pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
 
-    def piece(c):
-        cols = columns(c)
+    def piece(c):  # c: a loop index or a (start, size) span
+        cols = pl.ds(*c) if isinstance(c, tuple) else columns(c)
         g = g_ref[row, cols].astype(jnp.float32)
         u = u_ref[row, cols].astype(jnp.float32)
         if scaled:
@@ -141,10 +151,11 @@ def _silu_mul_quant_kernel(g_ref, u_ref, *refs, chunk, scaled, two_pass):
             g, u = g * (r * g_cols_ref[cols]), u * (r * u_cols_ref[cols])
         return g * jax.nn.sigmoid(g) * u
 
-    n = g_ref.shape[1] // chunk
     if not two_pass:  # the row held in registers, read once
-        _store_quantized([piece(c) for c in range(n)], q_ref, s_ref, row, chunk)
+        _store_quantized([piece(c) for c in _spans(g_ref.shape[1], chunk)], q_ref, s_ref,
+                         row, chunk)
         return
+    n = g_ref.shape[1] // chunk
     # two loops over the row: its absmax, then the values again (re-read, from L2 where
     # the program's rows still are), so a program holds one piece: more programs per SM
     amax = jax.lax.fori_loop(0, n, lambda c, m: jnp.maximum(m, jnp.max(jnp.abs(piece(c)))),
@@ -191,10 +202,11 @@ def quantize_rows(x, *, num_warps: int = 8, interpret: bool = False):
 
 
 def silu_mul_quant(gate, up, scales=None, *, num_warps: int = 16, two_pass: bool = False,
-                   interpret: bool = False):
+                   chunk: int | None = None, interpret: bool = False):
     """Fused silu_mul_quant_reference: gate, up [T, I] (and its scales) -> (e4m3 [T, I],
     scale [T, 1]). num_warps: 16 ran fastest of 4, 8, 16 and 32 at 512 to 2,048 tokens (H100,
-    bench/results/log/fp8.md §92-93). two_pass: the row read twice (absmax, then values) instead
+    bench/results/log/fp8.md §92-93). chunk: columns per piece of the row, a power of 2
+    (None: chunk_of(width)); on the H100 pieces of 4,096 or 8,192 were no faster. two_pass: the row read twice (absmax, then values) instead
     of held whole: the same result, fewer registers a program, and slower on the H100."""
     if (why := unsupported(gate.shape[1])) is not None:
         raise ValueError(why)
@@ -203,7 +215,9 @@ def silu_mul_quant(gate, up, scales=None, *, num_warps: int = 16, two_pass: bool
     if scales is not None:  # f32 vectors: the row scales one per program, columns chunked
         row, gate_cols, up_cols = (jnp.asarray(x, jnp.float32) for x in scales)
         args += (jnp.broadcast_to(row.reshape(-1), (t,)), gate_cols, up_cols)
-    kern = functools.partial(_silu_mul_quant_kernel, chunk=chunk_of(width),
+    if chunk is not None and (chunk & (chunk - 1) or two_pass):
+        raise ValueError(f"chunk {chunk}: a power of 2, for one pass")
+    kern = functools.partial(_silu_mul_quant_kernel, chunk=chunk or chunk_of(width),
                              scaled=scales is not None, two_pass=two_pass)
     return _call(kern, t, width, args, num_warps=num_warps, interpret=interpret,
                  name="silu_mul_quant")

@@ -68,6 +68,26 @@ def test_silu_mul_quant_two_pass_gives_the_one_pass_bits_interpret(t, width):
     _close_fp8(two, silu_mul_quant_reference(gate, up, scales))
 
 
+def test_silu_mul_quant_pieces_of_any_power_of_2_give_the_same_bits_interpret():
+    """chunk: the row in pieces of up to 4,096 or 8,192 columns (14,336 = 3 x 4,096 +
+    2,048) computes the same values as the default 2,048, scaled or not; a chunk that is
+    not a power of 2, or with two_pass, is refused."""
+    t, width = 3, 14336
+    kg, ku = jax.random.split(jax.random.PRNGKey(11))
+    gate = (3 * jax.random.normal(kg, (t, width))).astype(jnp.bfloat16)
+    up = jax.random.normal(ku, (t, width)).astype(jnp.bfloat16).at[2, 14000].set(60.0)
+    scales = (jnp.full((t, 1), 0.02), jnp.linspace(0.1, 0.9, width), jnp.full((width,), 0.5))
+    for sc in (None, scales):
+        base = silu_mul_quant(gate, up, sc, interpret=True)
+        for chunk in (4096, 8192):
+            got = silu_mul_quant(gate, up, sc, chunk=chunk, interpret=True)
+            assert np.array_equal(np.asarray(got[0], np.float32), np.asarray(base[0], np.float32))
+            assert np.array_equal(np.asarray(got[1]), np.asarray(base[1]))
+    for bad in (dict(chunk=3000), dict(chunk=4096, two_pass=True)):
+        with pytest.raises(ValueError, match="chunk"):
+            silu_mul_quant(gate, up, interpret=True, **bad)
+
+
 @pytest.mark.parametrize("t, width, dtype", [(8, 64, jnp.float32), (4, 4096, jnp.bfloat16)])
 def test_rms_norm_quant_matches_reference_interpret(t, width, dtype):
     kx, kw = jax.random.split(jax.random.PRNGKey(width + 1))

@@ -14,6 +14,9 @@
 # folder on a fresh machine of the same card: a cold H100 spent ~99 s before its warm-up
 # and 228 s in it, fp8.md §91). Reassemble nothing: the script reads the parts.
 # Usage: OUT=dir [ROWS="128/128/4096 1000/1000/2048"] [BF16=1] [LIMIT=s] [AB="flags"] [MAX_LEN=n] [RUN_S=s] [EXTRA="flags"] [CACHE_SAVE=1] [CACHE_SEED=dir] bash bench/repro/fp8/engine_h200.sh
+# A code change A/B in one lease: `git archive BASE | tar -x -C .abase` (a folder git ignores;
+# leave out bench/results and tests: a call carries 64 MiB), carry .abase, and run this
+# script inside it in a second call on the same warm machine (bench/results/log/fp8.md §93).
 # A row stopped by its limit (SIGTERM from timeout) or by RUN_S (the bench's --time-limit on
 # the timed run) still writes its JSON, marked "complete": false, with its steady window.
 # MAX_LEN: one --max-model-len for every row (the same step shapes: later rows load them

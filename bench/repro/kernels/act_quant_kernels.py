@@ -38,6 +38,9 @@ def main() -> int:
     ap.add_argument("--tokens", default="512,1024,2048")
     ap.add_argument("--silu-warps", default="4,8,16,32")
     ap.add_argument("--rms-warps", default="2,4,8")
+    ap.add_argument("--silu-chunks", default="",
+                    help="SiLU x up's columns per piece of a row, comma-separated powers of 2 "
+                         "(default: the kernel's, 2,048 at the 8B's width); one pass only")
     ap.add_argument("--quant-warps", default="2,4,8",
                     help="quantize_rows (o's input, the attention output) over warps")
     ap.add_argument("--silu-passes", default="1,2",
@@ -87,12 +90,14 @@ def main() -> int:
         ref = jax.jit(silu_mul_quant_reference)(gate, up, scales)
         row("silu_mul_quant_xla", t, inter, None, silu_mul_quant_reference,
             (gate, up, scales), moved)
+        chunks = [int(x) for x in args.silu_chunks.split(",") if x] or [None]
         for passes in [int(x) for x in args.silu_passes.split(",")]:
-            for w in [int(x) for x in args.silu_warps.split(",")]:
-                row("silu_mul_quant", t, inter, w,
-                    lambda g, u, s, w=w, two=passes == 2: silu_mul_quant(
-                        g, u, s, num_warps=w, two_pass=two, interpret=smoke),
-                    (gate, up, scales), moved, check=ref, passes=passes)
+            for chunk in chunks if passes == 1 else [None]:
+                for w in [int(x) for x in args.silu_warps.split(",")]:
+                    row("silu_mul_quant", t, inter, w,
+                        lambda g, u, s, w=w, two=passes == 2, c=chunk: silu_mul_quant(
+                            g, u, s, num_warps=w, two_pass=two, chunk=c, interpret=smoke),
+                        (gate, up, scales), moved, check=ref, passes=passes, chunk=chunk)
         x = jax.random.normal(key, (t, hidden), jnp.bfloat16)
         weight = jnp.ones((hidden,), jnp.bfloat16)
         moved = t * hidden * 2 + t * hidden + 4 * t
