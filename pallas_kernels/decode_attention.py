@@ -92,7 +92,8 @@ def _kernel(*refs, kvh, num_work, num_programs, pages_per_block, page_size, scal
         if not token_rows:
             return (b, h), None
         first, count = blk_ref[b, 0], blk_ref[b, 1]
-        mask = (jnp.arange(token_rows) < count)[:, None, None]
+        tok = jnp.arange(token_rows)  # (and inside T: a block is never to cross its end)
+        mask = ((tok < count) & (first + tok < q_ref.shape[0]))[:, None, None]
         return (pl.ds(first, token_rows), h, slice(None), slice(None)), mask
 
     def load_q(b, h):

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.prefill_attention import (prefill_attention, prefill_attention_reference,
@@ -92,9 +92,7 @@ def test_in_place_writes_the_prefill_rows_and_keeps_the_others(kvh, group, block
     with their scales too."""
     from nanojax.layers.attention.metadata import prefill_metadata
     from pallas_kernels.prefill_attention import in_place_unsupported
-    if in_place_unsupported(kvh * group, kvh, block_q) is not None:
-        assert block_q * group < 16
-        return
+    assume(in_place_unsupported(kvh * group, kvh, block_q) is None)  # 16 rows or more
     rng = np.random.default_rng(seed)
     q, k, v, pt, seq_ids, positions = _batch(rng, kvh, group, 16, 4, chunks, decodes,
                                              jnp.float32)
@@ -233,6 +231,7 @@ def test_the_gpu_step_lowers_for_cuda_for_odd_query_groups(shape, decode_kernel,
     from nanojax.engine.forward import UnrolledForward
     from nanojax.layers.attention import PagedMetadata, pallas_backend
     from nanojax.models import param_shapes
+    from pallas_kernels.prefill_attention import in_place_unsupported
     cfg = named_shape(shape, "bfloat16").replace(num_layers=1, vocab_size=512)
     fwd = UnrolledForward(cfg, attention=pallas_backend(KernelConfig(
         decode_kernel=decode_kernel, prefill_kernel=True)))
@@ -250,4 +249,9 @@ def test_the_gpu_step_lowers_for_cuda_for_odd_query_groups(shape, decode_kernel,
     # the fused append where its kernel takes the heads: Qwen2-MoE's 4 and LLaMA's 8,
     # not SmolLM2's 3
     assert ("rope_kv_append" in text) == (cfg.num_kv_heads in (4, 8))
+    # the calls that write into an input: the append's pages, the in-place prefill's
+    # output (LLaMA's 16 tokens x 4 heads; not groups of 3 or 7)
+    in_place = in_place_unsupported(cfg.num_heads, cfg.num_kv_heads, block_q) is None
+    assert in_place == (shape == "llama3-8b")
+    assert text.count("output_operand_aliases") == ("rope_kv_append" in text) + in_place
     assert ("mosaic_gpu" in text) == (decode_kernel == "mosaic")  # FP8 pages: Triton

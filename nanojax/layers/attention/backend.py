@@ -54,7 +54,9 @@ class AttentionBackend(Attention, Protocol):
         """RoPE on k, then k and v written into their pages -> the new kv_layer."""
 
     def attend(self, q, kv_layer, meta, inv_freq):
-        """Attention of q over pages that already hold this step's keys."""
+        """Attention of q over pages that already hold this step's keys. A padding
+        token's row (neither a decode nor a prefill token) is unspecified, NaN included
+        (the Pallas backend leaves it unwritten): only that row may depend on it."""
 
     def attend_at(self, share: float, num_sms: int, ctas_per_sm: int = 4) -> Callable:
         """attend limited to a share of the device's num_sms SMs (where the kernel has a
