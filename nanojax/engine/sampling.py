@@ -268,11 +268,16 @@ def apply_bitmask(logits, bitmask, rows=None):
     sharded with them (the packed mask is small and replicated)."""
     r, v = logits.shape
     if rows is not None:
-        bitmask = jnp.full((r, bitmask.shape[1]), -1, jnp.int32).at[rows].set(
-            bitmask, mode="drop")
+        bitmask = every_row_mask(bitmask, rows, r)
     bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
     allowed = bits.reshape(r, -1)[:, :v] != 0
     return jnp.where(allowed, logits, -jnp.inf)
+
+
+def every_row_mask(bitmask, rows, num_rows: int):
+    """N rows' packed masks [N, W] -> every row's [num_rows, W]: the others allow all."""
+    return jnp.full((num_rows, bitmask.shape[1]), -1, jnp.int32).at[rows].set(
+        bitmask, mode="drop")
 
 
 def any_sampling(temperature) -> bool:
@@ -299,8 +304,8 @@ def sampler_block_rows(rows: int, vocab: int, block_bytes: int | None = None) ->
 
 def in_row_blocks(fn, args, block_rows: int | None = None):
     """fn(*args) computed block of rows by block of rows, one block after another: args
-    are per-row arrays [R, ...] (None passes through), fn's outputs per-row arrays (a
-    pytree). Each [rows, vocab] f32 buffer fn makes is then a block's (block_rows: default
+    are per-row arrays [R, ...] or pytrees of them (None passes through), fn's outputs
+    per-row arrays (a pytree). Each [rows, vocab] f32 buffer fn makes is then a block's (block_rows: default
     sampler_block_rows of the first arg, the logits), not the batch's. The loop is
     lax.map's, of a known trip count, which XLA's GPU runtime runs without reading a
     predicate back to the host (a cond would make the host wait for the step). fn must
@@ -311,13 +316,13 @@ def in_row_blocks(fn, args, block_rows: int | None = None):
     if rows <= size:  # one block (or no rows): no loop, no slicing
         return fn(*args)
     full = rows // size * size
-    part = lambda lo, hi: [a if a is None else a[lo:hi] for a in args]
+    part = lambda lo, hi: jax.tree.map(lambda a: a[lo:hi], list(args))  # noqa: E731
     parts = []
     if full == size:
         parts.append(fn(*part(0, size)))
     elif full:
-        blocks = [a if a is None else a[:full].reshape(full // size, size, *a.shape[1:])
-                  for a in args]
+        blocks = jax.tree.map(
+            lambda a: a[:full].reshape(full // size, size, *a.shape[1:]), list(args))
         looped = jax.lax.map(lambda b: fn(*b), blocks)
         parts.append(jax.tree.map(lambda o: o.reshape(full, *o.shape[2:]), looped))
     if full < rows:
@@ -353,11 +358,18 @@ def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties
     chosen logprob is then a masked sum (one value plus zeros: exact), which also reduces
     per shard. The top-k/top-p sort sees whole rows."""
     want_logprobs, logits_in = logprobs, logits
-    if penalties is not None:
-        logits = apply_penalties(logits, penalties)
-    if bitmask is not None:
-        logits = apply_bitmask(logits, bitmask.mask, bitmask.rows)
-    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # penalties and grammar masks each make a [rows, vocab] copy or more of the logits (a
+    # count, a seen flag, the unpacked bits: GBs at 2,048 rows x 128k): in the draw's row
+    # blocks, where only the greedy token and the draw read the processed logits
+    mask = None if bitmask is None else every_row_mask(bitmask.mask, bitmask.rows,
+                                                       logits.shape[0])
+
+    def processed(x, pen, mask):
+        if pen is not None:
+            x = apply_penalties(x, pen)
+        if mask is not None:
+            x = apply_bitmask(x, mask)
+        return x
 
     def filtered(scaled, top_k, top_p):
         """top-k and top-p masks from one descending sort."""
@@ -389,14 +401,21 @@ def sample(logits, temperature, top_p, top_k, seeds, steps, penalties: Penalties
         x = jnp.where(wants_filter[:, None], filtered(x, k, p), x)
         return jax.vmap(draw)(seed, step, x).astype(jnp.int32)
 
-    tokens = greedy_tok
-    if sampling:
+    def block_tokens(x, pen, mask, t, k, p, m, seed, step):
+        x = processed(x, pen, mask)
+        greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
+        if not sampling:
+            return greedy
+        return jnp.where(t > 0, drawn_rows(x, t, k, p, m, seed, step, greedy), greedy)
+
+    if not sampling and penalties is None and mask is None:  # one pass over the logits
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
         # in blocks of rows (in_row_blocks): the sort, its softmax and cumsum and the
         # noise are each a [rows, vocab] f32 buffer, 6.85 GiB together at 2,048 rows x
         # 128k (an H100 out of memory, bench/results/log/fp8.md §91); a block's are small
-        drawn = in_row_blocks(drawn_rows, (logits, temperature, top_k, top_p, min_p, seeds,
-                                           steps, greedy_tok))
-        tokens = jnp.where(temperature > 0, drawn, greedy_tok)
+        tokens = in_row_blocks(block_tokens, (logits, penalties, mask, temperature, top_k,
+                                              top_p, min_p, seeds, steps))
     if not want_logprobs:
         rows = tokens.shape[0]
         return (tokens, jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, 0), jnp.int32),
