@@ -124,7 +124,6 @@ def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, share: float | Non
         return decode(q, k_pages, v_pages, rows, lens, num_programs=num_programs,
                       interpret=interpret)
     from pallas_kernels.prefill_attention import in_place_unsupported, prefill_attention_impl
-    is_decode = jnp.arange(q.shape[0]) < meta.num_decodes
     if kernel == "mosaic" and decode_fn is None:  # the decodes come first: the swap-AB
         # kernel skips the other rows' (sequence, kv head) items (their outputs unwritten:
         # the prefill rows are written next, a padding token's row is read by nothing
@@ -137,6 +136,7 @@ def attend_pallas(q, kv_layer, meta: PagedMetadata, inv_freq, share: float | Non
                                 block_q=block_q, k_scale=ks, v_scale=vs, interpret=interpret)
     if in_place_unsupported(q.shape[1], k_pages.shape[1], block_q) is None:
         return prefill(out=dec)  # the prefill rows written into the decode kernel's output
+    is_decode = jnp.arange(q.shape[0]) < meta.num_decodes
     return jnp.where(is_decode[:, None, None], dec, prefill())
 
 
