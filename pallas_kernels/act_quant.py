@@ -119,19 +119,18 @@ def _store_quantized(pieces, q_ref, s_ref, row, chunk):
 
 def _rms_norm_quant_kernel(x_ref, w_ref, q_ref, s_ref, *, chunk, eps):
     row, width = pl.program_id(0), x_ref.shape[1]
-    xs = [x_ref[row, pl.ds(c * chunk, chunk)].astype(jnp.float32)
-          for c in range(width // chunk)]
+    spans = _spans(width, chunk)
+    xs = [x_ref[row, pl.ds(*s)].astype(jnp.float32) for s in spans]
     mean_sq = sum(jnp.sum(p * p) for p in xs) / width
     inv = jax.lax.rsqrt(mean_sq + eps)
-    pieces = [w_ref[pl.ds(c * chunk, chunk)].astype(jnp.float32) * (p * inv)
-              for c, p in enumerate(xs)]
+    pieces = [w_ref[pl.ds(*s)].astype(jnp.float32) * (p * inv) for s, p in zip(spans, xs)]
     _store_quantized(pieces, q_ref, s_ref, row, chunk)
 
 
 def _quantize_rows_kernel(x_ref, q_ref, s_ref, *, chunk):
     row = pl.program_id(0)
-    _store_quantized([x_ref[row, pl.ds(c * chunk, chunk)].astype(jnp.float32)
-                      for c in range(x_ref.shape[1] // chunk)], q_ref, s_ref, row, chunk)
+    _store_quantized([x_ref[row, pl.ds(*s)].astype(jnp.float32)
+                      for s in _spans(x_ref.shape[1], chunk)], q_ref, s_ref, row, chunk)
 
 
 def _silu_mul_quant_kernel(g_ref, u_ref, *refs, chunk, scaled, two_pass):
@@ -204,10 +203,11 @@ def quantize_rows(x, *, num_warps: int = 8, interpret: bool = False):
 def silu_mul_quant(gate, up, scales=None, *, num_warps: int = 16, two_pass: bool = False,
                    chunk: int | None = None, interpret: bool = False):
     """Fused silu_mul_quant_reference: gate, up [T, I] (and its scales) -> (e4m3 [T, I],
-    scale [T, 1]). num_warps: 16 ran fastest of 4, 8, 16 and 32 at 512 to 2,048 tokens (H100,
-    bench/results/log/fp8.md §92-93). chunk: columns per piece of the row, a power of 2
-    (None: chunk_of(width)); on the H100 pieces of 4,096 or 8,192 were no faster. two_pass: the row read twice (absmax, then values) instead
-    of held whole: the same result, fewer registers a program, and slower on the H100."""
+    scale [T, 1]). num_warps: 16 ran fastest of 4, 8, 16 and 32 at 512 to 2,048 tokens
+    (H100, bench/results/log/fp8.md §92-93). chunk: columns per piece of the row, a power
+    of 2 (None: chunk_of(width)); on the H100 pieces of 4,096 or 8,192 were no faster.
+    two_pass: the row read twice (absmax, then values) instead of held whole: the same
+    result, fewer registers a program, and slower on the H100."""
     if (why := unsupported(gate.shape[1])) is not None:
         raise ValueError(why)
     t, width = gate.shape

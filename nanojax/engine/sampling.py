@@ -305,8 +305,8 @@ def sampler_block_rows(rows: int, vocab: int, block_bytes: int | None = None) ->
 def in_row_blocks(fn, args, block_rows: int | None = None):
     """fn(*args) computed block of rows by block of rows, one block after another: args
     are per-row arrays [R, ...] or pytrees of them (None passes through), fn's outputs
-    per-row arrays (a pytree). Each [rows, vocab] f32 buffer fn makes is then a block's (block_rows: default
-    sampler_block_rows of the first arg, the logits), not the batch's. The loop is
+    per-row arrays (a pytree). Each [rows, vocab] f32 buffer fn makes is then a block's
+    (block_rows: default sampler_block_rows of the first arg, the logits), not the batch's. The loop is
     lax.map's, of a known trip count, which XLA's GPU runtime runs without reading a
     predicate back to the host (a cond would make the host wait for the step). fn must
     treat each row on its own: a row's tokens, ids and ranks are then the same in any
