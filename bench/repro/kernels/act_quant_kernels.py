@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -58,7 +59,8 @@ def main() -> int:
     timing = dict(iters=2, reps=1) if smoke else {}
     copy = None if smoke else copy_bandwidth()
     res = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-           "python": platform.python_version(), "copy_bytes_per_s": copy,
+           "python": platform.python_version(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "copy_bytes_per_s": copy,
            "command": " ".join(sys.argv), "rows": []}
 
     def row(kernel, t, width, warps, fn, fn_args, nbytes, check=None, **extra):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import sys
@@ -95,7 +96,8 @@ def main() -> int:
     bw = copy_bandwidth(1 if smoke else 4)
     res = {"command": "python " + " ".join(sys.argv), "copy_bandwidth_GBps": bw / 1e9,
            "env": {"jax": jax.__version__, "backend": jax.default_backend(),
-                   "device": jax.devices()[0].device_kind, "python": platform.python_version()},
+                   "device": jax.devices()[0].device_kind, "python": platform.python_version(),
+                   "xla_flags": os.environ.get("XLA_FLAGS", "")},
            "rows": []}
     rng = np.random.default_rng(0)
 
