@@ -560,16 +560,19 @@ class EngineConfig:
         "and half prefill, ~1,030 rows of 2,048 at 128/128, runs its LM head and sampler "
         "on 1,280 rows; one more shape compiled at start)", choices=(1, 2)))
     min_token_bucket: int | None = dataclasses.field(default=None, metadata=_opt(
-        "smallest token count a step is padded to (token buckets are powers of two up to "
-        "B_dense); default: 16 on a GPU or with fixed shapes, else 1 (the CPU, where every "
-        "padding token costs its share of the matmuls and attention)"))
+        "smallest token count a step is padded to (then powers of two up to B_dense, or "
+        "steps of --token-bucket-step); default: 16 on a GPU or with fixed shapes, else 1 "
+        "(the CPU, where every padding token costs its share of the matmuls and "
+        "attention)"))
     min_row_bucket: int | None = dataclasses.field(default=None, metadata=_opt(
         "smallest row count (sequences) a step is padded to; default: 4 on a GPU, 1 on "
         "the CPU (each padding row costs logits over the vocabulary)"))
     token_bucket_step: int | None = dataclasses.field(default=None, metadata=_opt(
         "above this many tokens, a step is padded to a multiple of it rather than to the "
-        "next power of two; default: 128 on the CPU (a 600-token prompt runs 640 tokens, "
-        "not 1024), off on a GPU or with fixed shapes"))
+        "next power of two (B_dense or more: powers of two throughout); default: 256 on a "
+        "GPU (fewer padding tokens where a decode batch is not a power of two, for 4 more "
+        "step shapes compiled at start; bench/results/log/fp8.md §94), 128 on the CPU (a "
+        "600-token prompt runs 640 tokens, not 1024), off on the CPU with fixed shapes"))
     seed: int = dataclasses.field(default=0, metadata=_opt(
         "seed of the per-request seeds of unseeded requests", cli=False))
     kv_cache_dtype: str = dataclasses.field(default="auto", metadata=_opt(
@@ -668,9 +671,12 @@ class EngineConfig:
             fixed_shapes=fixed,
             min_token_bucket=self.min_token_bucket or (16 if gpu or fixed else 1),
             min_row_bucket=self.min_row_bucket or (4 if gpu else 1),
-            # a long prompt's chunks padded to a multiple of 128 on the CPU, not to the
-            # next power of two (each bucket is one more shape compiled with fixed shapes)
-            token_bucket_step=self.token_bucket_step or (None if gpu or fixed else 128),
+            # steps padded to a multiple of 256 on a GPU above 256 tokens (a decode batch
+            # of 600 and a short prefill run 768 tokens, not 1,024: GEMM work the padding
+            # costs, against 4 more shapes compiled at start), of 128 on the CPU (each
+            # bucket is one more shape compiled with fixed shapes: none there)
+            token_bucket_step=self.token_bucket_step or (
+                256 if gpu else None if fixed else 128),
             # XLA's GPU compile is mostly single-threaded host work; the CPU's cores run
             # the model
             compile_threads=self.compile_threads or (

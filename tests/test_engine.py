@@ -285,6 +285,28 @@ def test_fixed_shapes_compile_every_step_at_warmup_and_none_while_serving(tiny_b
     assert fixed_tokens == serve(False)[0]
 
 
+def test_token_buckets_by_platform():
+    """A GPU pads a step above 256 tokens to a multiple of 256 (a decode batch of 600 runs
+    768 tokens, not 1,024); the CPU with fixed shapes keeps powers of two (each bucket is a
+    compile); a step of B_dense or more is powers of two throughout."""
+    from nanojax.config import Platform
+    from nanojax.engine.runner import bucket
+
+    def buckets(cfg):
+        return sorted({bucket(n, cfg.min_token_bucket, cfg.b_dense, cfg.token_bucket_step)
+                       for n in range(1, cfg.b_dense + 1)})
+
+    pow2 = [16, 32, 64, 128, 256, 512, 1024, 2048]
+    gpu = EngineConfig(b_dense=2048).resolve(Platform(True, 132, 16))
+    assert gpu.token_bucket_step == 256
+    assert buckets(gpu) == pow2[:5] + list(range(512, 2049, 256))
+    assert bucket(600, 16, 2048, gpu.token_bucket_step) == 768
+    cpu_fixed = EngineConfig(b_dense=2048, fixed_shapes=True).resolve(Platform(False, 1, 2))
+    assert cpu_fixed.token_bucket_step is None and buckets(cpu_fixed) == pow2
+    off = EngineConfig(b_dense=2048, token_bucket_step=2048).resolve(Platform(True, 132, 16))
+    assert buckets(off) == pow2
+
+
 def test_async_dispatch_gives_the_same_tokens(tiny_bundle):
     """EngineConfig.async_dispatch (each step dispatched from the runner's own thread, the
     GPU's default) only changes which thread launches the step: the same greedy and

@@ -17,7 +17,7 @@ from nanojax.engine.runner import bucket
 B_DENSE, PAGE, MIN_BUCKET = 2048, 16, 16
 CACHES = {"h100": 57009, "h200": 107292}  # FP8 pages at 0.9 of the card (fp8.md §91, §86)
 ROWS = [(128, 128, 8192), (500, 2000, 3000), (1000, 1000, 3000), (2048, 2048, 1500)]
-STEPS = (None, 256, 128)  # None: powers of two (the GPU default before this script)
+STEPS = (None, 256, 128)  # None: powers of two (the GPU default before fp8.md §94)
 
 
 def buckets(step: int | None) -> tuple[int, ...]:
