@@ -571,8 +571,9 @@ class EngineConfig:
         "above this many tokens, a step is padded to a multiple of it rather than to the "
         "next power of two (B_dense or more: powers of two throughout); default: 256 on a "
         "GPU (fewer padding tokens where a decode batch is not a power of two, for 4 more "
-        "step shapes compiled at start; bench/results/log/fp8.md §94), 128 on the CPU (a "
-        "600-token prompt runs 640 tokens, not 1024), off on the CPU with fixed shapes"))
+        "step shapes at B_dense 2,048, compiled at start with fixed shapes; "
+        "bench/results/log/fp8.md §94), 128 on the CPU (a 600-token prompt runs 640 "
+        "tokens, not 1024), off on the CPU with fixed shapes"))
     seed: int = dataclasses.field(default=0, metadata=_opt(
         "seed of the per-request seeds of unseeded requests", cli=False))
     kv_cache_dtype: str = dataclasses.field(default="auto", metadata=_opt(

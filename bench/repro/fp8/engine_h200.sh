@@ -23,10 +23,12 @@
 # from the step cache instead of compiling; default: each row's in + out). For rows of like
 # lengths only: the decode batch is sized from the KV cache at half of it (MAX_LEN=4096
 # held 128/128 to 445 sequences on an H100, bench/results/log/fp8.md §91).
-# TensorRT-LLM's four rows at ~2-3x what fits with FP8 KV on the H200 (~88,000 pages):
-#   ROWS="1000/1000/2048/330 128/128/4096/230 500/2000/1400 2048/2048/860"
+# TensorRT-LLM's four rows at ~2-3x what fits with FP8 KV on the H200 (107,292 pages at
+# 0.9 of the card), one call (10 minutes) each:
+#   ROWS="128/128/8192/430"  ROWS="1000/1000/3000/560"  ROWS="500/2000/3000/590"  ROWS="2048/2048/1500/590"
 # A row with a new max_model_len compiles its fixed shapes first (~100 s on a warm
-# autotune cache, bench/results/log/fp8.md §86): 2048/2048 needs a limit well past 260 s.
+# autotune cache, bench/results/log/fp8.md §86; 13 shapes since the GPU's steps of 256,
+# 211 s on a fresh H100 with CACHE_SEED, §94): 2048/2048 needs a limit well past 260 s.
 set -u
 OUT=${OUT:?set OUT}
 mkdir -p "$OUT"  # (a missing OUT failed each run at its end, copying its profile there)
