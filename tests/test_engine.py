@@ -265,24 +265,32 @@ def test_compile_count_is_bounded(tiny_bundle):
 
 def test_fixed_shapes_compile_every_step_at_warmup_and_none_while_serving(tiny_bundle):
     """A serving start compiles each token bucket once; requests then never recompile,
-    and the tokens are those of the bucketed engine (padding rows change nothing)."""
-    def serve(fixed):
+    and the tokens are those of the bucketed engine (padding rows change nothing), with
+    powers of two and with buckets in steps (the GPU's, scaled down: 16, 32, 48, 64)."""
+    def serve(fixed, step=None):
         eng = LLMEngine(tiny_bundle, EngineConfig(
             b_dense=64, num_pages=128, max_model_len=128, max_num_seqs=8,
-            fixed_shapes=fixed))
+            fixed_shapes=fixed, token_bucket_step=step))
         if fixed:
-            assert eng.runner.warmup() == len(eng.runner.token_buckets()) == 3  # 16, 32, 64
+            buckets = [16, 32, 64] if step is None else [16, 32, 48, 64]
+            assert eng.runner.token_buckets() == buckets
+            assert eng.runner.warmup() == len(buckets)
+        eng.stats.trace = []  # the tokens each iteration launched
         before = eng.runner.num_compiles
         rng = np.random.default_rng(1)
         ids = [eng.add_request(rng.integers(0, 500, size=int(n)).tolist(),
                                SamplingParams(max_tokens=9, temperature=0, ignore_eos=True))
                for n in rng.integers(1, 100, size=12)]
         done = eng.run_to_completion()
-        return [done[i].token_ids for i in ids], eng.runner.num_compiles - before
+        launched = {eng.runner.step_tokens(r.tokens) for r in eng.stats.trace}
+        return [done[i].token_ids for i in ids], eng.runner.num_compiles - before, launched
 
-    fixed_tokens, compiles = serve(True)
+    fixed_tokens, compiles, _ = serve(True)
     assert compiles == 0
     assert fixed_tokens == serve(False)[0]
+    stepped_tokens, compiles, launched = serve(True, step=16)
+    assert compiles == 0 and 48 in launched  # a step between powers of two ran
+    assert stepped_tokens == fixed_tokens
 
 
 def test_token_buckets_by_platform():
