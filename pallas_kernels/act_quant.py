@@ -26,6 +26,8 @@ Pallas' Triton lowering needs power-of-2 shapes: a row is taken in `chunk` colum
 time (the largest power of 2 dividing its width, at most MAX_CHUNK), unrolled, so a row
 of 14,336 is 7 chunks of 2,048. silu_mul_quant's `two_pass` loops over the chunks twice
 instead (the absmax, then the values, re-read), holding one chunk rather than the row.
+`rows` > 1 gives a program that many rows, one [rows, chunk] tile a piece: more bytes in
+flight a program, and silu_mul_quant's column scales loaded once for them all.
 """
 from __future__ import annotations
 
@@ -109,105 +111,134 @@ def _spans(width: int, chunk: int) -> list[tuple[int, int]]:
     return spans
 
 
-def _store_quantized(pieces, q_ref, s_ref, row, chunk):
-    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(p)) for p in pieces])
-    scale = _scale_of(amax)
+def _program_rows(rows: int):
+    """The rows of the program: an index (one row: 1-D pieces, scalar scales, the
+    kernels as they were before `rows`) or a slice of `rows` ([rows, size] pieces)."""
+    if rows == 1:
+        return pl.program_id(0)
+    return pl.ds(pl.multiple_of(pl.program_id(0) * rows, rows), rows)
+
+
+def _row_amax(p):
+    """A piece's absmax by row: a scalar for a 1-D piece, [rows, 1] for a 2-D one."""
+    return jnp.max(jnp.abs(p), axis=-1, keepdims=p.ndim > 1)
+
+
+def _store_scale(s_ref, rows, scale):
+    s_ref[rows] = scale[:, 0] if scale.ndim else scale
+
+
+def _store_quantized(pieces, q_ref, s_ref, rows, chunk):
+    scale = _scale_of(functools.reduce(jnp.maximum, [_row_amax(p) for p in pieces]))
     for (start, size), p in zip(_spans(q_ref.shape[1], chunk), pieces):
-        q_ref[row, pl.ds(start, size)] = _e4m3(p, scale, q_ref.dtype)
-    s_ref[row] = scale
+        q_ref[rows, pl.ds(start, size)] = _e4m3(p, scale, q_ref.dtype)
+    _store_scale(s_ref, rows, scale)
 
 
-def _rms_norm_quant_kernel(x_ref, w_ref, q_ref, s_ref, *, chunk, eps):
-    row, width = pl.program_id(0), x_ref.shape[1]
+def _rms_norm_quant_kernel(x_ref, w_ref, q_ref, s_ref, *, chunk, eps, rows):
+    rows, width = _program_rows(rows), x_ref.shape[1]
     spans = _spans(width, chunk)
-    xs = [x_ref[row, pl.ds(*s)].astype(jnp.float32) for s in spans]
-    mean_sq = sum(jnp.sum(p * p) for p in xs) / width
+    xs = [x_ref[rows, pl.ds(*s)].astype(jnp.float32) for s in spans]
+    mean_sq = sum(jnp.sum(p * p, axis=-1, keepdims=p.ndim > 1) for p in xs) / width
     inv = jax.lax.rsqrt(mean_sq + eps)
     pieces = [w_ref[pl.ds(*s)].astype(jnp.float32) * (p * inv) for s, p in zip(spans, xs)]
-    _store_quantized(pieces, q_ref, s_ref, row, chunk)
+    _store_quantized(pieces, q_ref, s_ref, rows, chunk)
 
 
-def _quantize_rows_kernel(x_ref, q_ref, s_ref, *, chunk):
-    row = pl.program_id(0)
-    _store_quantized([x_ref[row, pl.ds(*s)].astype(jnp.float32)
-                      for s in _spans(x_ref.shape[1], chunk)], q_ref, s_ref, row, chunk)
+def _quantize_rows_kernel(x_ref, q_ref, s_ref, *, chunk, rows):
+    rows = _program_rows(rows)
+    _store_quantized([x_ref[rows, pl.ds(*s)].astype(jnp.float32)
+                      for s in _spans(x_ref.shape[1], chunk)], q_ref, s_ref, rows, chunk)
 
 
-def _silu_mul_quant_kernel(g_ref, u_ref, *refs, chunk, scaled, two_pass):
+def _silu_mul_quant_kernel(g_ref, u_ref, *refs, chunk, scaled, two_pass, rows):
     *scale_refs, q_ref, s_ref = refs  # scaled: the row scales [T], gate's and up's [I]
-    row = pl.program_id(0)
+    block = rows
+    rows = _program_rows(rows)
 
     def columns(c):  # c: a loop index
         return pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
 
     def piece(c):  # c: a loop index or a (start, size) span
         cols = pl.ds(*c) if isinstance(c, tuple) else columns(c)
-        g = g_ref[row, cols].astype(jnp.float32)
-        u = u_ref[row, cols].astype(jnp.float32)
+        g = g_ref[rows, cols].astype(jnp.float32)
+        u = u_ref[rows, cols].astype(jnp.float32)
         if scaled:
             rows_ref, g_cols_ref, u_cols_ref = scale_refs
-            r = rows_ref[row]
+            r = rows_ref[rows]
+            r = r if block == 1 else r[:, None]
             g, u = g * (r * g_cols_ref[cols]), u * (r * u_cols_ref[cols])
         return g * jax.nn.sigmoid(g) * u
 
-    if not two_pass:  # the row held in registers, read once
+    if not two_pass:  # the rows held in registers, read once
         _store_quantized([piece(c) for c in _spans(g_ref.shape[1], chunk)], q_ref, s_ref,
-                         row, chunk)
+                         rows, chunk)
         return
     n = g_ref.shape[1] // chunk
     # two loops over the row: its absmax, then the values again (re-read, from L2 where
     # the program's rows still are), so a program holds one piece: more programs per SM
-    amax = jax.lax.fori_loop(0, n, lambda c, m: jnp.maximum(m, jnp.max(jnp.abs(piece(c)))),
-                             jnp.float32(0.0))
+    amax = jax.lax.fori_loop(0, n, lambda c, m: jnp.maximum(m, _row_amax(piece(c))),
+                             jnp.zeros((block, 1) if block > 1 else (), jnp.float32))
     scale = _scale_of(amax)
 
     def store(c, carry):
-        q_ref[row, columns(c)] = _e4m3(piece(c), scale, q_ref.dtype)
+        q_ref[rows, columns(c)] = _e4m3(piece(c), scale, q_ref.dtype)
         return carry
     jax.lax.fori_loop(0, n, store, 0)
-    s_ref[row] = scale
+    _store_scale(s_ref, rows, scale)
 
 
-def _call(kernel, rows: int, width: int, args, *, num_warps: int, interpret: bool, name: str):
+def _check_rows(tokens: int, rows: int) -> None:
+    if rows < 1 or rows & (rows - 1) or tokens % rows:
+        raise ValueError(f"rows {rows} a program: a power of 2 dividing the {tokens} tokens")
+
+
+def _call(kernel, tokens: int, width: int, args, *, rows: int, num_warps: int,
+          interpret: bool, name: str):
+    _check_rows(tokens, rows)
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
         params["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
     q, s = pl.pallas_call(
-        kernel, grid=(rows,), name=name, interpret=interpret,
-        out_shape=(jax.ShapeDtypeStruct((rows, width), FP8),
-                   jax.ShapeDtypeStruct((rows,), jnp.float32)), **params)(*args)
+        functools.partial(kernel, rows=rows), grid=(tokens // rows,), name=name,
+        interpret=interpret,
+        out_shape=(jax.ShapeDtypeStruct((tokens, width), FP8),
+                   jax.ShapeDtypeStruct((tokens,), jnp.float32)), **params)(*args)
     return q, s[:, None]
 
 
-def rms_norm_quant(x, weight, eps: float, *, num_warps: int = 4, interpret: bool = False):
-    """Fused rms_norm_quant_reference: x [T, H], weight [H] -> (e4m3 [T, H], scale [T, 1])."""
+def rms_norm_quant(x, weight, eps: float, *, num_warps: int = 4, rows: int = 1,
+                   interpret: bool = False):
+    """Fused rms_norm_quant_reference: x [T, H], weight [H] -> (e4m3 [T, H], scale [T, 1]).
+    rows: rows a program (a power of 2 dividing T)."""
     if (why := unsupported(x.shape[1])) is not None:
         raise ValueError(why)
     kern = functools.partial(_rms_norm_quant_kernel, chunk=chunk_of(x.shape[1]), eps=eps)
-    return _call(kern, x.shape[0], x.shape[1], (x, weight),
+    return _call(kern, x.shape[0], x.shape[1], (x, weight), rows=rows,
                  num_warps=num_warps, interpret=interpret, name="rms_norm_quant")
 
 
-def quantize_rows(x, *, num_warps: int = 8, interpret: bool = False):
+def quantize_rows(x, *, num_warps: int = 8, rows: int = 1, interpret: bool = False):
     """quantize_rows_reference in one pass: x [T, N] -> (e4m3 [T, N], scale [T, 1]). XLA
     takes two (the row absmax, then the divide and convert), each reading x: at 2,048 x
     4,096 on the H100 this kernel took half XLA's time (bench/results/log/fp8.md §93)."""
     if (why := unsupported(x.shape[1])) is not None:
         raise ValueError(why)
     kern = functools.partial(_quantize_rows_kernel, chunk=chunk_of(x.shape[1]))
-    return _call(kern, x.shape[0], x.shape[1], (x,), num_warps=num_warps,
+    return _call(kern, x.shape[0], x.shape[1], (x,), rows=rows, num_warps=num_warps,
                  interpret=interpret, name="quantize_rows")
 
 
 def silu_mul_quant(gate, up, scales=None, *, num_warps: int = 16, two_pass: bool = False,
-                   chunk: int | None = None, interpret: bool = False):
+                   chunk: int | None = None, rows: int = 1, interpret: bool = False):
     """Fused silu_mul_quant_reference: gate, up [T, I] (and its scales) -> (e4m3 [T, I],
     scale [T, 1]). num_warps: 16 ran fastest of 4, 8, 16 and 32 at 512 to 2,048 tokens
     (H100, bench/results/log/fp8.md §92-93). chunk: columns per piece of the row, a power
     of 2 (None: chunk_of(width)); on the H100 pieces of 4,096 or 8,192 were no faster.
     two_pass: the row read twice (absmax, then values) instead of held whole: the same
-    result, fewer registers a program, and slower on the H100."""
+    result, fewer registers a program, and slower on the H100. rows: rows a program (a
+    power of 2 dividing T; the column scales loaded once for them)."""
     if (why := unsupported(gate.shape[1])) is not None:
         raise ValueError(why)
     t, width = gate.shape
@@ -219,5 +250,5 @@ def silu_mul_quant(gate, up, scales=None, *, num_warps: int = 16, two_pass: bool
         raise ValueError(f"chunk {chunk}: a power of 2, for one pass")
     kern = functools.partial(_silu_mul_quant_kernel, chunk=chunk or chunk_of(width),
                              scaled=scales is not None, two_pass=two_pass)
-    return _call(kern, t, width, args, num_warps=num_warps, interpret=interpret,
+    return _call(kern, t, width, args, rows=rows, num_warps=num_warps, interpret=interpret,
                  name="silu_mul_quant")

@@ -88,6 +88,38 @@ def test_silu_mul_quant_pieces_of_any_power_of_2_give_the_same_bits_interpret():
             silu_mul_quant(gate, up, interpret=True, **bad)
 
 
+def test_rows_a_program_give_the_one_row_bits_interpret():
+    """rows: a program takes 2, 4 or 8 rows as [rows, piece] tiles (the column scales
+    loaded once for them): the same values in the same order as one row a program, so
+    the same bits, scaled or not, one pass or two (RMSNorm's sum of squares may add in
+    another order: within rounding there); rows that are not a power of 2 dividing the
+    tokens are refused."""
+    t, width = 8, 14336
+    kg, ku = jax.random.split(jax.random.PRNGKey(21))
+    gate = (3 * jax.random.normal(kg, (t, width))).astype(jnp.bfloat16)
+    up = jax.random.normal(ku, (t, width)).astype(jnp.bfloat16).at[5, 3].set(45.0)
+    scales = (jnp.linspace(0.01, 0.03, t)[:, None], jnp.linspace(0.2, 0.9, width),
+              jnp.full((width,), 0.5))
+
+    def same(a, b):
+        assert np.array_equal(np.asarray(a[0], np.float32), np.asarray(b[0], np.float32))
+        assert np.array_equal(np.asarray(a[1]), np.asarray(b[1]))
+    for sc in (None, scales):
+        for two in (False, True):
+            one = silu_mul_quant(gate, up, sc, two_pass=two, interpret=True)
+            for rows in (2, 4, 8):
+                same(silu_mul_quant(gate, up, sc, two_pass=two, rows=rows, interpret=True), one)
+    x = (5 * jax.random.normal(kg, (t, 4096))).astype(jnp.bfloat16).at[2].set(0)
+    w = jnp.linspace(0.5, 1.5, 4096).astype(jnp.bfloat16)
+    for rows in (2, 4):
+        same(quantize_rows(x, rows=rows, interpret=True), quantize_rows(x, interpret=True))
+        _close_fp8(rms_norm_quant(x, w, 1e-5, rows=rows, interpret=True),
+                   rms_norm_quant(x, w, 1e-5, interpret=True))
+    for rows in (3, 16):
+        with pytest.raises(ValueError, match="rows"):
+            quantize_rows(x, rows=rows, interpret=True)
+
+
 @pytest.mark.parametrize("t, width, dtype", [(8, 64, jnp.float32), (4, 4096, jnp.bfloat16)])
 def test_rms_norm_quant_matches_reference_interpret(t, width, dtype):
     kx, kw = jax.random.split(jax.random.PRNGKey(width + 1))
@@ -115,34 +147,35 @@ def test_widths_the_kernels_cannot_take_are_refused():
         silu_mul_quant(jnp.zeros((2, 100)), jnp.zeros((2, 100)), interpret=True)
 
 
-@pytest.mark.parametrize("which, width", [("silu", 14336), ("silu", 7168), ("rms", 4096),
-                                          ("scaled", 14336), ("two_pass", 14336),
-                                          ("quantize_rows", 4096)])
-def test_kernels_lower_for_cuda(which, width):
+@pytest.mark.parametrize("which, width, rows", [
+    ("silu", 14336, 1), ("silu", 7168, 1), ("rms", 4096, 1), ("scaled", 14336, 1),
+    ("two_pass", 14336, 1), ("quantize_rows", 4096, 1), ("scaled", 14336, 4),
+    ("two_pass", 14336, 4), ("rms", 4096, 4), ("quantize_rows", 4096, 4)])
+def test_kernels_lower_for_cuda(which, width, rows):
     """The Triton lowering of the kernels at the 8B's widths (and the intermediate
-    size's half under TP 2; silu_mul_quant with its inputs' scales too), on the CPU."""
+    size's half under TP 2; silu_mul_quant with its inputs' scales too; one row a
+    program and four, as [4, piece] tiles), on the CPU."""
     from jax import export
     sd = jax.ShapeDtypeStruct
     x = sd((2048, width), jnp.bfloat16)
     if which == "silu":
         f, args = jax.jit(silu_mul_quant), (x, x)
-    elif which == "two_pass":
-        f = jax.jit(lambda g, u, r, gc, uc: silu_mul_quant(g, u, (r, gc, uc), two_pass=True))
-        args = (x, x, sd((2048, 1), jnp.float32), sd((width,), jnp.float32),
-                sd((width,), jnp.float32))
-    elif which == "scaled":
-        f = jax.jit(lambda g, u, r, gc, uc: silu_mul_quant(g, u, (r, gc, uc)))
+    elif which in ("two_pass", "scaled"):
+        f = jax.jit(lambda g, u, r, gc, uc: silu_mul_quant(
+            g, u, (r, gc, uc), two_pass=which == "two_pass", rows=rows))
         args = (x, x, sd((2048, 1), jnp.float32), sd((width,), jnp.float32),
                 sd((width,), jnp.float32))
     elif which == "quantize_rows":
-        f, args = jax.jit(quantize_rows), (x,)
+        f, args = jax.jit(lambda x: quantize_rows(x, rows=rows)), (x,)
     else:
-        f, args = jax.jit(lambda x, w: rms_norm_quant(x, w, 1e-5)), (x, sd((width,), jnp.bfloat16))
+        f = jax.jit(lambda x, w: rms_norm_quant(x, w, 1e-5, rows=rows))
+        args = (x, sd((width,), jnp.bfloat16))
     exp = export.export(f, platforms=["cuda"], disabled_checks=[
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
     name = {"rms": "rms_norm_quant", "quantize_rows": "quantize_rows"}.get(which, "silu_mul_quant")
     assert name in exp.mlir_module()
     assert exp.out_avals[0].dtype == FP8 and exp.out_avals[1].shape == (2048, 1)
+    assert f"grid_x = {2048 // rows} " in exp.mlir_module()
 
 
 def test_engine_with_fused_quantization_gives_the_xla_quantizations_tokens(tiny_bundle):

@@ -16,6 +16,7 @@ the same computations as XLA fuses them (two passes: the absmax, then divide and
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -47,6 +48,10 @@ def main() -> int:
     ap.add_argument("--silu-passes", default="1,2",
                     help="SiLU x up's passes over a row: 1 holds it in registers, 2 reads it "
                          "twice (silu_mul_quant's two_pass)")
+    ap.add_argument("--rows", default="1",
+                    help="rows a program, comma-separated powers of 2 (every kernel: one "
+                         "[rows, piece] tile a piece; SiLU x up's column scales loaded once "
+                         "for them)")
     args = ap.parse_args()
     from pallas_kernels.act_quant import (quantize_rows, quantize_rows_reference,
                                           rms_norm_quant, rms_norm_quant_reference,
@@ -82,6 +87,7 @@ def main() -> int:
         res["rows"].append(r)
         print(json.dumps(r), file=sys.stderr)
 
+    row_counts = [int(x) for x in args.rows.split(",")]
     key = jax.random.PRNGKey(0)
     for t in tokens:
         gate = jax.random.normal(key, (t, inter), jnp.bfloat16)
@@ -93,29 +99,33 @@ def main() -> int:
         row("silu_mul_quant_xla", t, inter, None, silu_mul_quant_reference,
             (gate, up, scales), moved)
         chunks = [int(x) for x in args.silu_chunks.split(",") if x] or [None]
-        for passes in [int(x) for x in args.silu_passes.split(",")]:
-            for chunk in chunks if passes == 1 else [None]:
-                for w in [int(x) for x in args.silu_warps.split(",")]:
-                    row("silu_mul_quant", t, inter, w,
-                        lambda g, u, s, w=w, two=passes == 2, c=chunk: silu_mul_quant(
-                            g, u, s, num_warps=w, two_pass=two, chunk=c, interpret=smoke),
-                        (gate, up, scales), moved, check=ref, passes=passes, chunk=chunk)
+        variants = [(p, c) for p in [int(x) for x in args.silu_passes.split(",")]
+                    for c in (chunks if p == 1 else [None])]  # two passes: the kernel's chunk
+        for (passes, chunk), w, rows in itertools.product(
+                variants, [int(x) for x in args.silu_warps.split(",")], row_counts):
+            row("silu_mul_quant", t, inter, w,
+                lambda g, u, s, w=w, two=passes == 2, c=chunk, r=rows: silu_mul_quant(
+                    g, u, s, num_warps=w, two_pass=two, chunk=c, rows=r, interpret=smoke),
+                (gate, up, scales), moved, check=ref, passes=passes, chunk=chunk, rows=rows)
         x = jax.random.normal(key, (t, hidden), jnp.bfloat16)
         weight = jnp.ones((hidden,), jnp.bfloat16)
         moved = t * hidden * 2 + t * hidden + 4 * t
         ref = jax.jit(rms_norm_quant_reference, static_argnums=2)(x, weight, 1e-5)
         row("rms_norm_quant_xla", t, hidden, None,
             lambda a, b: rms_norm_quant_reference(a, b, 1e-5), (x, weight), moved)
-        for w in [int(x) for x in args.rms_warps.split(",")]:
+        for w, rows in itertools.product([int(x) for x in args.rms_warps.split(",")],
+                                         row_counts):
             row("rms_norm_quant", t, hidden, w,
-                lambda a, b, w=w: rms_norm_quant(a, b, 1e-5, num_warps=w, interpret=smoke),
-                (x, weight), moved, check=ref)
+                lambda a, b, w=w, r=rows: rms_norm_quant(a, b, 1e-5, num_warps=w, rows=r,
+                                                         interpret=smoke),
+                (x, weight), moved, check=ref, rows=rows)
         ref = jax.jit(quantize_rows_reference)(x)
         row("quantize_rows_xla", t, hidden, None, quantize_rows_reference, (x,), moved)
-        for w in [int(x) for x in args.quant_warps.split(",")]:
+        for w, rows in itertools.product([int(x) for x in args.quant_warps.split(",")],
+                                         row_counts):
             row("quantize_rows", t, hidden, w,
-                lambda a, w=w: quantize_rows(a, num_warps=w, interpret=smoke), (x,), moved,
-                check=ref)
+                lambda a, w=w, r=rows: quantize_rows(a, num_warps=w, rows=r, interpret=smoke),
+                (x,), moved, check=ref, rows=rows)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
