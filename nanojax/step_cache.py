@@ -41,8 +41,9 @@ SUBDIR = "nanojax-steps"
 # makes new keys (a GPU serve start stores one entry per token bucket, 8 at B_dense 2048)
 MAX_ENTRIES = 128
 # attributes that are not part of the compiled program: counters a forward keeps while
-# it runs, how many shapes warm-up compiles at once
-RUNTIME = ("num_traces", "compile_threads")
+# it runs (EngineConfig's host-only settings: config.HOST_ONLY_FIELDS, left out by the
+# engine's description)
+RUNTIME = ("num_traces",)
 
 
 @functools.lru_cache(maxsize=1)

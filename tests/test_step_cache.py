@@ -29,12 +29,14 @@ def cache_dir(tmp_path):
     jax.config.update("jax_compilation_cache_dir", saved[1])
 
 
-def start(bundle, kernels=KernelConfig(), requests=True, b_dense=32, compile_threads=1):
+def start(bundle, kernels=KernelConfig(), requests=True, b_dense=32, compile_threads=1,
+          **engine):
     """An engine start as `serve` makes it (fixed shapes, every bucket at warmup), then a
-    few greedy requests: (tokens, shapes traced, runner)."""
+    few greedy requests: (tokens, shapes traced, runner). engine: more EngineConfig."""
     eng = LLMEngine(bundle, EngineConfig(b_dense=b_dense, num_pages=64, max_model_len=64,
                                          max_num_seqs=4, fixed_shapes=True, kernels=kernels,
-                                         step_cache=True, compile_threads=compile_threads),
+                                         step_cache=True, compile_threads=compile_threads,
+                                         **engine),
                     forward=ScanForward(bundle.config))
     traced = eng.runner.warmup()
     if not requests:
@@ -84,6 +86,31 @@ def test_warmup_in_threads_compiles_every_shape_once_and_runs_the_same_tokens(
     assert tokens_seq == tokens
     # threads or not is not part of the program: both starts share the entries
     assert len(list(cache_dir.iterdir())) == 4
+
+
+def test_host_only_settings_share_the_step_entries(tiny_bundle, cache_dir):
+    """Settings that steer only the host (config.HOST_ONLY_FIELDS: admission, the fit,
+    the token buckets' step, async scheduling and dispatch, the seed, prefix caching, the
+    collector, the memory share) are left out of the key: a start that changes them all
+    loads the first start's steps (an A/B of one on a GPU traces nothing again) and runs
+    the same greedy tokens; a setting that is part of the program (the max_model_len: the
+    page tables' width) still misses."""
+    from nanojax.config import HOST_ONLY_FIELDS
+    tokens, traced, _ = start(tiny_bundle)
+    assert traced == 2
+    host = dict(admission="predicted", fit_step_shapes=False, token_bucket_step=16,
+                async_scheduling=False, async_dispatch=True, seed=5,
+                enable_prefix_caching=False, gc_freeze=False, memory_utilization=0.5)
+    assert set(host) | {"min_token_bucket", "step_cache", "compile_threads"} == set(
+        HOST_ONLY_FIELDS)
+    tokens2, traced2, runner2 = start(tiny_bundle, **host)
+    assert traced2 == 0 and runner2.num_loaded == 2
+    assert tokens2 == tokens
+    eng = LLMEngine(tiny_bundle, EngineConfig(b_dense=32, num_pages=64, max_model_len=128,
+                                              max_num_seqs=4, fixed_shapes=True,
+                                              step_cache=True),
+                    forward=ScanForward(tiny_bundle.config))
+    assert eng.runner.warmup() == 2 and eng.runner.num_loaded == 0
 
 
 def test_corrupt_or_foreign_entries_compile_and_a_changed_config_misses(tiny_bundle,

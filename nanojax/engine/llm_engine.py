@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from jax.profiler import TraceAnnotation
 
-from nanojax.config import EngineConfig, Platform
+from nanojax.config import HOST_ONLY_FIELDS, EngineConfig, Platform
 from nanojax.engine.forward import Forward, default_forward
 from nanojax.engine.gc_freeze import frozen_startup_objects
 from nanojax.engine.kv_cache import PageAllocator, size_cache
@@ -132,7 +132,9 @@ class LLMEngine:
         if forward.traced and cfg.step_cache and cfg.tensor_parallel_size == 1:
             from nanojax.step_cache import StepCache, describe
             step_cache = StepCache.from_jax_config({
-                "model": describe(self.model_config), "engine": describe(cfg),
+                "model": describe(self.model_config),
+                "engine": {k: v for k, v in describe(cfg).items()
+                           if k not in HOST_ONLY_FIELDS},
                 "forward": describe(forward), "kv_dtype": str(self.kv_dtype)},
                 jax.devices()[:1])  # where prepare() puts the parameters
         params = cpu_params(  # with the GGUF's blocks kept (--cpu-weights q4)
