@@ -492,14 +492,14 @@ GPU_B_DENSE = 2048
 CPU_B_DENSE = 2048
 # EngineConfig fields that steer only the host (the scheduler and its admission, which
 # token counts a step is padded to, the prefix cache's bookkeeping, dispatch and compile
-# threads, the collector, the memory share that sizes the cache): the compiled step is the
-# same program whatever they are (its argument shapes are in its key already), so the step
-# cache (nanojax/step_cache.py) leaves them out of its key: an A/B of one of them on a GPU
-# loads the other's executables instead of tracing every step shape again.
-HOST_ONLY_FIELDS = ("memory_utilization", "async_scheduling", "admission",
-                    "fit_step_shapes", "min_token_bucket", "token_bucket_step", "seed",
-                    "enable_prefix_caching", "step_cache", "compile_threads",
-                    "async_dispatch", "gc_freeze")
+# threads, the collector): the compiled step is the same program whatever they are (its
+# argument shapes are in its key already), so the step cache (nanojax/step_cache.py)
+# leaves them out of its key: an A/B of one of them on a GPU loads the other's
+# executables instead of tracing every step shape again. (Not memory_utilization: the
+# CLI hands it to XLA's allocator, whose limit XLA compiles against.)
+HOST_ONLY_FIELDS = ("async_scheduling", "admission", "fit_step_shapes",
+                    "min_token_bucket", "token_bucket_step", "seed", "enable_prefix_caching",
+                    "step_cache", "compile_threads", "async_dispatch", "gc_freeze")
 # --kv-cache-dtype names (nanojax/layers/kv_fp8.py maps them to element types)
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp8", "fp8_e4m3", "float32", "fp32")
 

@@ -91,26 +91,23 @@ def test_warmup_in_threads_compiles_every_shape_once_and_runs_the_same_tokens(
 def test_host_only_settings_share_the_step_entries(tiny_bundle, cache_dir):
     """Settings that steer only the host (config.HOST_ONLY_FIELDS: admission, the fit,
     the token buckets' step, async scheduling and dispatch, the seed, prefix caching, the
-    collector, the memory share) are left out of the key: a start that changes them all
-    loads the first start's steps (an A/B of one on a GPU traces nothing again) and runs
-    the same greedy tokens; a setting that is part of the program (the max_model_len: the
-    page tables' width) still misses."""
+    collector) are left out of the key: a start that changes them all loads the first
+    start's steps (an A/B of one on a GPU traces nothing again) and runs the same greedy
+    tokens; the rest of the engine's config is still in it (a kernel option that leaves
+    every argument shape as it was misses)."""
     from nanojax.config import HOST_ONLY_FIELDS
     tokens, traced, _ = start(tiny_bundle)
     assert traced == 2
-    host = dict(admission="predicted", fit_step_shapes=False, token_bucket_step=16,
-                async_scheduling=False, async_dispatch=True, seed=5,
-                enable_prefix_caching=False, gc_freeze=False, memory_utilization=0.5)
-    assert set(host) | {"min_token_bucket", "step_cache", "compile_threads"} == set(
-        HOST_ONLY_FIELDS)
+    host = dict(admission="predicted", fit_step_shapes=False, token_bucket_step=8,
+                min_token_bucket=8, async_scheduling=False, async_dispatch=True, seed=5,
+                enable_prefix_caching=False, gc_freeze=False, compile_threads=2)
+    assert set(host) | {"step_cache"} == set(HOST_ONLY_FIELDS)
     tokens2, traced2, runner2 = start(tiny_bundle, **host)
-    assert traced2 == 0 and runner2.num_loaded == 2
+    assert runner2.token_buckets() == [8, 16, 24, 32]  # 16 and 32 load, 8 and 24 trace
+    assert traced2 == 2 and runner2.num_loaded == 2
     assert tokens2 == tokens
-    eng = LLMEngine(tiny_bundle, EngineConfig(b_dense=32, num_pages=64, max_model_len=128,
-                                              max_num_seqs=4, fixed_shapes=True,
-                                              step_cache=True),
-                    forward=ScanForward(tiny_bundle.config))
-    assert eng.runner.warmup() == 2 and eng.runner.num_loaded == 0
+    _, traced3, runner3 = start(tiny_bundle, KernelConfig(merge_dots=True), requests=False)
+    assert traced3 == 2 and runner3.num_loaded == 0
 
 
 def test_corrupt_or_foreign_entries_compile_and_a_changed_config_misses(tiny_bundle,
