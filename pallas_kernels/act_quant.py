@@ -112,8 +112,8 @@ def _spans(width: int, chunk: int) -> list[tuple[int, int]]:
 
 
 def _program_rows(rows: int):
-    """The rows of the program: an index (one row: 1-D pieces, scalar scales, the
-    kernels as they were before `rows`) or a slice of `rows` ([rows, size] pieces)."""
+    """Where the program's rows are (`at`): an index (one row: 1-D pieces, scalar scales,
+    the kernels as they were before `rows`) or a slice of `rows` ([rows, size] pieces)."""
     if rows == 1:
         return pl.program_id(0)
     return pl.ds(pl.multiple_of(pl.program_id(0) * rows, rows), rows)
@@ -124,68 +124,67 @@ def _row_amax(p):
     return jnp.max(jnp.abs(p), axis=-1, keepdims=p.ndim > 1)
 
 
-def _store_scale(s_ref, rows, scale):
-    s_ref[rows] = scale[:, 0] if scale.ndim else scale
+def _store_scale(s_ref, at, scale):
+    s_ref[at] = scale[:, 0] if scale.ndim else scale
 
 
-def _store_quantized(pieces, q_ref, s_ref, rows, chunk):
+def _store_quantized(pieces, q_ref, s_ref, at, chunk):
     scale = _scale_of(functools.reduce(jnp.maximum, [_row_amax(p) for p in pieces]))
     for (start, size), p in zip(_spans(q_ref.shape[1], chunk), pieces):
-        q_ref[rows, pl.ds(start, size)] = _e4m3(p, scale, q_ref.dtype)
-    _store_scale(s_ref, rows, scale)
+        q_ref[at, pl.ds(start, size)] = _e4m3(p, scale, q_ref.dtype)
+    _store_scale(s_ref, at, scale)
 
 
 def _rms_norm_quant_kernel(x_ref, w_ref, q_ref, s_ref, *, chunk, eps, rows):
-    rows, width = _program_rows(rows), x_ref.shape[1]
+    at, width = _program_rows(rows), x_ref.shape[1]
     spans = _spans(width, chunk)
-    xs = [x_ref[rows, pl.ds(*s)].astype(jnp.float32) for s in spans]
+    xs = [x_ref[at, pl.ds(*s)].astype(jnp.float32) for s in spans]
     mean_sq = sum(jnp.sum(p * p, axis=-1, keepdims=p.ndim > 1) for p in xs) / width
     inv = jax.lax.rsqrt(mean_sq + eps)
     pieces = [w_ref[pl.ds(*s)].astype(jnp.float32) * (p * inv) for s, p in zip(spans, xs)]
-    _store_quantized(pieces, q_ref, s_ref, rows, chunk)
+    _store_quantized(pieces, q_ref, s_ref, at, chunk)
 
 
 def _quantize_rows_kernel(x_ref, q_ref, s_ref, *, chunk, rows):
-    rows = _program_rows(rows)
-    _store_quantized([x_ref[rows, pl.ds(*s)].astype(jnp.float32)
-                      for s in _spans(x_ref.shape[1], chunk)], q_ref, s_ref, rows, chunk)
+    at = _program_rows(rows)
+    _store_quantized([x_ref[at, pl.ds(*s)].astype(jnp.float32)
+                      for s in _spans(x_ref.shape[1], chunk)], q_ref, s_ref, at, chunk)
 
 
 def _silu_mul_quant_kernel(g_ref, u_ref, *refs, chunk, scaled, two_pass, rows):
     *scale_refs, q_ref, s_ref = refs  # scaled: the row scales [T], gate's and up's [I]
-    block = rows
-    rows = _program_rows(rows)
+    at = _program_rows(rows)
 
     def columns(c):  # c: a loop index
         return pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
 
     def piece(c):  # c: a loop index or a (start, size) span
         cols = pl.ds(*c) if isinstance(c, tuple) else columns(c)
-        g = g_ref[rows, cols].astype(jnp.float32)
-        u = u_ref[rows, cols].astype(jnp.float32)
+        g = g_ref[at, cols].astype(jnp.float32)
+        u = u_ref[at, cols].astype(jnp.float32)
         if scaled:
             rows_ref, g_cols_ref, u_cols_ref = scale_refs
-            r = rows_ref[rows]
-            r = r if block == 1 else r[:, None]
+            r = rows_ref[at]
+            r = r if rows == 1 else r[:, None]
             g, u = g * (r * g_cols_ref[cols]), u * (r * u_cols_ref[cols])
         return g * jax.nn.sigmoid(g) * u
 
     if not two_pass:  # the rows held in registers, read once
         _store_quantized([piece(c) for c in _spans(g_ref.shape[1], chunk)], q_ref, s_ref,
-                         rows, chunk)
+                         at, chunk)
         return
     n = g_ref.shape[1] // chunk
     # two loops over the row: its absmax, then the values again (re-read, from L2 where
     # the program's rows still are), so a program holds one piece: more programs per SM
     amax = jax.lax.fori_loop(0, n, lambda c, m: jnp.maximum(m, _row_amax(piece(c))),
-                             jnp.zeros((block, 1) if block > 1 else (), jnp.float32))
+                             jnp.zeros((rows, 1) if rows > 1 else (), jnp.float32))
     scale = _scale_of(amax)
 
     def store(c, carry):
-        q_ref[rows, columns(c)] = _e4m3(piece(c), scale, q_ref.dtype)
+        q_ref[at, columns(c)] = _e4m3(piece(c), scale, q_ref.dtype)
         return carry
     jax.lax.fori_loop(0, n, store, 0)
-    _store_scale(s_ref, rows, scale)
+    _store_scale(s_ref, at, scale)
 
 
 def _check_rows(tokens: int, rows: int) -> None:

@@ -266,3 +266,20 @@ def test_a_stopped_run_reports_what_it_measured(tiny_bundle):
         reqs, progress=False, time_limit=600)
     assert done["complete"] is True and done["finished_requests"] == 24
     assert done["output_tokens"] == 24 * 24
+
+
+def test_launch_summary_pads_each_iteration_to_the_engines_bucket():
+    """The simulations' tokens launched: each iteration at the smallest compiled shape
+    that holds it, which is the engine's own padding (runner.bucket) for those shapes."""
+    from nanojax.bench.schedule_sim import launch_summary, simulate
+    from nanojax.engine.runner import bucket
+    shapes = (16, 32, 64, 96, 128)  # steps of 32 above 32 at B_dense 128
+    recs, sched = simulate([(70, 20)] * 40, 128, num_pages=400, page_size=16,
+                           max_num_seqs=24, max_model_len=96, step_shapes=shapes)
+    run = launch_summary(recs, sched, shapes)
+    padded = [bucket(r.tokens, 16, 128, 32) for r in recs]
+    # a request's tokens through the model: its prompt and every output but the last
+    assert run["iterations"] == len(recs) and run["real_tokens"] == 40 * (70 + 19)
+    assert run["launched_tokens"] == sum(padded) > run["real_tokens"]
+    assert run["launched_by_shape"] == {s: padded.count(s) for s in shapes if s in padded}
+    assert 96 in run["launched_by_shape"]  # a step between powers of two ran

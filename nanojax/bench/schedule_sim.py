@@ -8,6 +8,7 @@ before iteration i's tokens are read, and a request that finished in i is retire
 """
 from __future__ import annotations
 
+import bisect
 import time
 
 from nanojax.bench.steady import steady_state
@@ -49,6 +50,17 @@ def simulate(lengths: list[tuple[int, int]], b_dense: int, num_pages: int, page_
             left -= read_tokens(sched, in_flight)
         in_flight = batch if batch else None
     return records, sched
+
+
+def launch_summary(records: list[IterationRecord], sched: Scheduler,
+                   shapes: tuple[int, ...]) -> dict:
+    """What a simulated run launched with these compiled token counts (ascending): each
+    iteration at the smallest that holds it, as the engine pads a step (padding is what the
+    GEMMs pay for)."""
+    launched = [shapes[bisect.bisect_left(shapes, r.tokens)] for r in records]
+    return {"iterations": len(records), "real_tokens": sum(r.tokens for r in records),
+            "launched_tokens": sum(launched), "preemptions": sched.num_preemptions,
+            "launched_by_shape": {s: launched.count(s) for s in shapes if s in launched}}
 
 
 def read_tokens(sched: Scheduler, batch: ScheduledBatch, token=lambda seq: 1,

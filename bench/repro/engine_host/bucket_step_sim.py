@@ -11,7 +11,7 @@ Usage: python bench/repro/engine_host/bucket_step_sim.py OUT.json"""
 import json
 import sys
 
-from nanojax.bench.schedule_sim import simulate
+from nanojax.bench.schedule_sim import launch_summary, simulate
 from nanojax.engine.runner import bucket
 
 B_DENSE, PAGE, MIN_BUCKET = 2048, 16, 16
@@ -42,15 +42,11 @@ def main(out_path: str) -> None:
                                        page_size=PAGE, max_num_seqs=rows,
                                        max_model_len=max_len, admission="predicted",
                                        max_prefill_seqs=64, step_shapes=shapes)
-                launched = [bucket(r.tokens, MIN_BUCKET, B_DENSE, step) for r in recs]
-                real = sum(r.tokens for r in recs)
-                row["by_step"][str(step)] = {
-                    "token_buckets": shapes, "iterations": len(recs), "real_tokens": real,
-                    "launched_tokens": sum(launched), "launched_over_real": sum(launched) / real,
-                    "preemptions": sched.num_preemptions,
-                    "launched_by_shape": {s: launched.count(s) for s in shapes if s in launched}}
-                print(card, row["row"], rows, step, len(recs),
-                      f"{sum(launched) / real:.3f}", flush=True)
+                run = launch_summary(recs, sched, shapes)
+                ratio = run["launched_tokens"] / run["real_tokens"]
+                row["by_step"][str(step)] = {"token_buckets": shapes, **run,
+                                             "launched_over_real": ratio}
+                print(card, row["row"], rows, step, len(recs), f"{ratio:.3f}", flush=True)
             out["rows"].append(row)
     with open(out_path, "w") as f:
         json.dump(out, f, indent=1)

@@ -10,8 +10,7 @@ Usage: python bench/repro/engine_host/decode_cap_sim.py OUT.json"""
 import json
 import sys
 
-from nanojax.bench.schedule_sim import simulate
-from nanojax.engine.runner import bucket
+from nanojax.bench.schedule_sim import launch_summary, simulate
 
 POWERS = tuple(1 << i for i in range(4, 12))  # the GPU's token buckets at B_dense 2048
 STEPS = {None: POWERS, 512: POWERS[:-1] + (1536, 2048)}  # --token-bucket-step: the buckets
@@ -28,13 +27,10 @@ def main(out_path: str) -> None:
                                    page_size=16, max_num_seqs=cap, max_model_len=4096,
                                    admission="predicted", max_prefill_seqs=64,
                                    step_shapes=shapes)
-            launched = [bucket(r.tokens, 16, 2048, step) for r in recs]
             run = {"max_num_seqs": cap, "token_bucket_step": step,
-                   "iterations": len(recs), "real_tokens": sum(r.tokens for r in recs),
-                   "launched_tokens": sum(launched), "preemptions": sched.num_preemptions,
+                   **launch_summary(recs, sched, shapes),
                    "mean_decodes": sum(r.decodes for r in recs) / len(recs),
-                   "max_running": max(r.running for r in recs),
-                   "launched_by_shape": {s: launched.count(s) for s in shapes if s in launched}}
+                   "max_running": max(r.running for r in recs)}
             print(run, flush=True)
             out["runs"].append(run)
     with open(out_path, "w") as f:

@@ -10,8 +10,7 @@ Usage: python bench/repro/engine_host/fit_shapes_sim.py OUT.json"""
 import json
 import sys
 
-from nanojax.bench.schedule_sim import simulate
-from nanojax.engine.runner import bucket
+from nanojax.bench.schedule_sim import launch_summary, simulate
 
 SHAPES = tuple(1 << i for i in range(4, 12))  # the GPU's token buckets at B_dense 2048
 ROWS = [  # (prompt, output, requests, pages, rows)
@@ -33,11 +32,7 @@ def main(out_path: str) -> None:
                                    max_num_seqs=rows, max_model_len=4096,
                                    admission="predicted", max_prefill_seqs=64,
                                    step_shapes=SHAPES if fit else ())
-            launched = [bucket(r.tokens, 16, 2048) for r in recs]
-            row["fit" if fit else "no_fit"] = {
-                "iterations": len(recs), "real_tokens": sum(r.tokens for r in recs),
-                "launched_tokens": sum(launched), "preemptions": sched.num_preemptions,
-                "launched_by_shape": {s: launched.count(s) for s in SHAPES if s in launched}}
+            row["fit" if fit else "no_fit"] = launch_summary(recs, sched, SHAPES)
         row["launched_fit_over_no_fit"] = (row["fit"]["launched_tokens"]
                                            / row["no_fit"]["launched_tokens"])
         print(row["row"], pages, {k: row[k]["launched_tokens"] for k in ("no_fit", "fit")},
