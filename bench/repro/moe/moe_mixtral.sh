@@ -22,6 +22,8 @@
 # MoE steps run the expert GEMMs through the Mosaic GPU grouped GEMM on Hopper
 # (models/moe.py); the step PART also runs non-overlap with XLA's ragged_dot (mode
 # non-overlap::xlagrouped) for the A/B. MODES overrides the step's modes.
+# PART=engine compiles powers-of-two steps (BUCKET_STEP=2048; 8 shapes, not the GPU's
+# default 13): its 128-token decodes and 2,048-token prefill chunks are both powers of two.
 # QUANT=fp8 (PART=engine): the experts and projections in FP8 (W8A8, quantized at load;
 # the peer stays transformers' bf16 Mixtral: issue 42 item 5); KV=fp8: FP8 pages too.
 # Usage: OUT=dir PART=probe|step|engine|decode [KERNEL=triton] [QUANT=fp8] [KV=fp8]
@@ -49,7 +51,7 @@ engine)
     --gpu-memory-utilization "${MEM_FRACTION:-0.95}" \
     --b-dense 2048 --admission predicted --fixed-shapes --num-prompts "$n" \
     --input-len 512 --output-len 512 --max-model-len 1024 --max-num-seqs "$n" \
-    --peer --peer-timeout "${PEER_LIMIT:-240}" ${QUANT:+--quantization "$QUANT"} \
+    --token-bucket-step "${BUCKET_STEP:-2048}" --peer --peer-timeout "${PEER_LIMIT:-240}" ${QUANT:+--quantization "$QUANT"} \
     ${KV:+--kv-cache-dtype "$KV"} \
     --json "$OUT/engine_peer_mixtral-8x7b_512_512${QUANT:+_$QUANT}.json" 2>&1 | quiet 12
   ;;
