@@ -497,7 +497,7 @@ CPU_B_DENSE = 2048
 # leaves them out of its key: an A/B of one of them on a GPU loads the other's
 # executables instead of tracing every step shape again. (Not memory_utilization: the
 # CLI hands it to XLA's allocator, whose limit XLA compiles against.)
-HOST_ONLY_FIELDS = ("async_scheduling", "admission", "fit_step_shapes",
+HOST_ONLY_FIELDS = ("async_scheduling", "admission", "fit_step_shapes", "prefill_spread",
                     "min_token_bucket", "token_bucket_step", "seed", "enable_prefix_caching",
                     "step_cache", "compile_threads", "async_dispatch", "gc_freeze")
 # --kv-cache-dtype names (nanojax/layers/kv_fp8.py maps them to element types)
@@ -564,6 +564,12 @@ class EngineConfig:
         "smaller token count (fewer tokens wait than the larger count would pad, no more "
         "than go now): less padding where the batch is not full, as when the KV cache "
         "bounds it"))
+    prefill_spread: int | None = dataclasses.field(default=None, metadata=_opt(
+        "with fit-step-shapes, where the KV cache or the pace holds the batch below "
+        "B_dense: the prompts left are spread over this many steps, each step launched "
+        "at a compiled token count its prefill fills (not a new prompt at once, then "
+        "decodes alone padded to the next count); 0: off; default: 8 on a GPU "
+        "(bench/results/log/fp8.md §95), off on the CPU"))
     full_step_row_shapes: int = dataclasses.field(default=2, metadata=_opt(
         "with fixed shapes: row counts compiled for the B_dense step, 1 (the one row "
         "count) or 2 (also 5/8 of it, rounded up to 64: a steady state of half decodes "
@@ -632,6 +638,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ConfigError(f"{name} must be positive, got {v}")
+        if self.prefill_spread is not None and self.prefill_spread < 0:
+            raise ConfigError(f"prefill_spread must be 0 (off) or positive, "
+                              f"got {self.prefill_spread}")
         if self.full_step_row_shapes not in (1, 2):
             raise ConfigError(f"full_step_row_shapes must be 1 or 2, got "
                               f"{self.full_step_row_shapes}")
@@ -688,6 +697,11 @@ class EngineConfig:
             # bucket is one more shape compiled with fixed shapes: none there)
             token_bucket_step=self.token_bucket_step or (
                 256 if gpu else None if fixed else 128),
+            # a KV-bound batch's prompts spread over 8 steps, each at a compiled shape its
+            # prefill fills (padding on the GPU's few shapes; the CPU's steps of 128 and
+            # its latency-first defaults leave it off)
+            prefill_spread=(8 if gpu else 0) if self.prefill_spread is None
+            else self.prefill_spread,
             # XLA's GPU compile is mostly single-threaded host work; the CPU's cores run
             # the model
             compile_threads=self.compile_threads or (

@@ -313,6 +313,30 @@ def test_token_buckets_by_platform():
     assert cpu_fixed.token_bucket_step is None and buckets(cpu_fixed) == pow2
     off = EngineConfig(b_dense=2048, token_bucket_step=2048).resolve(Platform(True, 132, 16))
     assert buckets(off) == pow2
+    assert gpu.prefill_spread == 8 and cpu_fixed.prefill_spread == 0
+    assert EngineConfig(prefill_spread=0).resolve(Platform(True, 132, 16)).prefill_spread == 0
+
+
+def test_prefill_spread_gives_the_same_tokens(tiny_bundle):
+    """A KV-bound engine (60 pages of 16, prompts of 30-60 and 60 outputs) with its
+    prompts spread over 4 steps schedules other steps than one that takes each new prompt
+    whole, and gives the same greedy tokens (the padding it saves: test_scheduler_arrays)."""
+    def serve(spread):
+        eng = LLMEngine(tiny_bundle, EngineConfig(
+            b_dense=64, num_pages=60, max_model_len=128, max_num_seqs=24, fixed_shapes=True,
+            token_bucket_step=16, prefill_spread=spread))
+        assert eng.scheduler.prefill_spread == spread
+        eng.stats.trace = []
+        rng = np.random.default_rng(3)
+        ids = [eng.add_request(rng.integers(0, 500, size=int(n)).tolist(),
+                               SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+               for n in rng.integers(30, 60, size=40)]
+        done = eng.run_to_completion()
+        return [done[i].token_ids for i in ids], [r.tokens for r in eng.stats.trace]
+    whole, whole_steps = serve(0)
+    spread, spread_steps = serve(4)
+    assert spread_steps != whole_steps
+    assert spread == whole
 
 
 def test_async_dispatch_gives_the_same_tokens(tiny_bundle):

@@ -22,14 +22,16 @@ from nanojax.engine.sequence import Sequence
 def simulate(lengths: list[tuple[int, int]], b_dense: int, num_pages: int, page_size: int,
              max_num_seqs: int, max_model_len: int, admission: str = "predicted",
              max_prefill_seqs: int | None = None, chunk_cuts: tuple[int, ...] = (),
-             step_shapes: tuple[int, ...] = ()) -> tuple[list[IterationRecord], Scheduler]:
+             step_shapes: tuple[int, ...] = (),
+             prefill_spread: int = 0) -> tuple[list[IterationRecord], Scheduler]:
     """Every request [(prompt, output)] queued at once, run to the end; one record per
     iteration (host_s: the scheduler's own time; no device, so no done_t). step_shapes:
-    the engine's compiled token counts, for the scheduler's fit to them (none: off)."""
+    the engine's compiled token counts, for the scheduler's fit to them (none: off);
+    prefill_spread: Scheduler.prefill_spread (EngineConfig.prefill_spread)."""
     sched = Scheduler(PageAllocator(num_pages), page_size, b_dense, max_num_seqs,
                       max_model_len, chunk_cuts=chunk_cuts, admission=admission,
                       max_prefill_seqs=max_prefill_seqs)
-    sched.step_shapes = step_shapes
+    sched.step_shapes, sched.prefill_spread = step_shapes, prefill_spread
     for i, (prompt, out) in enumerate(lengths):
         sched.add(Sequence(f"r{i}", [1] * prompt,
                            SamplingParams(max_tokens=out, ignore_eos=True, temperature=0)))

@@ -147,6 +147,7 @@ class LLMEngine:
                                   step_cache=step_cache)
         if cfg.fit_step_shapes and not cfg.constant_batch:
             self.scheduler.step_shapes = tuple(self.runner.token_buckets())
+            self.scheduler.prefill_spread = cfg.prefill_spread or 0
         self.prefix_cache: PrefixCache | None = None
         self.offloader: KVOffloader | None = None
         if cfg.enable_prefix_caching:

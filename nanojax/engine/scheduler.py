@@ -39,7 +39,15 @@ card), a step runs at the compiled token count above its tokens, padding include
 decodes and a 1,000-token prompt launch 2,048. With the engine's shapes given
 (`step_shapes`, EngineConfig.fit_step_shapes), the prompt's tail waits a step where that
 launches this one at the next smaller shape, fewer tokens waiting than the larger shape
-would pad and no more than go now (`_fit_to_shape`).
+would pad and no more than go now (`_fit_to_shape`). Where the cache, the rows or the
+pace keep the queue out (not the step's tokens), the prompts left are spread instead
+(`prefill_spread` steps, EngineConfig.prefill_spread): each step launches at the smallest
+shape that holds its decodes and 1/prefill_spread of those prompts, filled with prefill.
+Taking a new prompt whole leaves the steps after it decodes alone, padded to the shape
+above them (2048/2048 on an H100: ~295 decodes launched as 512, one step in six a
+2,048-token prefill: 1.25x the tokens); spread, 1.01x (bench/results/log/fp8.md §95).
+Where the queue waits for the step's tokens, holding prefill back would hold admission
+back with it, so the batch is left to fill.
 
 An iteration's host cost follows what changed, not what runs (issue 43): the running
 requests' numbers are columns of arrays (`_Rows`), written where a request joins or leaves,
@@ -49,6 +57,7 @@ one changed and for the batch's entries (bench/results/host_loop/schedule_ab_cpu
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import concurrent.futures
 import dataclasses
@@ -71,6 +80,9 @@ log = logging.getLogger(__name__)
 # prompt tokens one step scores at most (prompt_logprobs: a row of logits over the
 # vocabulary each); a longer prompt that asks is prefilled in chunks of this size
 MAX_SCORED_TOKENS = 512
+# prefill spreading runs where the batch is not full: its mean fill (an average over ~10
+# iterations) below this (a full batch has no padding to fill)
+SPREAD_BELOW_FILL, FILL_AVERAGING = 0.9, 0.1
 
 
 @dataclasses.dataclass(slots=True)
@@ -207,6 +219,11 @@ class Scheduler:
         # the token counts a step is launched with, ascending (the engine's compiled
         # shapes); set: a step's prefill tail may wait to save padding (_fit_to_shape)
         self.step_shapes: tuple[int, ...] = ()
+        # with step_shapes, where the batch is not full: the prompts left are spread over
+        # this many steps, each launched at a shape without padding (0: off)
+        self.prefill_spread = 0
+        self._fill = 1.0  # the batch's mean fill (tokens / b_dense), lately
+        self._queue_held = False  # this step's admission stopped for the cache, rows or pace
 
     # ---- queue management ------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -333,8 +350,14 @@ class Scheduler:
         budget = self._prefills(prefilling, entries, self.b_dense - num_decodes)
         budget = self._admit(entries, budget, num_decodes)
         if self.step_shapes:  # (entries only grow above: b_dense - budget tokens)
-            self._fit_to_shape(entries, num_decodes, self.b_dense - budget)
-        return self._advance(entries, decode_keys)
+            if self._queue_held and self._may_spread():
+                self._spread_to_shape(entries, num_decodes, self.b_dense - budget,
+                                      prefilling)
+            else:
+                self._fit_to_shape(entries, num_decodes, self.b_dense - budget)
+        batch = self._advance(entries, decode_keys)
+        self._fill += FILL_AVERAGING * (batch.num_tokens / self.b_dense - self._fill)
+        return batch
 
     def _fit_to_shape(self, entries: list[BatchEntry], num_decodes: int, total: int) -> None:
         """4. the prefill's tail waits a step where that launches this one at the next
@@ -349,6 +372,26 @@ class Scheduler:
         wait = total - lower[-1]
         if wait >= upper - total or 2 * wait > total - num_decodes:
             return
+        self._hold_back(entries, wait)
+
+    def _spread_to_shape(self, entries: list[BatchEntry], num_decodes: int, total: int,
+                         prefilling: list[Sequence]) -> None:
+        """4'. where the queue waits for the cache, the rows or the pace and the batch is
+        not full: the step launches at the smallest shape that holds its decodes and
+        1/prefill_spread of the prompts left (the module docstring), the rest of them
+        waiting for the next steps."""
+        scheduled = {id(e.seq) for e in entries[num_decodes:]}
+        backlog = sum(e.seq.num_known - e.seq.num_computed for e in entries[num_decodes:])
+        backlog += sum(s.num_known - s.num_computed for s in prefilling
+                       if id(s) not in scheduled)
+        shapes = self.step_shapes
+        want = num_decodes + -(-backlog // self.prefill_spread)
+        target = shapes[min(bisect.bisect_left(shapes, want), len(shapes) - 1)]
+        if total > target:
+            self._hold_back(entries, total - target)
+
+    def _hold_back(self, entries: list[BatchEntry], wait: int) -> None:
+        """The newest prefill chunks give up wait tokens to the next step."""
         while wait:  # from the newest chunks (the decodes come first: never reached)
             e = entries[-1]
             cut = min(wait, e.num_tokens)
@@ -478,18 +521,21 @@ class Scheduler:
                 else:
                     pace = room.pace(self, self.waiting[0])
                     self._credit = min(self._credit + pace, _PACE_SAVED * pace + 1)
+        held = False  # the queue's head kept out for the cache, the rows or the pace
         while (budget > 0 and self.waiting and len(self.running) < self.max_num_seqs
                and len(entries) - num_decodes < self.max_prefill_seqs):
             seq = self.waiting[0]
             if seq.pending:  # preempted with a token still on the device: next iteration
                 break
             if self.admission == "predicted" and self.running and self._credit < 1:
+                held = True
                 break
             if not self._scored_left and seq.scored_positions(seq.num_computed, 1):
                 break  # this step scores no more prompt tokens
             room = room or _Room(self)
             match = self._match(seq)
             if not self._admissible(seq, match, room):
+                held = True
                 break
             self._credit = max(0.0, self._credit - 1)
             self.waiting.popleft()
@@ -505,7 +551,24 @@ class Scheduler:
             room.add(self, seq)
             entries.append(self._prefill_entry(seq, chunk))
             budget -= chunk
+        else:  # the step's tokens or prefill rows ran out first (or the queue, or the rows)
+            held = (not self.waiting or len(self.running) >= self.max_num_seqs
+                    or (self._may_spread() and self._head_kept_out(room)))
+        self._queue_held = held
         return budget
+
+    def _head_kept_out(self, room: "_Room | None") -> bool:
+        """Whether the queue's head, this step's tokens aside, would wait for the cache or
+        the pace (not for a token on the device)."""
+        seq = self.waiting[0]
+        if seq.pending:
+            return False
+        if self.admission == "predicted" and self.running and self._credit < 1:
+            return True
+        return not self._admissible(seq, self._match(seq), room or _Room(self))
+
+    def _may_spread(self) -> bool:
+        return bool(self.prefill_spread and self.step_shapes and self._fill < SPREAD_BELOW_FILL)
 
     def _advance(self, entries: list[BatchEntry], decode_keys: np.ndarray) -> ScheduledBatch:
         """The launched tokens count as computed (and a sampled one as pending), in the
