@@ -91,10 +91,10 @@ def test_warmup_in_threads_compiles_every_shape_once_and_runs_the_same_tokens(
 def test_host_only_settings_share_the_step_entries(tiny_bundle, cache_dir):
     """Settings that steer only the host (config.HOST_ONLY_FIELDS: admission, the fit
     and the prefill spread, the token buckets' step, async scheduling and dispatch, the
-    seed, prefix caching, the collector) are left out of the key: a start that changes them all loads the first
-    start's steps (an A/B of one on a GPU traces nothing again) and runs the same greedy
-    tokens; the rest of the engine's config is still in it (a kernel option that leaves
-    every argument shape as it was misses)."""
+    seed, prefix caching, the collector) are left out of the key: a start that changes
+    them all loads the first start's steps (an A/B of one on a GPU traces nothing again)
+    and runs the same greedy tokens; the rest of the engine's config is still in it (a
+    kernel option that leaves every argument shape as it was misses)."""
     from nanojax.config import HOST_ONLY_FIELDS
     tokens, traced, _ = start(tiny_bundle)
     assert traced == 2
