@@ -699,9 +699,10 @@ class EngineConfig:
                 256 if gpu else None if fixed else 128),
             # a KV-bound batch's prompts spread over 8 steps, each at a compiled shape its
             # prefill fills (padding on the GPU's few shapes; the CPU's steps of 128 and
-            # its latency-first defaults leave it off)
-            prefill_spread=(8 if gpu else 0) if self.prefill_spread is None
-            else self.prefill_spread,
+            # its latency-first defaults leave it off; without the fit to the step shapes,
+            # or with a constant batch, there is nothing to fill: off)
+            prefill_spread=0 if not self.fit_step_shapes or self.constant_batch else (
+                (8 if gpu else 0) if self.prefill_spread is None else self.prefill_spread),
             # XLA's GPU compile is mostly single-threaded host work; the CPU's cores run
             # the model
             compile_threads=self.compile_threads or (

@@ -314,7 +314,9 @@ def test_token_buckets_by_platform():
     off = EngineConfig(b_dense=2048, token_bucket_step=2048).resolve(Platform(True, 132, 16))
     assert buckets(off) == pow2
     assert gpu.prefill_spread == 8 and cpu_fixed.prefill_spread == 0
-    assert EngineConfig(prefill_spread=0).resolve(Platform(True, 132, 16)).prefill_spread == 0
+    for off in (dict(prefill_spread=0), dict(fit_step_shapes=False),
+                dict(constant_batch=True)):  # nothing to fill without the fit: off
+        assert EngineConfig(**off).resolve(Platform(True, 132, 16)).prefill_spread == 0
 
 
 def test_prefill_spread_gives_the_same_tokens(tiny_bundle):

@@ -200,6 +200,35 @@ def test_spreading_waits_where_the_steps_tokens_hold_the_queue(monkeypatch):
     assert _launched(lengths, 256, 32, 1676, 8)["iterations"] > 1.5 * whole["iterations"]
 
 
+def test_a_lone_prompt_is_not_spread():
+    """Nothing waits: 4 decodes run alone (the batch's fill far under 0.9), then one
+    2,048-token prompt arrives; with the queue empty it goes in at once (two steps, as
+    without spreading), not 1/8 of it a step."""
+    def steps_to_first_token(spread: int) -> int:
+        sched = Scheduler(PageAllocator(4096), 16, 2048, 64, 4096, admission="predicted")
+        sched.step_shapes, sched.prefill_spread = _shapes(2048, 256), spread
+        for i in range(4):
+            sched.add(Sequence(f"d{i}", [1] * 8, SamplingParams(max_tokens=500,
+                                                                ignore_eos=True)))
+        in_flight = None
+        for _ in range(30):  # the decodes alone, long enough for the fill to settle
+            batch = sched.schedule(in_flight)
+            if in_flight is not None:
+                read_tokens(sched, in_flight)
+            in_flight = batch
+        assert sched._fill < 0.1
+        prompt = Sequence("p", [1] * 2048, SamplingParams(max_tokens=5))
+        sched.add(prompt)
+        for step in range(1, 40):
+            batch = sched.schedule(in_flight)
+            read_tokens(sched, in_flight)
+            in_flight = batch
+            if any(e.seq is prompt and e.samples for e in batch.entries):
+                return step
+        raise AssertionError("the prompt never finished its prefill")
+    assert steps_to_first_token(8) == steps_to_first_token(0) <= 2
+
+
 def test_schedule_takes_the_batch_in_flight_or_its_rows():
     """The engine passes the step in flight; a dict of its rows gives the same batch."""
     def run(as_dict: bool):

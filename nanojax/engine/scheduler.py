@@ -45,9 +45,10 @@ pace keep the queue out (not the step's tokens), the prompts left are spread ins
 shape that holds its decodes and 1/prefill_spread of those prompts, filled with prefill.
 Taking a new prompt whole leaves the steps after it decodes alone, padded to the shape
 above them (2048/2048 on an H100: ~295 decodes launched as 512, one step in six a
-2,048-token prefill: 1.25x the tokens); spread, 1.01x (bench/results/log/fp8.md §95).
-Where the queue waits for the step's tokens, holding prefill back would hold admission
-back with it, so the batch is left to fill.
+2,048-token prefill: 1.25x the tokens); spread, 1.01x in a steady window on the GPU
+(bench/results/log/fp8.md §95). Where the queue waits for the step's tokens, holding
+prefill back would hold admission back with it, so the batch is left to fill; where the
+queue is empty, a lone prompt goes in at once.
 
 An iteration's host cost follows what changed, not what runs (issue 43): the running
 requests' numbers are columns of arrays (`_Rows`), written where a request joins or leaves,
@@ -223,7 +224,7 @@ class Scheduler:
         # this many steps, each launched at a shape without padding (0: off)
         self.prefill_spread = 0
         self._fill = 1.0  # the batch's mean fill (tokens / b_dense), lately
-        self._queue_held = False  # this step's admission stopped for the cache, rows or pace
+        self._queue_held = False  # this step's queue kept out by the cache, rows or pace
 
     # ---- queue management ------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -350,11 +351,10 @@ class Scheduler:
         budget = self._prefills(prefilling, entries, self.b_dense - num_decodes)
         budget = self._admit(entries, budget, num_decodes)
         if self.step_shapes:  # (entries only grow above: b_dense - budget tokens)
-            if self._queue_held and self._may_spread():
-                self._spread_to_shape(entries, num_decodes, self.b_dense - budget,
-                                      prefilling)
-            else:
-                self._fit_to_shape(entries, num_decodes, self.b_dense - budget)
+            total = self.b_dense - budget
+            if not (self._queue_held and self._may_spread()
+                    and self._spread_to_shape(entries, num_decodes, total, prefilling)):
+                self._fit_to_shape(entries, num_decodes, total)
         batch = self._advance(entries, decode_keys)
         self._fill += FILL_AVERAGING * (batch.num_tokens / self.b_dense - self._fill)
         return batch
@@ -375,20 +375,22 @@ class Scheduler:
         self._hold_back(entries, wait)
 
     def _spread_to_shape(self, entries: list[BatchEntry], num_decodes: int, total: int,
-                         prefilling: list[Sequence]) -> None:
+                         prefilling: list[Sequence]) -> bool:
         """4'. where the queue waits for the cache, the rows or the pace and the batch is
         not full: the step launches at the smallest shape that holds its decodes and
         1/prefill_spread of the prompts left (the module docstring), the rest of them
-        waiting for the next steps."""
+        waiting for the next steps. False where that cuts nothing."""
         scheduled = {id(e.seq) for e in entries[num_decodes:]}
         backlog = sum(e.seq.num_known - e.seq.num_computed for e in entries[num_decodes:])
-        backlog += sum(s.num_known - s.num_computed for s in prefilling
-                       if id(s) not in scheduled)
+        backlog += sum(s.num_known - s.num_computed for s in prefilling  # (not preempted)
+                       if id(s) not in scheduled and s.status is Status.RUNNING)
         shapes = self.step_shapes
         want = num_decodes + -(-backlog // self.prefill_spread)
         target = shapes[min(bisect.bisect_left(shapes, want), len(shapes) - 1)]
-        if total > target:
-            self._hold_back(entries, total - target)
+        if not num_decodes <= target < total:  # (only prefill is ever cut)
+            return False
+        self._hold_back(entries, total - target)
+        return True
 
     def _hold_back(self, entries: list[BatchEntry], wait: int) -> None:
         """The newest prefill chunks give up wait tokens to the next step."""
@@ -552,8 +554,9 @@ class Scheduler:
             entries.append(self._prefill_entry(seq, chunk))
             budget -= chunk
         else:  # the step's tokens or prefill rows ran out first (or the queue, or the rows)
-            held = (not self.waiting or len(self.running) >= self.max_num_seqs
-                    or (self._may_spread() and self._head_kept_out(room)))
+            # (an empty queue holds nothing back: a lone prompt goes in at once)
+            held = bool(self.waiting) and (len(self.running) >= self.max_num_seqs or (
+                self._may_spread() and self._head_kept_out(room)))
         self._queue_held = held
         return budget
 
