@@ -529,14 +529,11 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.pending:  # preempted with a token still on the device: next iteration
                 break
-            if self.admission == "predicted" and self.running and self._credit < 1:
-                held = True
-                break
             if not self._scored_left and seq.scored_positions(seq.num_computed, 1):
                 break  # this step scores no more prompt tokens
             room = room or _Room(self)
-            match = self._match(seq)
-            if not self._admissible(seq, match, room):
+            match = self._let_in(seq, room)
+            if match is None:
                 held = True
                 break
             self._credit = max(0.0, self._credit - 1)
@@ -556,19 +553,18 @@ class Scheduler:
         else:  # the step's tokens or prefill rows ran out first (or the queue, or the rows)
             # (an empty queue holds nothing back: a lone prompt goes in at once)
             held = bool(self.waiting) and (len(self.running) >= self.max_num_seqs or (
-                self._may_spread() and self._head_kept_out(room)))
+                self._may_spread() and not self.waiting[0].pending
+                and self._let_in(self.waiting[0], room or _Room(self)) is None))
         self._queue_held = held
         return budget
 
-    def _head_kept_out(self, room: "_Room | None") -> bool:
-        """Whether the queue's head, this step's tokens aside, would wait for the cache or
-        the pace (not for a token on the device)."""
-        seq = self.waiting[0]
-        if seq.pending:
-            return False
+    def _let_in(self, seq: Sequence, room: "_Room") -> PrefixMatch | None:
+        """seq's prefix match where the pace and the cache let it (the queue's head) in;
+        None where either keeps it out."""
         if self.admission == "predicted" and self.running and self._credit < 1:
-            return True
-        return not self._admissible(seq, self._match(seq), room or _Room(self))
+            return None
+        match = self._match(seq)
+        return match if self._admissible(seq, match, room) else None
 
     def _may_spread(self) -> bool:
         return bool(self.prefill_spread and self.step_shapes and self._fill < SPREAD_BELOW_FILL)
