@@ -11,6 +11,13 @@ JAX bf16, our FP8 GEMM alone (fp8_matmul), the GEMM with its two scale vectors a
 wait, best of `--reps`. Also the custom calls XLA compiled our GEMM to (the FP8 cuBLASLt
 call is `__cublas$lt$matmul$f8`) and the projection's error against its float32
 reference. JAX is told not to preallocate, so torch has room beside it.
+
+Queued calls time the host's dispatch too: a jitted JAX call costs the host more than a
+torch op, and below ~100 us of GPU work (q, o, k/v at 2,048 tokens) the queue runs dry
+and the wall rate is the host's. So each GEMM is also timed on the device: the `*_kernel`
+rates sum the kernels' own durations over `--iters` calls, from torch's profiler and
+from jax's (nanojax/profiling/timeline.py), and the `*_kernel_over_*` ratios compare
+those.
 """
 from __future__ import annotations
 
@@ -53,6 +60,37 @@ def best_rate(fn, flop: float, sync, iters: int, reps: int) -> float:
     return best
 
 
+def torch_kernel_rate(fn, flop: float, iters: int) -> float:
+    """TFLOP/s of `fn()` over its CUDA kernels' summed durations (torch's profiler)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    us = sum(e.time_range.elapsed_us() for e in prof.events()
+             if e.device_type == DeviceType.CUDA)
+    return flop * iters / (us * 1e-6) / 1e12
+
+
+def jax_kernel_rate(fn, flop: float, iters: int) -> tuple[float, list[str]]:
+    """TFLOP/s of `fn()` over its device kernels' summed durations (jax's profiler), and
+    the kernels' names."""
+    from nanojax.profiling.timeline import capture
+    fn().block_until_ready()
+
+    def run():
+        for _ in range(iters):
+            out = fn()
+        out.block_until_ready()
+    events = capture(run)
+    us = sum(e["dur_us"] for e in events)
+    return flop * iters / (us * 1e-6) / 1e12, sorted({e["name"] for e in events})
+
+
 def torch_rates(m: int, k: int, n: int, iters: int, reps: int) -> dict:
     import torch
     sync = lambda _: torch.cuda.synchronize()  # noqa: E731
@@ -63,16 +101,18 @@ def torch_rates(m: int, k: int, n: int, iters: int, reps: int) -> dict:
     sa = torch.rand(m, 1, device="cuda", dtype=torch.float32) + 0.5
     sb = torch.rand(1, n, device="cuda", dtype=torch.float32) + 0.5
     flop = 2.0 * m * k * n
-    out = {"torch_bf16": best_rate(lambda: x @ w.t(), flop, sync, iters, reps),
-           "torch_scaled_mm_tensor": best_rate(
-               lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one,
-                                        out_dtype=torch.bfloat16), flop, sync, iters, reps)}
-    try:
-        out["torch_scaled_mm_rowwise"] = best_rate(
-            lambda: torch._scaled_mm(x8, w8.t(), scale_a=sa, scale_b=sb,
-                                     out_dtype=torch.bfloat16), flop, sync, iters, reps)
-    except Exception as e:  # noqa: BLE001 - older torch: row-wise scales unsupported
-        out["torch_scaled_mm_rowwise"] = f"{type(e).__name__}: {str(e)[:200]}"
+    fns = {"torch_bf16": lambda: x @ w.t(),
+           "torch_scaled_mm_tensor": lambda: torch._scaled_mm(
+               x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+           "torch_scaled_mm_rowwise": lambda: torch._scaled_mm(
+               x8, w8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)}
+    out: dict = {}
+    for name, fn in fns.items():
+        try:
+            out[name] = best_rate(fn, flop, sync, iters, reps)
+            out[f"{name}_kernel"] = torch_kernel_rate(fn, flop, iters)
+        except Exception as e:  # noqa: BLE001 - older torch: row-wise scales unsupported
+            out[name] = f"{type(e).__name__}: {str(e)[:200]}"
     del x, w, x8, w8
     torch.cuda.empty_cache()
     return out
@@ -97,11 +137,13 @@ def jax_rates(m: int, k: int, n: int, iters: int, reps: int) -> dict:
                                            * (s1 * s2)).astype(bf))
     linear = jax.jit(lambda a, b, s: fp8_linear(a, b, s, out_dtype=bf))
     dense = jax.jit(lambda a, b: jnp.dot(a, b))
-    out = {"jax_bf16": best_rate(lambda: dense(x, kernel), flop, sync, iters, reps),
-           "jax_fp8_gemm": best_rate(lambda: gemm(x8, w8), flop, sync, iters, reps),
-           "jax_fp8_gemm_scaled": best_rate(lambda: scaled(x8, w8, sx, sw), flop, sync,
-                                            iters, reps),
-           "jax_fp8_linear": best_rate(lambda: linear(x, w8, sw), flop, sync, iters, reps)}
+    fns = {"jax_bf16": lambda: dense(x, kernel), "jax_fp8_gemm": lambda: gemm(x8, w8),
+           "jax_fp8_gemm_scaled": lambda: scaled(x8, w8, sx, sw),
+           "jax_fp8_linear": lambda: linear(x, w8, sw)}
+    out: dict = {}
+    for name, fn in fns.items():
+        out[name] = best_rate(fn, flop, sync, iters, reps)
+        out[f"{name}_kernel"], out[f"{name}_kernels"] = jax_kernel_rate(fn, flop, iters)
     txt = gemm.lower(x8, w8).compile().as_text()
     out["custom_calls"] = sorted({ln.split('custom_call_target="')[1].split('"')[0]
                                   for ln in txt.splitlines() if 'custom_call_target="' in ln})
@@ -132,8 +174,9 @@ def main(argv=None) -> int:
         row.update(jax_rates(args.tokens, k, n, args.iters, args.reps))
         for ours in ("jax_fp8_gemm", "jax_fp8_gemm_scaled", "jax_fp8_linear"):
             for peer in ("torch_scaled_mm_tensor", "torch_scaled_mm_rowwise"):
-                if isinstance(row.get(peer), float):
-                    row[f"{ours}_over_{peer}"] = row[ours] / row[peer]
+                for t in ("", "_kernel"):  # wall rates, and kernel time against kernel time
+                    if isinstance(row.get(peer + t), float):
+                        row[f"{ours}{t}_over_{peer}{t}"] = row[ours + t] / row[peer + t]
         row["jax_fp8_linear_over_jax_bf16"] = row["jax_fp8_linear"] / row["jax_bf16"]
         res["shapes"][name] = row
         print(name, json.dumps(row), flush=True)
