@@ -99,6 +99,8 @@ def assemble_params(cfg: ModelConfig, get: Callable[[str], np.ndarray], progress
         want = expected
         for key in path:
             want = want[key]
+        if path[-1] in ("weight", "weight_scale", "input_scale"):  # an FP8 checkpoint's
+            arr = check_fp8_tensor(arr, path[-1], name)
         if path[-1] in ("weight_scale", "input_scale"):
             arr = _fit_scale(arr, tuple(want.shape), name)
         if tuple(arr.shape) != tuple(want.shape):
@@ -127,19 +129,62 @@ def cast_tree(cfg: ModelConfig, params: dict) -> dict:
                                   param_dtypes(cfg))
 
 
+def check_fp8_tensor(arr: np.ndarray, leaf: str, name: str) -> np.ndarray:
+    """An FP8 checkpoint's tensor as stored, checked: a `weight` must be e4m3 (a float
+    type only where e4m3 holds each value exactly) with no NaN codes, a scale a finite
+    positive float whose 448-fold is finite too. Otherwise the model would load and
+    compute NaN logits, or a projection silently zeroed or sign-flipped. Returns the
+    weight as float8_e4m3fn, a scale as float32."""
+    import ml_dtypes
+    floats = (np.dtype(ml_dtypes.bfloat16),)  # (ml_dtypes' kind is "V", not "f")
+    is_float = arr.dtype.kind == "f" or arr.dtype in floats
+    if leaf == "weight":
+        if arr.dtype != ml_dtypes.float8_e4m3fn:
+            as_fp8 = arr.astype(ml_dtypes.float8_e4m3fn) if is_float else None
+            if as_fp8 is None or not np.array_equal(as_fp8.astype(np.float32),
+                                                    arr.astype(np.float32)):  # (NaN != NaN)
+                raise CheckpointError(
+                    f"tensor {name} is stored as {arr.dtype} with values e4m3 cannot hold "
+                    "exactly (an FP8 checkpoint's weights are float8_e4m3fn; F8_E5M2 and "
+                    "integer formats are not supported)")
+            arr = as_fp8
+        nan = np.flatnonzero((arr.view(np.uint8) & 0x7F) == 0x7F)  # e4m3fn's NaN codes
+        if nan.size:
+            raise CheckpointError(f"tensor {name} holds {nan.size} NaN value(s) (the first at "
+                                  f"flat index {int(nan[0])})")
+        return arr
+    if not is_float:
+        raise CheckpointError(f"scale {name} is stored as {arr.dtype}, not a float type")
+    arr = np.asarray(arr, np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        bad = np.flatnonzero(~(np.isfinite(arr * np.float32(448.0)) & (arr > 0)))
+    if bad.size:
+        raise CheckpointError(
+            f"scale {name} holds {bad.size} value(s) that are not finite and positive (the "
+            f"first, at flat index {int(bad[0])}: {float(arr.flat[bad[0]])}); an FP8 scale "
+            "multiplies a channel back, or divides the activations, and must be > 0 with "
+            "448 x scale a finite float32")
+    return arr
+
+
 def _fit_scale(arr: np.ndarray, shape: tuple, name: str) -> np.ndarray:
     """An FP8 scale as the model keeps it: per channel [out] ([out, 1] in
     compressed-tensors), a per-tensor scale ([] or [1]) broadcast to every channel; for
-    stacked experts [E, out], each expert's scales stacked the same way."""
+    stacked experts [E, out], each expert's scales stacked the same way. Other layouts
+    (block scales under a per-channel config: [rows, cols] with rows x cols channels'
+    worth of values) are refused, not reshaped."""
     arr = np.asarray(arr, np.float32)
+    def squeezed(dims):
+        return tuple(d for d in dims if d != 1)
     if arr.size == 1:
         return np.broadcast_to(arr.reshape(()), shape)
-    if arr.size == int(np.prod(shape)):
+    if squeezed(arr.shape) == squeezed(shape):
         return arr.reshape(shape)
-    if len(shape) == 2 and arr.size == shape[0]:  # one per-tensor scale per expert
+    if len(shape) == 2 and squeezed(arr.shape) == (shape[0],):  # per tensor, per expert
         return np.broadcast_to(arr.reshape(shape[0], 1), shape)
-    raise CheckpointError(f"scale {name} has shape {tuple(arr.shape)}; the model needs "
-                          f"{shape} (per channel), or one per tensor")
+    per = "one per tensor" if name.endswith("input_scale") else \
+        f"{shape} (per channel) or one per tensor"
+    raise CheckpointError(f"scale {name} has shape {tuple(arr.shape)}; the model needs {per}")
 
 
 def check_tree(cfg: ModelConfig, params: dict) -> None:

@@ -11,10 +11,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from checkpoints.generation_config import read_generation_config
-from checkpoints.bundle import assemble_params, hf_tensor_names
+from checkpoints.bundle import assemble_params, check_fp8_tensor, hf_tensor_names
 from checkpoints.hf_quantization import fp8_scheme
 from nanojax.config import ModelConfig
-from nanojax.errors import CheckpointError
+from nanojax.errors import CheckpointError, UnsupportedError
 from nanojax.layers.fp8 import WEIGHT_BLOCK
 from nanojax.models.bundle import ModelBundle
 from nanojax.tokenizer import Tokenizer
@@ -59,7 +59,14 @@ def load_hf_dir(path: Path, dtype: str = "bfloat16", progress: bool = True,
             where[key] = h
     # name -> (file, header entry), each file's header read once
     fp8_tensors = {n: (f, info) for f in files for n, info in safetensors_header(f).items()
-                   if info.get("dtype") == "F8_E4M3"} if cfg.quantization else {}
+                   if str(info.get("dtype", "")).startswith("F8_")}
+    other = sorted(n for n, (_, info) in fp8_tensors.items() if info["dtype"] != "F8_E4M3")
+    if other:
+        raise UnsupportedError(f"tensor {other[0]} is {fp8_tensors[other[0]][1]['dtype']}; "
+                               "nanojax loads FP8 checkpoints in e4m3 (F8_E4M3) only")
+    if fp8_tensors and not cfg.quantization:
+        raise CheckpointError(f"tensor {sorted(fp8_tensors)[0]} is stored in FP8, but "
+                              f"{cfg_file} has no quantization_config saying how to read it")
     if cfg.tie_word_embeddings is False and "lm_head.weight" not in where:
         cfg = cfg.replace(tie_word_embeddings=True)  # some exports drop the tied head
 
@@ -135,8 +142,8 @@ class BlockFP8Reader:
         if prefix + "weight" not in self.fp8_names:
             raise CheckpointError(f"tensor {prefix}weight is not F8_E4M3 in a block-wise "
                                   "FP8 checkpoint")
-        weight = self.read(prefix + "weight")
-        scale = np.asarray(self.read(scale_name), np.float32)
+        weight = check_fp8_tensor(self.read(prefix + "weight"), "weight", prefix + "weight")
+        scale = check_fp8_tensor(self.read(scale_name), "weight_scale", scale_name)
         rows, cols = self.block
         if weight.ndim != 2:
             raise CheckpointError(f"tensor {prefix}weight has shape {weight.shape}, not 2-D")

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 from nanojax.errors import UnsupportedError
 
 _FLOAT_FORMATS = ("float-quantized", "naive-quantized")
-_OUTSIDE_DECODER = ("lm_head", "re:.*lm_head", "re:.*lm_head.*", "model.embed_tokens")
+_DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+(\.|$)")  # a decoder layer or a module in one
 _FLOAT_MODULES = ("lm_head", "embed_tokens", "mlp.gate", "block_sparse_moe.gate",
                   "shared_expert_gate")
 # one of each projection an FP8 checkpoint must quantize, as the HF models name them
@@ -61,15 +61,24 @@ def _block(value, what: str) -> tuple[int, int]:
     return int(value[0]), int(value[1])
 
 
+def _object(value, what: str) -> dict:
+    """A config entry that must be a JSON object (None: empty)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        _refuse(f"{what} is {type(value).__name__}, not an object")
+    return value
+
+
 def _stays_float(entry) -> bool:
     """Does an ignore-list entry name only modules nanojax keeps in the model dtype (the LM
-    head, the embeddings, an MoE router, the shared expert's gate)? A module name must end
-    in one of them; a "re:" pattern (matched as vLLM does, from the name's start) must
+    head, the embeddings, an MoE router, the shared expert's gate) or does not load? A
+    module name must end in one of them or lie outside the decoder layers; a "re:" pattern (matched as vLLM does, from the name's start) must
     match none of the decoder's projections."""
     if not isinstance(entry, str):
         return False
-    if not entry.startswith("re:"):
-        return entry in _OUTSIDE_DECODER or entry.endswith(_FLOAT_MODULES)
+    if not entry.startswith("re:"):  # outside the decoder layers (a vision tower) or a float one
+        return entry.endswith(_FLOAT_MODULES) or not _DECODER_LAYER.search(entry)
     try:
         pattern = re.compile(entry[3:])
     except re.error as e:
@@ -93,6 +102,8 @@ def fp8_scheme(hf: dict[str, Any]) -> FP8Scheme:
     if not isinstance(q, dict):
         _refuse("quantization_config is not an object")
     method = q.get("quant_method")
+    if q.get("fmt", "e4m3") != "e4m3":  # AutoFP8's key
+        _refuse(f"fmt {q.get('fmt')!r} (e4m3 only)")
     if method == "fp8":
         scheme = q.get("activation_scheme", "dynamic")
         if scheme not in ("dynamic", "static"):
@@ -119,7 +130,8 @@ def _compressed_tensors(q: dict) -> FP8Scheme:
         _refuse("compressed-tensors without config_groups")
     scales, blocks = set(), set()
     for name, g in groups.items():
-        w = (g or {}).get("weights") or {}
+        g = _object(g, f"group {name}")
+        w = _object(g.get("weights"), f"group {name}: weights")
         if w.get("num_bits") != 8 or w.get("type") != "float":
             _refuse(f"group {name}: weights of {w.get('num_bits')} bits, type {w.get('type')!r}")
         strategy = w.get("strategy")
@@ -127,12 +139,17 @@ def _compressed_tensors(q: dict) -> FP8Scheme:
             _refuse(f"group {name}: weight strategy {strategy!r}")
         if w.get("dynamic"):
             _refuse(f"group {name}: dynamic weight scales")
+        if w.get("symmetric") is False:
+            _refuse(f"group {name}: asymmetric weights (zero points)")
         blocks.add(_block(w.get("block_structure"), f"group {name}: block_structure")
                    if strategy == "block" else None)
         a = g.get("input_activations")
         if a is None:
             scales.add("dynamic")  # weight-only FP8: activations quantized per token here
             continue
+        a = _object(a, f"group {name}: input_activations")
+        if a.get("symmetric") is False:
+            _refuse(f"group {name}: asymmetric activations (zero points)")
         if a.get("num_bits") != 8 or a.get("type") != "float":
             _refuse(f"group {name}: activations of {a.get('num_bits')} bits")
         # a block scheme's per-group activation scales: per token here (a coarser scale)

@@ -380,9 +380,103 @@ def test_block_wise_fp8_with_a_wrong_scale_shape_is_refused_by_name(tmp_path):
         load_hf_dir(src, progress=False)
 
 
+def _edited_copy(src, dest, edit, config=None):
+    """src's FP8 checkpoint with edit(tensors) applied (and config(hf) to its config.json)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dest)
+    tensors = load_file(str(src / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dest / "model.safetensors"))
+    if config is not None:
+        hf = json.loads((src / "config.json").read_text())
+        config(hf)
+        (dest / "config.json").write_text(json.dumps(hf))
+    return dest
+
+
+def _set(name, fn):
+    def edit(tensors):
+        tensors[name] = fn(tensors[name]).contiguous()
+    return edit
+
+
+_Q = "model.layers.0.self_attn.q_proj."
+_DOWN = "model.layers.1.mlp.down_proj."
+
+
+def _poke(index, value):
+    def fn(t):
+        t = t.clone().float()
+        t.view(-1)[index] = value
+        return t
+    return fn
+
+
+def test_hostile_fp8_tensors_are_refused_by_name(tmp_path):
+    """Values an FP8 checkpoint must not hold, each of which used to load and compute NaN
+    logits, or a projection zeroed or sign-flipped, without a word: non-finite, zero,
+    negative or overflowing scales; NaN codes or integer data in a weight; block scales
+    under a per-channel config; e5m2 weights; FP8 tensors without a quantization_config."""
+    import torch
+    model = _float_hf_dir(tmp_path)
+    ct = _write_fp8_dir(tmp_path, "compressed-tensors", model)
+    static = _write_fp8_dir(tmp_path, "fp8", model)
+    blocks = _write_fp8_dir(tmp_path, "fp8-block", model)
+    nan_byte = lambda t: t.view(torch.uint8).clone().index_fill_(0, torch.tensor([0]), 0x7F)\
+        .view(torch.float8_e4m3fn)  # noqa: E731 - row 0 all NaN codes
+    cases = [
+        (ct, _set(_DOWN + "weight_scale", _poke(3, float("nan"))), None,
+         CheckpointError, "down_proj.weight_scale holds 1 value.* nan"),
+        (ct, _set(_DOWN + "weight_scale", _poke(3, 0.0)), None, CheckpointError, "0.0"),
+        (ct, _set(_DOWN + "weight_scale", lambda t: -t), None, CheckpointError, "positive"),
+        (ct, _set(_DOWN + "weight_scale", _poke(0, 1e38)), None, CheckpointError, "448 x"),
+        (ct, _set(_DOWN + "weight_scale", lambda t: t.to(torch.int32)), None,
+         CheckpointError, "int32, not a float"),
+        (ct, _set(_Q + "weight_scale", lambda t: t.reshape(8, 8)), None,  # 64 = 8 x 8
+         CheckpointError, r"shape \(8, 8\); the model needs \(64,\)"),
+        (ct, _set(_Q + "weight", nan_byte), None, CheckpointError, "q_proj.weight holds 64 NaN"),
+        (ct, _set(_Q + "weight", lambda t: t.float().to(torch.int8)), None,
+         CheckpointError, "int8 with values e4m3 cannot hold"),
+        (ct, _set(_Q + "weight", lambda t: t.float().to(torch.float8_e5m2)), None,
+         UnsupportedError, "F8_E5M2"),
+        (ct, lambda t: None, lambda hf: hf.pop("quantization_config"),
+         CheckpointError, "no quantization_config"),
+        (static, _set(_DOWN + "input_scale", lambda t: t * 0), None,
+         CheckpointError, "input_scale holds 1 value"),
+        (static, _set(_DOWN + "input_scale", lambda t: t.reshape(1).repeat(96)), None,
+         CheckpointError, "the model needs one per tensor"),
+        (blocks, _set(_DOWN + "weight_scale_inv", _poke(1, float("inf"))), None,
+         CheckpointError, "weight_scale_inv holds 1 value"),
+        (blocks, _set(_DOWN + "weight", nan_byte), None, CheckpointError, "NaN"),
+    ]
+    for i, (src, edit, config, error, match) in enumerate(cases):
+        bad = _edited_copy(src, tmp_path / f"bad{i}", edit, config)
+        with pytest.raises(error, match=match):
+            load_hf_dir(bad, dtype="float32", progress=False)
+    # what the checks let through: bf16 scales, a float weight e4m3 holds exactly
+    fine = _edited_copy(ct, tmp_path / "fine", lambda t: (
+        _set(_DOWN + "weight_scale", lambda s: s.to(torch.bfloat16))(t),
+        _set(_Q + "weight", lambda w: w.float())(t)))
+    assert load_hf_dir(fine, dtype="float32", progress=False).config.quantization == "fp8"
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_quantizing_non_finite_weights_at_load_is_refused(tiny_bundle, value):
+    import dataclasses
+    params = jax.tree_util.tree_map(np.array, tiny_bundle.params)
+    params["params"]["layers_1"]["up_proj"]["kernel"][3, 5] = value
+    bundle = dataclasses.replace(tiny_bundle, params=params)
+    for quant in ("fp8", "fp8-block"):
+        with pytest.raises(CheckpointError, match="layers_1/up_proj .*inf or NaN"):
+            quantize_bundle(bundle, quant)
+
+
 def test_ignore_lists_that_keep_only_heads_and_routers_float_are_taken():
     for ignore in (["lm_head", r"re:.*mlp\.gate$", "re:.*block_sparse_moe.gate",
-                    "model.layers.0.mlp.shared_expert_gate"], None):
+                    "model.layers.0.mlp.shared_expert_gate"], None,
+                   ["lm_head", "model.vision_tower", "multi_modal_projector"]):
         assert fp8_scheme({"quantization_config": {
             "quant_method": "fp8", "modules_to_not_convert": ignore}}).quantization == "fp8"
 
@@ -415,6 +509,15 @@ _BLOCK_GROUP = {"weights": {"num_bits": 8, "type": "float", "strategy": "block",
           "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}},
      "with block weights"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "pack-quantized"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2'"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized",
+      "config_groups": {"g": [_BLOCK_GROUP]}}, "group g is list, not an object"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized",
+      "config_groups": {"g": {"weights": "fp8"}}}, "weights is str"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float",
+                                          "strategy": "channel", "symmetric": False}}}},
+     "asymmetric weights"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized",
       "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float",
                                           "strategy": "group", "group_size": 128}}}},

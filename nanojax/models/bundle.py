@@ -38,6 +38,7 @@ def quantize_bundle(bundle: ModelBundle, quantization: str | None) -> ModelBundl
     the default one for host arrays, returned to the host), so no second copy of the
     whole model exists at once."""
     import jax
+    import jax.numpy as jnp
     import numpy as np
 
     from nanojax.layers.fp8 import (FP8_PROJECTIONS, is_expert_stack, quantize_experts,
@@ -53,7 +54,13 @@ def quantize_bundle(bundle: ModelBundle, quantization: str | None) -> ModelBundl
     one = jax.jit(lambda node: quantize_params({"q_proj": node}, blocks=blocks)["q_proj"])
     experts = jax.jit(quantize_experts)  # an MoE block's stacked expert weights
 
-    def walk(node):
+    # (path, are its weights and scales finite?): an inf weight gives an inf scale, a NaN
+    # one a NaN code (XLA's max may drop NaNs)
+    check = jax.jit(lambda q: jnp.isfinite(q["weight_scale"]).all()
+                    & jnp.isfinite(q["weight"].astype(jnp.float32)).all())
+    finite = []
+
+    def walk(node, path=()):
         if not isinstance(node, dict):
             return node
         out = {}
@@ -63,11 +70,18 @@ def quantize_bundle(bundle: ModelBundle, quantization: str | None) -> ModelBundl
             elif is_expert_stack(k, v):
                 q, on_host = experts(v), isinstance(v, np.ndarray)
             else:
-                out[k] = walk(v)
+                out[k] = walk(v, (*path, k))
                 continue
+            finite.append(("/".join((*path, k)), check(q)))
             out[k] = jax.tree_util.tree_map(np.asarray, q) if on_host else q
         return out
-    return dataclasses.replace(bundle, config=new_cfg, params=walk(bundle.params))
+    params = walk(bundle.params)
+    bad = [name for name, ok in zip([n for n, _ in finite],
+                                    jax.device_get([ok for _, ok in finite])) if not ok]
+    if bad:  # (checked once at the end: no wait on the device per weight)
+        raise CheckpointError(f"cannot quantize {bad[0]} to {quantization}: its weights hold "
+                              f"inf or NaN ({len(bad)} projection(s) do)")
+    return dataclasses.replace(bundle, config=new_cfg, params=params)
 
 
 def cpu_params(bundle: ModelBundle, kernels, on_gpu: bool, tensor_parallel_size: int = 1):
