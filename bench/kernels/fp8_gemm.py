@@ -39,6 +39,10 @@ def parse_args(argv=None):
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--profile", choices=("jax", "torch"), default="jax",
+                   help="whose kernels to time on the device: one profiler a process (CUPTI "
+                        "takes one subscriber, and torch's keeps it); run the script "
+                        "once each and compare the two files' *_kernel rates")
     args = p.parse_args(argv)
     args.shapes = args.shapes.split(",")
     bad = [s for s in args.shapes if s not in SHAPES]
@@ -91,7 +95,7 @@ def jax_kernel_rate(fn, flop: float, iters: int) -> tuple[float, list[str]]:
     return flop * iters / (us * 1e-6) / 1e12, sorted({e["name"] for e in events})
 
 
-def torch_rates(m: int, k: int, n: int, iters: int, reps: int) -> dict:
+def torch_rates(m: int, k: int, n: int, iters: int, reps: int, profile: bool) -> dict:
     import torch
     sync = lambda _: torch.cuda.synchronize()  # noqa: E731
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -110,7 +114,8 @@ def torch_rates(m: int, k: int, n: int, iters: int, reps: int) -> dict:
     for name, fn in fns.items():
         try:
             out[name] = best_rate(fn, flop, sync, iters, reps)
-            out[f"{name}_kernel"] = torch_kernel_rate(fn, flop, iters)
+            if profile:
+                out[f"{name}_kernel"] = torch_kernel_rate(fn, flop, iters)
         except Exception as e:  # noqa: BLE001 - older torch: row-wise scales unsupported
             out[name] = f"{type(e).__name__}: {str(e)[:200]}"
     del x, w, x8, w8
@@ -118,7 +123,7 @@ def torch_rates(m: int, k: int, n: int, iters: int, reps: int) -> dict:
     return out
 
 
-def jax_rates(m: int, k: int, n: int, iters: int, reps: int) -> dict:
+def jax_rates(m: int, k: int, n: int, iters: int, reps: int, profile: bool) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -143,7 +148,8 @@ def jax_rates(m: int, k: int, n: int, iters: int, reps: int) -> dict:
     out: dict = {}
     for name, fn in fns.items():
         out[name] = best_rate(fn, flop, sync, iters, reps)
-        out[f"{name}_kernel"], out[f"{name}_kernels"] = jax_kernel_rate(fn, flop, iters)
+        if profile:
+            out[f"{name}_kernel"], out[f"{name}_kernels"] = jax_kernel_rate(fn, flop, iters)
     txt = gemm.lower(x8, w8).compile().as_text()
     out["custom_calls"] = sorted({ln.split('custom_call_target="')[1].split('"')[0]
                                   for ln in txt.splitlines() if 'custom_call_target="' in ln})
@@ -161,21 +167,22 @@ def main(argv=None) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
     res = {"command": "python3 " + " ".join(sys.argv), "tokens": args.tokens,
-           "iters": args.iters, "reps": args.reps, "jax": jax.__version__,
+           "iters": args.iters, "reps": args.reps, "profile": args.profile, "jax": jax.__version__,
            "device": jax.devices()[0].device_kind,
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "shapes": {}}
     for name in args.shapes:
         k, n = SHAPES[name]
         row = {"K": k, "N": n}
         try:
-            row.update(torch_rates(args.tokens, k, n, args.iters, args.reps))
+            row.update(torch_rates(args.tokens, k, n, args.iters, args.reps,
+                                   args.profile == "torch"))
         except Exception as e:  # noqa: BLE001 - no torch / no CUDA torch: JAX alone
             row["torch_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        row.update(jax_rates(args.tokens, k, n, args.iters, args.reps))
+        row.update(jax_rates(args.tokens, k, n, args.iters, args.reps, args.profile == "jax"))
         for ours in ("jax_fp8_gemm", "jax_fp8_gemm_scaled", "jax_fp8_linear"):
             for peer in ("torch_scaled_mm_tensor", "torch_scaled_mm_rowwise"):
                 for t in ("", "_kernel"):  # wall rates, and kernel time against kernel time
-                    if isinstance(row.get(peer + t), float):
+                    if isinstance(row.get(peer + t), float) and ours + t in row:
                         row[f"{ours}{t}_over_{peer}{t}"] = row[ours + t] / row[peer + t]
         row["jax_fp8_linear_over_jax_bf16"] = row["jax_fp8_linear"] / row["jax_bf16"]
         res["shapes"][name] = row
