@@ -17,8 +17,13 @@
 set -u
 OUT=${OUT:?set OUT}
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-[ "${GEMM:-1}" = 0 ] || timeout "${LIMIT_GEMM:-150}" python3 bench/kernels/fp8_gemm.py \
-  --out "$OUT/fp8_gemm_h200.json" 2>&1 | grep -v "^[WI]1" | cut -c1-400
+# twice: each process times one side's kernels on the device (--profile; CUPTI takes one
+# profiler a process); the kernel-time ratio is the jax file's rate over the torch file's
+# (bench/results/log/fp8.md §96); both files hold both sides' wall rates
+for side in jax torch; do
+  [ "${GEMM:-1}" = 0 ] || timeout "${LIMIT_GEMM:-150}" python3 bench/kernels/fp8_gemm.py \
+    --profile "$side" --out "$OUT/fp8_gemm_h200_$side.json" 2>&1 | grep -v "^[WI]1" | cut -c1-400
+done
 timeout "${LIMIT_STEP:-400}" python3 -m nanojax bench step --model random:llama3-8b \
   --plan llama3-8b-1gpu --b-dense 2048 --workloads "${WORKLOADS:-512/512,sharegpt,lmsys,splitwise}" \
   --modes "${MODES:-non-overlap,non-overlap::fp8w,non-overlap::fp8w:fp8kv,non-overlap::fp8w:fp8kv:fusedquant,non-overlap::fp8w:dotmerge}" \
