@@ -145,11 +145,13 @@ def check_fp8_tensor(arr: np.ndarray, leaf: str, name: str) -> np.ndarray:
                                                     arr.astype(np.float32)):  # (NaN != NaN)
                 raise CheckpointError(
                     f"tensor {name} is stored as {arr.dtype} with values e4m3 cannot hold "
-                    "exactly (an FP8 checkpoint's weights are float8_e4m3fn; F8_E5M2 and "
-                    "integer formats are not supported)")
+                    "exactly: an FP8 checkpoint's weights are float8_e4m3fn (F8_E5M2 and "
+                    "integer formats are not supported), and nanojax quantizes every decoder "
+                    "projection or none (an ignore list may not leave some unquantized)")
             arr = as_fp8
-        nan = np.flatnonzero((arr.view(np.uint8) & 0x7F) == 0x7F)  # e4m3fn's NaN codes
-        if nan.size:
+        magnitude = np.bitwise_and(arr.view(np.uint8), 0x7F)
+        if arr.size and magnitude.max() == 0x7F:  # e4m3fn's NaN codes (one pass if none)
+            nan = np.flatnonzero(magnitude == 0x7F)
             raise CheckpointError(f"tensor {name} holds {nan.size} NaN value(s) (the first at "
                                   f"flat index {int(nan[0])})")
         return arr

@@ -28,7 +28,11 @@ from typing import Any, NamedTuple
 from nanojax.errors import UnsupportedError
 
 _FLOAT_FORMATS = ("float-quantized", "naive-quantized")
-_DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+(\.|$)")  # a decoder layer or a module in one
+# what an ignore-list entry starting with one of these names is read as (vLLM and
+# transformers match entries as substrings too): the decoder's projections
+_DECODER_PARTS = ("layers", "self_attn", "mlp", "block_sparse_moe", "experts", "shared_expert",
+                  "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                  "w1", "w2", "w3")
 _FLOAT_MODULES = ("lm_head", "embed_tokens", "mlp.gate", "block_sparse_moe.gate",
                   "shared_expert_gate")
 # one of each projection an FP8 checkpoint must quantize, as the HF models name them
@@ -72,13 +76,16 @@ def _object(value, what: str) -> dict:
 
 def _stays_float(entry) -> bool:
     """Does an ignore-list entry name only modules nanojax keeps in the model dtype (the LM
-    head, the embeddings, an MoE router, the shared expert's gate) or does not load? A
-    module name must end in one of them or lie outside the decoder layers; a "re:" pattern (matched as vLLM does, from the name's start) must
-    match none of the decoder's projections."""
+    head, the embeddings, an MoE router, the shared expert's gate) or does not load (a
+    vision tower: llm-compressor lists each of its Linears)? A module name must end in one
+    of them or lie outside `model.layers`; a "re:" pattern (matched as vLLM does, from
+    the name's start) must match none of the decoder's projections."""
     if not isinstance(entry, str):
         return False
-    if not entry.startswith("re:"):  # outside the decoder layers (a vision tower) or a float one
-        return entry.endswith(_FLOAT_MODULES) or not _DECODER_LAYER.search(entry)
+    if not entry.startswith("re:"):  # a float module, or one outside the decoder's layers
+        inside = (entry == "model.layers" or entry.startswith("model.layers.")
+                  or entry.split(".")[0] in _DECODER_PARTS)  # a bare "o_proj": every one
+        return entry.endswith(_FLOAT_MODULES) or not inside
     try:
         pattern = re.compile(entry[3:])
     except re.error as e:
@@ -102,8 +109,6 @@ def fp8_scheme(hf: dict[str, Any]) -> FP8Scheme:
     if not isinstance(q, dict):
         _refuse("quantization_config is not an object")
     method = q.get("quant_method")
-    if q.get("fmt", "e4m3") != "e4m3":  # AutoFP8's key
-        _refuse(f"fmt {q.get('fmt')!r} (e4m3 only)")
     if method == "fp8":
         scheme = q.get("activation_scheme", "dynamic")
         if scheme not in ("dynamic", "static"):

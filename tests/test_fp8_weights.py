@@ -476,9 +476,14 @@ def test_quantizing_non_finite_weights_at_load_is_refused(tiny_bundle, value):
 def test_ignore_lists_that_keep_only_heads_and_routers_float_are_taken():
     for ignore in (["lm_head", r"re:.*mlp\.gate$", "re:.*block_sparse_moe.gate",
                     "model.layers.0.mlp.shared_expert_gate"], None,
-                   ["lm_head", "model.vision_tower", "multi_modal_projector"]):
+                   # a vision tower's Linears, as llm-compressor lists them
+                   ["lm_head", "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj",
+                    "visual.blocks.0.attn.qkv", "multi_modal_projector.linear_1"]):
         assert fp8_scheme({"quantization_config": {
             "quant_method": "fp8", "modules_to_not_convert": ignore}}).quantization == "fp8"
+    for fmt in ("e4m3", "float8_e4m3fn"):  # AutoFP8 / MiniMax's key: the tensors' dtype decides
+        qc = {"quant_method": "fp8", "fmt": fmt}
+        assert fp8_scheme({"quantization_config": qc}).quantization == "fp8"
 
 
 _BLOCK_GROUP = {"weights": {"num_bits": 8, "type": "float", "strategy": "block",
@@ -509,7 +514,8 @@ _BLOCK_GROUP = {"weights": {"num_bits": 8, "type": "float", "strategy": "block",
           "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}},
      "with block weights"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "pack-quantized"),
-    ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt 'e5m2'"),
+    ({"quant_method": "fp8", "modules_to_not_convert": ["o_proj"]}, "unquantized"),
+    ({"quant_method": "fp8", "modules_to_not_convert": ["mlp.down_proj"]}, "unquantized"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized",
       "config_groups": {"g": [_BLOCK_GROUP]}}, "group g is list, not an object"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized",
