@@ -189,6 +189,17 @@ def _fit_scale(arr: np.ndarray, shape: tuple, name: str) -> np.ndarray:
     raise CheckpointError(f"scale {name} has shape {tuple(arr.shape)}; the model needs {per}")
 
 
+def check_fp8_values(cfg: ModelConfig, params: dict) -> None:
+    """check_fp8_tensor on every FP8 weight and scale of a loaded tree (a nanojax
+    checkpoint's: the HF importers check theirs tensor by tensor)."""
+    if cfg.quantization is None:
+        return
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        key = getattr(path[-1], "key", None)
+        if key in ("weight", "weight_scale", "input_scale"):
+            check_fp8_tensor(np.asarray(leaf), key, jax.tree_util.keystr(path))
+
+
 def check_tree(cfg: ModelConfig, params: dict) -> None:
     """Raises CheckpointError unless params has exactly the config's shapes."""
     from nanojax.models import param_shapes

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from checkpoints.generation_config import read_generation_config, write_generation_config
-from checkpoints.bundle import cast_tree, check_tree, param_dtypes
+from checkpoints.bundle import cast_tree, check_fp8_values, check_tree, param_dtypes
 from nanojax.config import ModelConfig
 from nanojax.errors import CheckpointError
 from nanojax.models.bundle import ModelBundle
@@ -79,6 +79,7 @@ def load_orbax(path: Path, dtype: str | None = None,
                               f"{type(e).__name__}: {e}") from None
     params = jax.tree_util.tree_map(np.asarray, params)
     check_tree(cfg, params)
+    check_fp8_values(cfg, params)
     if dtype is not None and dtype != cfg.dtype:
         cfg = cfg.replace(dtype=dtype)
         params = cast_tree(cfg, params)  # FP8 weights and their scales keep their dtypes

@@ -2,6 +2,7 @@
 float32 reference, quantization at load (`--quantization fp8`), the FP8 checkpoint
 formats vLLM loads (compressed-tensors, 'fp8'), the orbax round trip, tensor parallelism's
 layout, and the engine's tokens against the plain reference on the quantized model."""
+import dataclasses
 import json
 
 import jax
@@ -148,6 +149,12 @@ def test_orbax_round_trip_keeps_fp8(tiny_bundle, tmp_path, quant):
         np.asarray(q["weight"], np.float32),
         np.asarray(fp8.params["params"]["layers_1"]["down_proj"]["weight"], np.float32))
     assert back.params["params"]["embed"]["embedding"].dtype == jnp.bfloat16
+    # a nanojax checkpoint holding a NaN scale is refused by name too
+    bad = jax.tree_util.tree_map(np.array, fp8.params)
+    bad["params"]["layers_0"]["o_proj"]["weight_scale"].reshape(-1)[0] = np.nan
+    dst = save_orbax(dataclasses.replace(fp8, params=bad), tmp_path / "bad")
+    with pytest.raises(CheckpointError, match=r"\['layers_0'\]\['o_proj'\]\['weight_scale'\]"):
+        load_orbax(dst)
 
 
 def test_tp_specs_split_fp8_weights_along_their_own_axes():
@@ -464,7 +471,6 @@ def test_hostile_fp8_tensors_are_refused_by_name(tmp_path):
 
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])
 def test_quantizing_non_finite_weights_at_load_is_refused(tiny_bundle, value):
-    import dataclasses
     params = jax.tree_util.tree_map(np.array, tiny_bundle.params)
     params["params"]["layers_1"]["up_proj"]["kernel"][3, 5] = value
     bundle = dataclasses.replace(tiny_bundle, params=params)
