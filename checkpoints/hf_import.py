@@ -142,8 +142,11 @@ class BlockFP8Reader:
         if prefix + "weight" not in self.fp8_names:
             raise CheckpointError(f"tensor {prefix}weight is not F8_E4M3 in a block-wise "
                                   "FP8 checkpoint")
-        weight = check_fp8_tensor(self.read(prefix + "weight"), "weight", prefix + "weight")
-        scale = check_fp8_tensor(self.read(scale_name), "weight_scale", scale_name)
+        weight = self.read(prefix + "weight")
+        scale = np.asarray(self.read(scale_name))
+        if self.requant is not None:  # (kept as stored, assemble_params checks them)
+            weight = check_fp8_tensor(weight, "weight", prefix + "weight")
+            scale = check_fp8_tensor(scale, "weight_scale", scale_name)
         rows, cols = self.block
         if weight.ndim != 2:
             raise CheckpointError(f"tensor {prefix}weight has shape {weight.shape}, not 2-D")
