@@ -1,6 +1,6 @@
 #!/bin/bash
 # FP8 on one H200 (issue 42), one call: the FP8 projection against torch._scaled_mm at the
-# LLaMA-3-8B shapes (bench/kernels/fp8_gemm.py, torch and JAX in one process), then the
+# LLaMA-3-8B shapes (bench/kernels/fp8_gemm.py, one process per side), then the
 # 32-layer step at B_dense 2048 with bf16 weights, FP8 weights (':fp8w', W8A8 quantized
 # from the same random weights) and FP8 weights + FP8 KV in one process, held 2 s per mode
 # and workload for power and clock, with a timeline; the step's optimized HLO is searched
