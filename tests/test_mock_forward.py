@@ -242,13 +242,42 @@ def test_the_warm_up_records_the_memory_peak_after_each_phase(monkeypatch):
         return {"peak_bytes_in_use": peak, "bytes_in_use": 50, "bytes_limit": 10 ** 6}
     monkeypatch.setattr(runner_mod, "device_memory", fake_memory)
     monkeypatch.setattr(runner, "_warm_samplers", samplers)
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.9")  # the pool: the engine's share
     runner.warmup()
     assert phases == ["read", "samplers", "read"]
+    # the pages the share could still have held at the peak: the mock's page is one int32
+    # a token a layer (a hint for --num-pages: H100 runs peaked ~5.5 GB under their share)
+    page_bytes = CFG.num_layers * BASE["page_size"] * 4
     assert runner.warmup_memory == {
         "after_step_shapes": {"peak_bytes_in_use": 100, "bytes_in_use": 50,
                               "bytes_limit": 10 ** 6},
         "after_samplers": {"peak_bytes_in_use": 300, "bytes_in_use": 50,
-                           "bytes_limit": 10 ** 6}}
+                           "bytes_limit": 10 ** 6},
+        "pages_left_at_peak": (10 ** 6 - 300) // page_bytes}
+    runner.config = dataclasses.replace(runner.config, memory_utilization=0.0002)
+    phases.clear()
+    runner.warmup()  # a share (222 bytes) the peak (300) passed: none left
+    assert runner.warmup_memory["pages_left_at_peak"] == 0
+
+
+def test_serve_start_says_how_many_more_pages_would_have_fit(monkeypatch, capsys):
+    """The server's warm-up says how many more KV pages its memory share had room for at
+    the peak (fp8.md §97: ~5,000 on an H100, where a tenth of the share is held back for
+    XLA's buffers); nothing when the peak used it all."""
+    from nanojax.engine import runner as runner_mod
+    from nanojax.server.cli import warm_up
+    eng = _engine(fixed_shapes=True, b_dense=64, max_num_seqs=16, num_pages=256)
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.9")
+    page = CFG.num_layers * PAGE * 4  # the mock's page: an int32 a token a layer
+    limit = [1000 + 10 * page + page // 2]
+    monkeypatch.setattr(runner_mod, "device_memory", lambda: {
+        "peak_bytes_in_use": 1000, "bytes_in_use": 500, "bytes_limit": limit[0]})
+    warm_up(eng)
+    assert "KV cache 256 pages; the warm-up's memory peak left room for 10 more" in \
+        capsys.readouterr().err
+    limit[0] = 1000
+    warm_up(eng)
+    assert "room for" not in capsys.readouterr().err
 
 
 def test_abort_frees_pages_and_spares_the_others():

@@ -247,6 +247,14 @@ def free_device_bytes(memory_utilization: float = 0.9) -> int | None:
     return int(usable * KV_SHARE) - int(stats.get("bytes_in_use", 0))
 
 
+def pages_left_at_peak(memory: dict, page_bytes: int, memory_utilization: float) -> int:
+    """KV pages that would still have fit in the engine's share of the card (as in
+    free_device_bytes) at the allocator's peak: how far the fixed KV_SHARE reserve
+    overshot what XLA's work buffers took (a hint for --num-pages, not applied)."""
+    share = memory["bytes_limit"] * min(1.0, memory_utilization / pool_share())
+    return max(0, int((share - memory["peak_bytes_in_use"]) // page_bytes))
+
+
 def max_addressable_pages(cfg: ModelConfig, page_size: int) -> int:
     """Pages one layer's pool may have: the Triton kernels use int32 element offsets."""
     from pallas_kernels.decode_attention import MAX_POOL_ELEMENTS

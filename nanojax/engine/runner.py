@@ -22,7 +22,7 @@ import numpy as np
 from nanojax.config import EngineConfig, ModelConfig
 from nanojax.errors import ConfigError
 from nanojax.engine.forward import Forward, default_forward
-from nanojax.engine.kv_cache import device_memory
+from nanojax.engine.kv_cache import device_memory, pages_left_at_peak
 from nanojax.engine.page_tables import PageTables
 from nanojax.engine.sampling import (Penalties, any_logprobs, any_sampling, penalty_inputs,
                                      sample, token_logprobs, with_pending)
@@ -198,6 +198,7 @@ class ModelRunner:
         self.forward = forward
         self.params = forward.prepare(params)
         self.kv = forward.init_kv(num_pages, self.page_size, kv_cache_dtype)  # None: the model's
+        self.num_pages = num_pages
         self._traces = 0
         self._trace_lock = threading.Lock()
         self.num_sampler_compiles = 0
@@ -409,8 +410,14 @@ class ModelRunner:
         # the peak is a high-water mark: these show which phase raised it, not a later
         # phase's own peak below it (the step shapes' runs include the greedy sampler)
         if after_steps is not None:
-            self.warmup_memory = {"after_step_shapes": after_steps,
-                                  "after_samplers": device_memory()}
+            after = device_memory()
+            self.warmup_memory = {"after_step_shapes": after_steps, "after_samplers": after}
+            if after is not None and "peak_bytes_in_use" in after:
+                # one device's bytes a page (a share of each layer's pool under TP)
+                page_bytes = sum(x.addressable_shards[0].data.nbytes
+                                 for x in jax.tree_util.tree_leaves(self.kv)) // self.num_pages
+                self.warmup_memory["pages_left_at_peak"] = pages_left_at_peak(
+                    after, page_bytes, self.config.memory_utilization)
         return self.num_compiles - before
 
     def _warm_samplers(self, empty, masked: bool) -> None:

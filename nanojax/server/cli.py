@@ -54,6 +54,11 @@ def warm_up(engine) -> None:
         print(f"nanojax: compiled {n} step shapes, loaded {loaded} from the step cache, "
               f"in {time.monotonic() - t0:.1f}s",
               file=sys.stderr, flush=True)
+        left = (engine.runner.warmup_memory or {}).get("pages_left_at_peak")
+        if left:  # the fixed reserve for XLA's buffers took more than they did
+            print(f"nanojax: KV cache {engine.runner.num_pages} pages; the warm-up's memory "
+                  f"peak left room for {left} more within --gpu-memory-utilization "
+                  f"(--num-pages sets the count)", file=sys.stderr, flush=True)
 
 
 def cmd_serve(args) -> int:
