@@ -2,6 +2,7 @@
 loaded model they make, ModelBundle, is the engine's type: nanojax/models/bundle.py."""
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -191,13 +192,41 @@ def _fit_scale(arr: np.ndarray, shape: tuple, name: str) -> np.ndarray:
 
 def check_fp8_values(cfg: ModelConfig, params: dict) -> None:
     """check_fp8_tensor on every FP8 weight and scale of a loaded tree (a nanojax
-    checkpoint's: the HF importers check theirs tensor by tensor)."""
+    checkpoint's: the HF importers check theirs tensor by tensor). Arrays restored onto
+    devices (tensor-parallel shards) are counted where they lie, in one program and one
+    fetch; only one that holds a bad value comes to the host, for the message."""
     if cfg.quantization is None:
         return
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        key = getattr(path[-1], "key", None)
-        if key in ("weight", "weight_scale", "input_scale"):
-            check_fp8_tensor(np.asarray(leaf), key, jax.tree_util.keystr(path))
+    leaves = [(jax.tree_util.keystr(path), path[-1].key, leaf)
+              for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+              if getattr(path[-1], "key", None) in ("weight", "weight_scale", "input_scale")]
+    on_device = [(name, key, leaf) for name, key, leaf in leaves
+                 if isinstance(leaf, jax.Array) and (
+                     leaf.dtype == jax.numpy.float8_e4m3fn if key == "weight"
+                     else jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating))]
+    counts = jax.device_get(_bad_value_counts(
+        [leaf for _, _, leaf in on_device],
+        tuple(key == "weight" for _, key, _ in on_device))) if on_device else []
+    clean = {name for (name, _, _), n in zip(on_device, counts) if n == 0}
+    for name, key, leaf in leaves:
+        if name not in clean:
+            check_fp8_tensor(np.asarray(leaf), key, name)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _bad_value_counts(arrays: list, is_weight: tuple[bool, ...]) -> list:
+    """Per array, the values check_fp8_tensor refuses: e4m3 NaN codes in a weight, scales
+    not finite and positive (or whose 448 x is not finite)."""
+    import jax.numpy as jnp
+    out = []
+    for x, weight in zip(arrays, is_weight):
+        if weight:
+            bad = (jax.lax.bitcast_convert_type(x, jnp.uint8) & 0x7F) == 0x7F
+        else:
+            s = x.astype(jnp.float32)
+            bad = ~(jnp.isfinite(s * 448.0) & (s > 0))
+        out.append(jnp.sum(bad, dtype=jnp.int32))
+    return out
 
 
 def check_tree(cfg: ModelConfig, params: dict) -> None:

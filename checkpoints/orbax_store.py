@@ -105,5 +105,6 @@ def _load_orbax_sharded(path: Path, cfg: ModelConfig, dtype: str | None,
         raise CheckpointError(f"corrupt parameters in {path / 'params'} (or not of this "
                               f"config's tree): {type(e).__name__}: {e}") from None
     check_tree(cfg, params)
+    check_fp8_values(cfg, params)  # on the devices: no array gathered to the host
     tok = Tokenizer.load(path) if (path / "tokenizer.json").is_file() else None
     return ModelBundle(cfg, params, tok, sampling_defaults=read_generation_config(path)[0])

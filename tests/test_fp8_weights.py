@@ -157,6 +157,37 @@ def test_orbax_round_trip_keeps_fp8(tiny_bundle, tmp_path, quant):
         load_orbax(dst)
 
 
+def test_fp8_values_on_devices_are_checked_where_they_lie(tiny_bundle, monkeypatch):
+    """A tree on the devices (a tensor-parallel restore's shards) is checked by one
+    program and one fetch of counts; only a leaf holding a bad value comes to the host,
+    for the same message the host check gives (the flat index included)."""
+    from checkpoints import bundle
+    from checkpoints.bundle import check_fp8_values
+    on_host = []
+    host_check = bundle.check_fp8_tensor
+    monkeypatch.setattr(bundle, "check_fp8_tensor",
+                        lambda arr, *a: on_host.append(a[1]) or host_check(arr, *a))
+    fp8 = quantize_bundle(tiny_bundle, "fp8")
+    on_device = jax.tree_util.tree_map(jnp.asarray, fp8.params)
+    check_fp8_values(fp8.config, on_device)  # a clean tree passes, none of it fetched
+    assert on_host == []
+    layer = on_device["params"]["layers_1"]
+
+    def with_leaf(proj, leaf, value):
+        node = {**layer[proj], leaf: value}
+        return {"params": {**on_device["params"], "layers_1": {**layer, proj: node}}}
+    bad_scale = layer["gate_proj"]["weight_scale"].at[3].set(-1.0)
+    with pytest.raises(CheckpointError, match=r"\['layers_1'\]\['gate_proj'\]\['weight_scale'\]"
+                                              r" holds 1 value.*flat index 3: -1\.0"):
+        check_fp8_values(fp8.config, with_leaf("gate_proj", "weight_scale", bad_scale))
+    codes = jax.lax.bitcast_convert_type(layer["v_proj"]["weight"], jnp.uint8)
+    nan_weight = jax.lax.bitcast_convert_type(codes.at[0, 5].set(0xFF), FP8)
+    with pytest.raises(CheckpointError, match=r"\['v_proj'\]\['weight'\] holds 1 NaN value.*"
+                                              r"flat index 5\)"):
+        check_fp8_values(fp8.config, with_leaf("v_proj", "weight", nan_weight))
+    assert len(on_host) == 2 and all("layers_1" in name for name in on_host)
+
+
 def test_tp_specs_split_fp8_weights_along_their_own_axes():
     from jax.sharding import PartitionSpec as P
 

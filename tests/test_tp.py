@@ -132,6 +132,25 @@ def test_orbax_restores_into_shards(tmp_path):
     assert out["q_spec"] == [None, "tp"] and out["q_shard"][1] * 2 == out["q_shape"][1]
 
 
+def test_fp8_orbax_restores_into_shards_and_is_value_checked_there(tmp_path):
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from checkpoints.loader import load_model
+    from checkpoints.orbax_store import save_orbax
+    fp8 = load_model("random:tiny", dtype="float32", quantization="fp8")
+    save_orbax(fp8, tmp_path / "ck")
+    bad = jax.tree_util.tree_map(np.array, fp8.params)
+    bad["params"]["layers_1"]["up_proj"]["weight_scale"][7] = np.nan
+    save_orbax(dataclasses.replace(fp8, params=bad), tmp_path / "bad")
+    out = _worker("orbax_fp8", str(tmp_path / "ck"), str(tmp_path / "bad"), devices=2)
+    assert out["same"]
+    assert "['layers_1']['up_proj']['weight_scale'] holds 1 value" in out["error"]
+    assert "flat index 7: nan" in out["error"]
+
+
 def test_bad_tp_sizes_are_refused():
     out = _worker("errors", devices=2)
     assert "num_heads (4) is not divisible by tensor_parallel_size (3)" in out["3"]

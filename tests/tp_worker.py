@@ -152,6 +152,25 @@ def case_orbax():
             "q_shard": list(q.sharding.shard_shape(q.shape)), "q_shape": list(q.shape)}
 
 
+def case_orbax_fp8():
+    """An FP8 checkpoint restored into its TP 2 shards equals the host restore; one with a
+    NaN scale is refused by name, checked on the devices."""
+    import jax
+    import numpy as np
+    from checkpoints.loader import load_model
+    from nanojax.errors import CheckpointError
+    sharded = load_model(sys.argv[2], tensor_parallel_size=2)
+    same = jax.tree_util.tree_all(jax.tree_util.tree_map(
+        lambda a, b: bool(np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))),
+        load_model(sys.argv[2]).params, sharded.params))
+    try:
+        load_model(sys.argv[3], tensor_parallel_size=2)
+        error = "no error"
+    except CheckpointError as e:
+        error = str(e)
+    return {"same": same, "error": error}
+
+
 def case_errors():
     from checkpoints.loader import load_model
     from nanojax.engine.llm_engine import EngineConfig, LLMEngine
