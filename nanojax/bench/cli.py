@@ -83,6 +83,10 @@ def _run_modes(args, bundle, reqs, config, modes: list[str], partial: dict,
               + ("" if r["complete"] else f" (stopped: {r['finished_requests']} finished)"),
               file=sys.stderr)
         print(f"{mode:>5}: steady state: {_steady_line(r['steady_state'])}", file=sys.stderr)
+        left = (r.get("warmup_memory") or {}).get("pages_left_at_peak")
+        if left:
+            print(f"{mode:>5}: KV cache {r['kv_pages']} pages; the warm-up's memory peak left "
+                  f"room for {left} more", file=sys.stderr)
     return results
 
 
