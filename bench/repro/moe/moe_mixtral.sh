@@ -26,7 +26,11 @@
 # default 13): its 128-token decodes and 2,048-token prefill chunks are both powers of two.
 # QUANT=fp8 (PART=engine): the experts and projections in FP8 (W8A8, quantized at load;
 # the peer stays transformers' bf16 Mixtral: issue 42 item 5); KV=fp8: FP8 pages too.
-# Usage: OUT=dir PART=probe|step|engine|decode [KERNEL=triton] [QUANT=fp8] [KV=fp8]
+#   PART=kernels the GPU tests of the grouped GEMMs and the FP8 MoE block (pytest -m gpu;
+#                ~1 min): the FP8 grouped GEMM has run only in interpret mode and lowered
+#                on the CPU so far; if it fails here, PART=engine QUANT=fp8 with
+#                EXTRA="--grouped-gemm xla" runs XLA's ragged_dot instead.
+# Usage: OUT=dir PART=probe|step|engine|decode|kernels [QUANT=fp8] [KV=fp8] [EXTRA="flags"]
 #   bash bench/repro/moe/moe_mixtral.sh
 set -u
 OUT=${OUT:?set OUT}
@@ -34,7 +38,7 @@ mkdir -p "$OUT"
 # 93 GB of weights: XLA may take 0.95 of the GPU's memory (its default 0.75 leaves ~12 GB)
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95}
 quiet() { tee -a "$OUT/moe_${PART}.log" | grep -v "^[WI]1" | tail -n "$1"; }  # full log kept
-case "${PART:?set PART to probe, step, engine or decode}" in
+case "${PART:?set PART to probe, step, engine, decode or kernels}" in
 probe)
   timeout "${LIMIT1:-400}" python3 bench/repro/moe/moe_grouped_gemm_probe.py \
     "$OUT/moe_grouped_gemm_probe_h200.json" 2>&1 | quiet 8
@@ -52,8 +56,12 @@ engine)
     --b-dense 2048 --admission predicted --fixed-shapes --num-prompts "$n" \
     --input-len 512 --output-len 512 --max-model-len 1024 --max-num-seqs "$n" \
     --token-bucket-step "${BUCKET_STEP:-2048}" --peer --peer-timeout "${PEER_LIMIT:-240}" ${QUANT:+--quantization "$QUANT"} \
-    ${KV:+--kv-cache-dtype "$KV"} \
+    ${KV:+--kv-cache-dtype "$KV"} ${EXTRA:-} \
     --json "$OUT/engine_peer_mixtral-8x7b_512_512${QUANT:+_$QUANT}.json" 2>&1 | quiet 12
+  ;;
+kernels)
+  timeout "${LIMIT1:-200}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu \
+    tests/test_grouped_matmul_mgpu.py tests/test_fp8_moe.py 2>&1 | quiet 15
   ;;
 decode)
   timeout "${LIMIT1:-200}" python3 bench/repro/moe/moe_grouped_gemm_probe.py \
