@@ -85,8 +85,8 @@ def _run_modes(args, bundle, reqs, config, modes: list[str], partial: dict,
         print(f"{mode:>5}: steady state: {_steady_line(r['steady_state'])}", file=sys.stderr)
         left = (r.get("warmup_memory") or {}).get("pages_left_at_peak")
         if left:
-            print(f"{mode:>5}: KV cache {r['kv_pages']} pages; the warm-up's memory peak left "
-                  f"room for {left} more", file=sys.stderr)
+            from nanojax.engine.kv_cache import headroom_line
+            print(f"{mode:>5}: {headroom_line(r['kv_pages'], left)}", file=sys.stderr)
     return results
 
 

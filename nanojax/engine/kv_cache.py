@@ -255,6 +255,12 @@ def pages_left_at_peak(memory: dict, page_bytes: int, memory_utilization: float)
     return max(0, int((share - memory["peak_bytes_in_use"]) // page_bytes))
 
 
+def headroom_line(num_pages: int, pages_left: int) -> str:
+    """What serve and bench print after the warm-up when its peak left pages unused."""
+    return (f"KV cache {num_pages} pages; the warm-up's memory peak left room for "
+            f"{pages_left} more within --gpu-memory-utilization (--num-pages sets the count)")
+
+
 def max_addressable_pages(cfg: ModelConfig, page_size: int) -> int:
     """Pages one layer's pool may have: the Triton kernels use int32 element offsets."""
     from pallas_kernels.decode_attention import MAX_POOL_ELEMENTS

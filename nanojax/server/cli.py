@@ -56,9 +56,9 @@ def warm_up(engine) -> None:
               file=sys.stderr, flush=True)
         left = (engine.runner.warmup_memory or {}).get("pages_left_at_peak")
         if left:  # the fixed reserve for XLA's buffers took more than they did
-            print(f"nanojax: KV cache {engine.runner.num_pages} pages; the warm-up's memory "
-                  f"peak left room for {left} more within --gpu-memory-utilization "
-                  f"(--num-pages sets the count)", file=sys.stderr, flush=True)
+            from nanojax.engine.kv_cache import headroom_line
+            print(f"nanojax: {headroom_line(engine.runner.num_pages, left)}",
+                  file=sys.stderr, flush=True)
 
 
 def cmd_serve(args) -> int:
