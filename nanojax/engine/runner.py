@@ -412,7 +412,7 @@ class ModelRunner:
         if after_steps is not None:
             after = device_memory()
             self.warmup_memory = {"after_step_shapes": after_steps, "after_samplers": after}
-            if after is not None and "peak_bytes_in_use" in after:
+            if after is not None and {"peak_bytes_in_use", "bytes_limit"} <= after.keys():
                 # one device's bytes a page (a share of each layer's pool under TP)
                 page_bytes = sum(x.addressable_shards[0].data.nbytes
                                  for x in jax.tree_util.tree_leaves(self.kv)) // self.num_pages
