@@ -2,7 +2,6 @@
 does."""
 from __future__ import annotations
 
-import gguf
 import numpy as np
 
 from checkpoints.bundle import hf_tensor_names
@@ -56,6 +55,7 @@ def write_llama_gguf(path, cfg, params: dict, quant: str = "F32",
     (raw uint8 data, quant type name) for hand-made blocks."""
     # as llama.cpp writes them: Mixtral as a "llama" file with experts; q/k permuted for
     # LLaMA only; Qwen3's head_dim as key_length, without a rope dimension count
+    import gguf  # here, not at import: the GPU box has no gguf and runs these modules' -m gpu
     arch = "llama" if cfg.architecture in ("llama", "mixtral") else cfg.architecture
     w = gguf.GGUFWriter(str(path), arch=arch)
     w.add_block_count(cfg.num_layers)

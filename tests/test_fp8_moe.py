@@ -24,9 +24,9 @@ from nanojax.models.moe import MoEBlock, expert_matmul_fp8, tp_slice
 
 def _cfg(shared: int = 48, renormalise: bool = False, **kw):
     """4 experts, top 2, hidden 64, expert width 32 (with a Qwen2-MoE shared expert)."""
-    return named_shape("tiny", "float32").replace(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        norm_topk_prob=renormalise, shared_expert_intermediate_size=shared, **kw)
+    shape = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                 norm_topk_prob=renormalise, shared_expert_intermediate_size=shared)
+    return named_shape("tiny", "float32").replace(**{**shape, **kw})
 
 
 def _block_params(cfg, seed=2, tokens=37):
@@ -163,7 +163,10 @@ def test_fp8_mixtral_block_lowers_for_cuda_with_the_mosaic_expert_gemms(monkeypa
 def test_fp8_block_on_hopper_runs_the_mosaic_kernel_as_the_xla_path_does():
     """bf16, 128 tokens x top 2 = 256 rows, hidden and expert width 256: shapes the FP8
     grouped GEMM takes, so "auto" runs it (scales in its epilogue) where "xla" runs
-    ragged_dot then the scales; the two agree to bf16's rounding."""
+    ragged_dot then the scales. The two differ by FP8 rounding, not bf16's: an ulp of
+    difference in the first GEMM flips some of SiLU x up's e4m3 roundings (on an H100,
+    each path 5.8-6.3% from the float block, 2.4% apart, XLA's own path jitted vs eager
+    3.2%). A row sent to the wrong expert or a tile written twice is far outside that."""
     from pallas_kernels.mosaic_gpu_support import on_hopper
     if not on_hopper():
         pytest.skip("Mosaic GPU needs a Hopper (sm_90) or newer GPU")
@@ -173,8 +176,14 @@ def test_fp8_block_on_hopper_runs_the_mosaic_kernel_as_the_xla_path_does():
     auto = jax.jit(MoEBlock(qcfg).apply)
     assert "mosaic_gpu" in auto.lower({"params": fp8}, h).as_text()
     got = np.asarray(auto({"params": fp8}, h), np.float64)
-    want = np.asarray(MoEBlock(qcfg, grouped_gemm="xla").apply({"params": fp8}, h), np.float64)
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+    want = np.asarray(jax.jit(MoEBlock(qcfg, grouped_gemm="xla").apply)({"params": fp8}, h),
+                      np.float64)
+    exact = np.asarray(MoEBlock(cfg, grouped_gemm="xla").apply({"params": params}, h))
+    rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)  # noqa: E731
+    assert rel(got, exact) < 1.3 * rel(want, exact)   # measured 0.063 vs 0.058
+    assert rel(got, want) < 0.6 * rel(want, exact)    # measured 0.024
+    per_row = np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)
+    assert per_row.max() < 0.15                        # measured 0.033
 
 
 def test_fp8_expert_stacks_shard_like_the_float_ones():

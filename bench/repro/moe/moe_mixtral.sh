@@ -27,9 +27,9 @@
 # QUANT=fp8 (PART=engine): the experts and projections in FP8 (W8A8, quantized at load;
 # the peer stays transformers' bf16 Mixtral: issue 42 item 5); KV=fp8: FP8 pages too.
 #   PART=kernels the GPU tests of the grouped GEMMs and the FP8 MoE block (pytest -m gpu;
-#                ~1 min): the FP8 grouped GEMM has no GPU run on record (interpret mode
-#                and the CPU's lowering only); if it fails here, PART=engine QUANT=fp8 with
-#                EXTRA="--grouped-gemm xla" runs XLA's ragged_dot instead.
+#                ~1 min; passed on an H100, bench/results/log/fp8.md §98); if it fails
+#                on the card at hand, PART=engine QUANT=fp8 with EXTRA="--grouped-gemm
+#                xla" runs XLA's ragged_dot instead.
 # Usage: OUT=dir PART=probe|step|engine|decode|kernels [QUANT=fp8] [KV=fp8] [EXTRA="flags"]
 #   bash bench/repro/moe/moe_mixtral.sh
 set -u
