@@ -26,6 +26,8 @@
 # default 13): its 128-token decodes and 2,048-token prefill chunks are both powers of two.
 # QUANT=fp8 (PART=engine): the experts and projections in FP8 (W8A8, quantized at load;
 # the peer stays transformers' bf16 Mixtral: issue 42 item 5); KV=fp8: FP8 pages too.
+# PEER=0 (PART=engine): the engine alone, without the peer: on an H100 (80 GB) the FP8
+#   Mixtral (~47 GB) fits and transformers' bf16 one (~93 GB) does not.
 #   PART=kernels the GPU tests of the grouped GEMMs and the FP8 MoE block (pytest -m gpu;
 #                ~1 min; passed on an H100, bench/results/log/fp8.md §98); if it fails
 #                on the card at hand, PART=engine QUANT=fp8 with EXTRA="--grouped-gemm
@@ -50,14 +52,15 @@ step)
     --repeats 5 --quiet --json "$OUT/step_mixtral-8x7b_1xh200.json" 2>&1 | quiet 16
   ;;
 engine)
-  n=${NUM_PROMPTS:-128}
+  n=${NUM_PROMPTS:-128} peer=(--peer --peer-timeout "${PEER_LIMIT:-240}") name=peer_
+  [ "${PEER:-1}" = 0 ] && peer=() name=
   timeout "${LIMIT1:-570}" python3 -m nanojax bench --model random:mixtral-8x7b --quiet \
     --gpu-memory-utilization "${MEM_FRACTION:-0.95}" \
     --b-dense 2048 --admission predicted --fixed-shapes --num-prompts "$n" \
     --input-len 512 --output-len 512 --max-model-len 1024 --max-num-seqs "$n" \
-    --token-bucket-step "${BUCKET_STEP:-2048}" --peer --peer-timeout "${PEER_LIMIT:-240}" ${QUANT:+--quantization "$QUANT"} \
-    ${KV:+--kv-cache-dtype "$KV"} ${EXTRA:-} \
-    --json "$OUT/engine_peer_mixtral-8x7b_512_512${QUANT:+_$QUANT}.json" 2>&1 | quiet 12
+    --token-bucket-step "${BUCKET_STEP:-2048}" ${QUANT:+--quantization "$QUANT"} \
+    ${KV:+--kv-cache-dtype "$KV"} ${EXTRA:-} "${peer[@]}" \
+    --json "$OUT/engine_${name}mixtral-8x7b_512_512${QUANT:+_$QUANT}.json" 2>&1 | quiet 12
   ;;
 kernels)
   timeout "${LIMIT1:-200}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu \
