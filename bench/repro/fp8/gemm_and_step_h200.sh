@@ -10,9 +10,13 @@
 # ':fp8static': static activation scales (one per projection, calibrated through the float
 # model; nanojax/models/fp8_calibration.py): no per-token absmax pass at all.
 # F32=1: also the float32 step, each mode's logits distance from it (issue 42 item 4: the
-# FP8 modes' distance beside bf16's; ~32 GB more weights, a compile more).
+# FP8 modes' distance beside bf16's; ~32 GB more weights, a compile more). Its float32
+# KV pool of the default 16,384 pages is 69 GB: on an H100 give PAGES=4096 (17 GB; the
+# step reads random pages of the pool, so only the pool's size changes) and
+# XLA_PYTHON_CLIENT_MEM_FRACTION=0.92.
 # KEEP_HLO=1: keep the optimized HLO (gzipped, $OUT/hlo_opt/) to name the fusions.
-# Usage: OUT=dir [GEMM=0: skip the GEMM bench] [MODES=...] [WORKLOADS=...] [SUSTAIN=s] [F32=1] [KEEP_HLO=1]
+# Usage: OUT=dir [GEMM=0: skip the GEMM bench] [MODES=...] [WORKLOADS=...] [SUSTAIN=s] [F32=1]
+#   [PAGES=n] [KEEP_HLO=1]
 #   bash bench/repro/fp8/gemm_and_step_h200.sh
 set -u
 OUT=${OUT:?set OUT}
@@ -25,7 +29,7 @@ for side in jax torch; do
     --profile "$side" --out "$OUT/fp8_gemm_h200_$side.json" 2>&1 | grep -v "^[WI]1" | cut -c1-400
 done
 timeout "${LIMIT_STEP:-400}" python3 -m nanojax bench step --model random:llama3-8b \
-  --plan llama3-8b-1gpu --b-dense 2048 --workloads "${WORKLOADS:-512/512,sharegpt,lmsys,splitwise}" \
+  --plan llama3-8b-1gpu --b-dense 2048 --num-pages "${PAGES:-16384}" --workloads "${WORKLOADS:-512/512,sharegpt,lmsys,splitwise}" \
   --modes "${MODES:-non-overlap,non-overlap::fp8w,non-overlap::fp8w:fp8kv,non-overlap::fp8w:fp8kv:fusedquant,non-overlap::fp8w:dotmerge}" \
   --repeats 10 --sustain-seconds "${SUSTAIN:-2}" --timeline "$OUT/timeline_fp8.png" \
   --dump-hlo "$OUT/hlo" ${F32:+--f32-reference} --quiet --json "$OUT/step_fp8_h200.json" 2>&1 \
